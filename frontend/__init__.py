@@ -1,0 +1,1 @@
+"""The HTTP frontend: OpenAI API, tokenizing, detokenizing, streaming."""

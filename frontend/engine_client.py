@@ -1,0 +1,173 @@
+"""The frontend's handle on the engine: sends requests and aborts to the scheduler, routes outputs back per request.
+
+One background task reads the scheduler's per-step `StepOutputs` and puts each `RequestOutput` on its request's queue;
+another watches the child processes. When a child dies, every in-flight request ends with `EngineDeadError`, health
+turns false and new requests fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, Ping, Pong, RequestOutput, SchedulerMessage,
+                                SchedulerStats, StepOutputs, decoder, encode)
+from tokenmill.processes import make_socket
+
+log = logging.getLogger("tokenmill.engine_client")
+
+HEALTH_PING_TIMEOUT_S = 5.0
+CHILD_WATCH_INTERVAL_S = 0.2
+COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "step_time_s",
+                  "model_time_s")
+
+
+class EngineDeadError(RuntimeError):
+    """The scheduler or a worker process has died; the instance is going down."""
+
+
+class AsyncEngineClient:
+    """Connects to the scheduler's sockets in `config.ipc_dir`. `dead_child` reports a dead process, if any."""
+
+    def __init__(self, config: EngineConfig, dead_child: Callable[[], str | None] = lambda: None) -> None:
+        self.config = config
+        self._dead_child = dead_child
+        self._ctx = zmq.asyncio.Context()
+        self._to_scheduler = make_socket(self._ctx, zmq.PUSH, config.ipc_address("requests"), bind=False)
+        self._from_scheduler = make_socket(self._ctx, zmq.PULL, config.ipc_address("outputs"), bind=False)
+        self._decoder = decoder(SchedulerMessage)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pongs: dict[int, asyncio.Future] = {}
+        self._nonces = itertools.count()
+        self._ready: asyncio.Future[EngineReady] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.ready: EngineReady | None = None
+        self.dead_reason: str | None = None
+        # The latest scheduler stats; its counter fields (COUNTER_FIELDS) are running totals since start-up.
+        self.latest_stats: SchedulerStats | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        self._tasks = [loop.create_task(self._read_outputs()), loop.create_task(self._watch_children())]
+
+    async def wait_ready(self, timeout: float | None = None) -> EngineReady:
+        """Wait for the scheduler's EngineReady (weights loaded, KV cache allocated); raise if a child dies first."""
+        assert self._ready is not None, "call start() first"
+        self.ready = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        return self.ready
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.mark_dead("the engine was shut down")
+        self._ctx.destroy(linger=0)
+
+    def mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        error = EngineDeadError(f"The engine stopped: {reason}.")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        for pong in self._pongs.values():
+            if not pong.done():
+                pong.set_exception(error)
+
+    async def _watch_children(self) -> None:
+        while self.dead_reason is None:
+            reason = self._dead_child()
+            if reason is not None:
+                log.error("engine process died: %s", reason)
+                self.mark_dead(reason)
+                return
+            await asyncio.sleep(CHILD_WATCH_INTERVAL_S)
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._from_scheduler.recv())
+            if isinstance(msg, StepOutputs):
+                for out in msg.outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                if msg.stats is not None:
+                    self._accumulate(msg.stats)
+            elif isinstance(msg, Pong):
+                pong = self._pongs.pop(msg.nonce, None)
+                if pong is not None and not pong.done():
+                    pong.set_result(msg)
+            elif isinstance(msg, EngineReady) and self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg)
+
+    def _accumulate(self, stats: SchedulerStats) -> None:
+        if self.latest_stats is not None:
+            totals = {f: getattr(self.latest_stats, f) + getattr(stats, f) for f in COUNTER_FIELDS}
+            stats = msgspec.structs.replace(stats, **totals)
+        self.latest_stats = stats
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step; the last one has `finish_reason` set.
+
+        If the caller stops iterating early (client disconnect, stop string found), the request is aborted.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"The engine stopped: {self.dead_reason}.")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        finished = False
+        try:
+            await self._to_scheduler.send(encode(request))
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not finished and self.dead_reason is None:
+                await self._send_abort([request.request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (idempotent: unknown or finished ids are ignored by the scheduler)."""
+        if self.dead_reason is None:
+            await self._send_abort(request_ids)
+
+    async def _send_abort(self, request_ids: list[str]) -> None:
+        await self._to_scheduler.send(encode(AbortRequest(list(request_ids))))
+
+    async def check_health(self) -> bool:
+        """True when the engine is ready, every child is alive and the scheduler answers a ping."""
+        if self.ready is None or self.dead_reason is not None or self._dead_child() is not None:
+            return False
+        nonce = next(self._nonces)
+        pong = asyncio.get_running_loop().create_future()
+        self._pongs[nonce] = pong
+        try:
+            await self._to_scheduler.send(encode(Ping(nonce)))
+            await asyncio.wait_for(pong, HEALTH_PING_TIMEOUT_S)
+            return True
+        except (asyncio.TimeoutError, EngineDeadError):
+            return False
+        finally:
+            self._pongs.pop(nonce, None)

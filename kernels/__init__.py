@@ -1,0 +1,1 @@
+"""Triton GPU kernels, each with the torch reference it is tested against."""

@@ -1,0 +1,1 @@
+"""The scheduler process: requests, KV blocks, the per-step plan."""

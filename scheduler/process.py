@@ -1,0 +1,171 @@
+"""The scheduler process: a loop that admits requests, plans a step, sends it to the workers and publishes outputs.
+
+The loop is synchronous on purpose: each step waits for rank 0's result anyway (the next plan needs the sampled
+tokens), and a blocking `zmq.Poller` keeps the per-step overhead to a few syscalls. Aborts and new requests that arrive
+while a step runs are buffered and applied before the next step is planned; pings are answered at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import zmq
+
+from scheduler.scheduler import Scheduler
+from tokenmill.config import EngineConfig
+from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, FrontendMessage, Ping, Pong, RequestOutput,
+                                Shutdown, StepOutputs, StepResult, WorkerError, WorkerMessage, WorkerReady, decoder,
+                                encode)
+from tokenmill.processes import become_child_process, make_socket
+
+IDLE_POLL_MS = 1000
+STATS_INTERVAL_S = 0.5
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class SchedulerLoop:
+    def __init__(self, config: EngineConfig, log) -> None:
+        self.config = config
+        self.log = log
+        self.ctx = zmq.Context()
+        self.from_frontend = make_socket(self.ctx, zmq.PULL, config.ipc_address("requests"), bind=True)
+        self.to_frontend = make_socket(self.ctx, zmq.PUSH, config.ipc_address("outputs"), bind=True)
+        self.to_workers = make_socket(self.ctx, zmq.PUB, config.ipc_address("plans"), bind=True)
+        self.from_workers = make_socket(self.ctx, zmq.PULL, config.ipc_address("results"), bind=True)
+        self.frontend_decoder = decoder(FrontendMessage)
+        self.worker_decoder = decoder(WorkerMessage)
+        self.pending: list[FrontendMessage] = []  # arrived while a step was running
+        self.scheduler: Scheduler | None = None
+        self.last_stats_time = 0.0
+        self.steps_since_report = 0
+        self.step_time_since_report = 0.0
+        self.model_time_since_report = 0.0
+
+    # ------------------------------------------------------------------ start-up
+
+    def wait_for_workers(self) -> list[WorkerReady]:
+        readies: dict[int, WorkerReady] = {}
+        while len(readies) < self.config.parallel.tensor_parallel_size:
+            msg = self.worker_decoder.decode(self.from_workers.recv())
+            if isinstance(msg, WorkerError):
+                raise WorkerFailed(f"worker {msg.rank} failed to start: {msg.message}")
+            if isinstance(msg, WorkerReady):
+                readies[msg.rank] = msg
+        return [readies[r] for r in sorted(readies)]
+
+    def start(self) -> None:
+        readies = self.wait_for_workers()
+        num_blocks = min(r.num_kv_blocks for r in readies)
+        self.scheduler = Scheduler(self.config, num_blocks, readies[0].eos_token_ids)
+        first = readies[0]
+        self.to_frontend.send(encode(EngineReady(
+            num_kv_blocks=num_blocks, block_size=self.config.cache.block_size,
+            max_model_len=self.config.model.max_model_len, weight_bytes=sum(r.weight_bytes for r in readies),
+            device=first.device, dtype=first.dtype, architecture=first.architecture)))
+
+    # ------------------------------------------------------------------ messages from the frontend
+
+    def handle(self, msg: FrontendMessage) -> None:
+        assert self.scheduler is not None
+        if isinstance(msg, EngineRequest):
+            reason = self.scheduler.add_request(msg)
+            if reason is not None:
+                self.publish([RequestOutput(msg.request_id, [], finish_reason="error", error=reason)])
+        elif isinstance(msg, AbortRequest):
+            self.publish(self.scheduler.abort_requests(msg.request_ids))
+        elif isinstance(msg, Ping):
+            self.to_frontend.send(encode(Pong(msg.nonce)))
+
+    def drain_frontend(self, timeout_ms: int) -> None:
+        """Handle buffered messages, then everything queued on the socket (waiting up to timeout_ms for the first)."""
+        for msg in self.pending:
+            self.handle(msg)
+        self.pending.clear()
+        if timeout_ms and not self.from_frontend.poll(timeout_ms):
+            return
+        while True:
+            try:
+                raw = self.from_frontend.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(self.frontend_decoder.decode(raw))
+
+    def publish(self, outputs: list[RequestOutput], force_stats: bool = False) -> None:
+        now = time.monotonic()
+        stats = None
+        if force_stats or now - self.last_stats_time >= STATS_INTERVAL_S or any(o.finish_reason for o in outputs):
+            stats = msgspec.structs.replace(
+                self.scheduler.stats(), num_steps=self.steps_since_report,
+                step_time_s=self.step_time_since_report, model_time_s=self.model_time_since_report)
+            self.steps_since_report, self.step_time_since_report, self.model_time_since_report = 0, 0.0, 0.0
+            self.last_stats_time = now
+        if outputs or stats is not None:
+            self.to_frontend.send(encode(StepOutputs(outputs, stats)))
+
+    # ------------------------------------------------------------------ the step
+
+    def wait_for_result(self, step_id: int) -> StepResult:
+        poller = zmq.Poller()
+        poller.register(self.from_workers, zmq.POLLIN)
+        poller.register(self.from_frontend, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll():
+                if sock is self.from_workers:
+                    msg = self.worker_decoder.decode(sock.recv())
+                    if isinstance(msg, WorkerError):
+                        raise WorkerFailed(f"worker {msg.rank} failed: {msg.message}")
+                    if isinstance(msg, StepResult) and msg.step_id == step_id:
+                        return msg
+                else:
+                    msg = self.frontend_decoder.decode(sock.recv())
+                    if isinstance(msg, Ping):
+                        self.to_frontend.send(encode(Pong(msg.nonce)))
+                    else:
+                        self.pending.append(msg)
+
+    def run(self) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        while True:
+            self.drain_frontend(0 if sched.has_unfinished_requests() else IDLE_POLL_MS)
+            step_start = time.perf_counter()
+            plan = sched.schedule()
+            if plan is None:
+                if sched.has_unfinished_requests():
+                    self.publish([])  # keep stats flowing; nothing fits right now
+                    self.drain_frontend(10)
+                else:
+                    self.publish([], force_stats=time.monotonic() - self.last_stats_time >= STATS_INTERVAL_S)
+                continue
+            self.to_workers.send(encode(plan))
+            result = self.wait_for_result(plan.step_id)
+            outputs = sched.update(plan, result)
+            self.steps_since_report += 1
+            self.step_time_since_report += time.perf_counter() - step_start
+            self.model_time_since_report += result.model_time_s
+            self.publish(outputs)
+
+    def close(self) -> None:
+        try:
+            self.to_workers.send(encode(Shutdown()))
+        finally:
+            self.ctx.destroy(linger=0)
+
+
+def run_scheduler_process(config_bytes: bytes) -> None:
+    """Entry point of the scheduler process (started by the launcher)."""
+    log = become_child_process("scheduler")
+    config = EngineConfig.from_bytes(config_bytes)
+    loop = SchedulerLoop(config, log)
+    try:
+        loop.start()
+        loop.run()
+    except WorkerFailed as exc:
+        log.error("%s", exc)
+        raise SystemExit(1)
+    finally:
+        loop.close()

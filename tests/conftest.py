@@ -1,0 +1,26 @@
+"""Shared fixtures: model files built or found once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests never reach a model hub; anything that tries must fail fast, not hang.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from tests.checkpoints import smollm2_tokenizer
+
+    return smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, smollm2_tokenizer):
+    """A function family -> directory of a tiny random-weight checkpoint (llama, qwen2, qwen3), built once."""
+    from tests.checkpoints import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return lambda family: build_tiny_checkpoint(family, root, smollm2_tokenizer)

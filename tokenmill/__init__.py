@@ -1,0 +1,3 @@
+"""tokenmill: an LLM serving engine in the vLLM mould."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""`tokenmill serve [MODEL] ...`: the command line, with vLLM's flag names, turned into one EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from tokenmill.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512M', '1073741824' -> bytes (binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1073741824)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * (1 << (10 * " kmgt".index(unit or " "))))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    m = parser.add_argument_group("model")
+    m.add_argument("model", nargs="?", default="",
+                   help="HF model directory, .gguf file, or hub id (default: the shipped SmolLM2-135M-Instruct, "
+                        "or all-MiniLM-L6-v2 with --task embed)")
+    m.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    m.add_argument("--served-model-name", default="", help="the model name the API reports and accepts")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+    m.add_argument("--max-model-len", type=int, default=0, help="context length (default: the model's)")
+    m.add_argument("--task", default="auto", choices=["auto", "generate", "embed"])
+    m.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
+                   help="embedding pooling (default: from the model's sentence-transformers files)")
+    m.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="L2-normalize embeddings (default: from the model's sentence-transformers files)")
+    m.add_argument("--allow-dimensions", action="store_true",
+                   help="allow the `dimensions` embedding parameter on models that do not declare Matryoshka support")
+
+    c = parser.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64])
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    c.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=CacheConfig().kv_cache_memory_bytes,
+                   help="KV cache budget on CPU, e.g. 4GiB (on GPU it follows --gpu-memory-utilization)")
+    c.add_argument("--num-gpu-blocks-override", type=int, default=0, dest="num_kv_blocks",
+                   help="use exactly this many KV blocks (testing)")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+    s = parser.add_argument_group("scheduler")
+    s.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens)
+    s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs)
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"])
+    s.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig().max_waiting_requests,
+                   help="beyond this many waiting requests new ones get 429")
+
+    p = parser.add_argument_group("parallelism")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    h = parser.add_argument_group("HTTP server")
+    h.add_argument("--host", default="0.0.0.0")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $TOKENMILL_API_KEY)")
+    h.add_argument("--allowed-origins", default="[]", help='CORS origins as a JSON list, e.g. \'["*"]\'')
+    h.add_argument("--max-request-body-bytes", type=parse_bytes, default=ServerConfig().max_request_body_bytes)
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    import json
+
+    origins = json.loads(args.allowed_origins) if hasattr(args, "allowed_origins") else []
+    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
+                          max_request_body_bytes=args.max_request_body_bytes) if hasattr(args, "host") else ServerConfig()
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
+            dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype), max_model_len=args.max_model_len, task=args.task,
+            chat_template=args.chat_template, seed=args.seed, pooling=args.pooling, normalize=args.normalize,
+            allow_dimensions=args.allow_dimensions),
+        cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  scheduling_policy=args.scheduling_policy,
+                                  max_waiting_requests=args.max_waiting_requests),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, device=args.device),
+        server=server,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="An LLM serving engine with an OpenAI-compatible API.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible)")
+    add_engine_args(serve)
+    add_server_args(serve)
+    args = parser.parse_args(argv)
+
+    from tokenmill.model_source import ModelSourceError, resolve_config
+    from tokenmill.processes import setup_logging
+
+    setup_logging("frontend")
+    try:
+        config = resolve_config(config_from_args(args))
+    except ModelSourceError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 1
+    from tokenmill.serve import serve_forever
+
+    return serve_forever(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

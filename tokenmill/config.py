@@ -1,0 +1,88 @@
+"""The one configuration object that flows from the CLI (or `LLM(...)`) to every process.
+
+It is a frozen msgspec Struct so the launcher can hand it to child processes as bytes.
+Fields that depend on the model (resolved path, max_model_len, task) are filled in once by
+`tokenmill.model_source.resolve_config` before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+
+GIB = 1 << 30
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = ""  # what the user gave: a directory, a .gguf file, a hub id, or "" for the default
+    path: str = ""  # resolved local directory holding config/tokenizer/weights
+    gguf_file: str | None = None  # file name inside `path` when the checkpoint is GGUF
+    tokenizer: str | None = None
+    served_model_name: str = ""
+    architecture: str = ""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = 0  # 0: take it from the model
+    task: Literal["auto", "generate", "embed"] = "auto"
+    chat_template: str | None = None  # a file or a literal Jinja template
+    seed: int = 0
+    # embeddings: None means "from the model's sentence-transformers files"
+    pooling: Literal["mean", "cls", "last"] | None = None
+    normalize: bool | None = None
+    allow_dimensions: bool = False  # Matryoshka truncation for models that do not declare it
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int = 4 * GIB  # the KV budget on CPU (on GPU it is derived)
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int = 0  # 0: from the budget; tests set it small to force preemption
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority", "sjf"] = "fcfs"
+    max_waiting_requests: int = 4096
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    tensor_parallel_size: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dist_port: int = 0  # torch.distributed rendezvous port, chosen free at start-up
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    allowed_origins: list[str] = []
+    max_request_body_bytes: int = 32 << 20
+    disable_log_requests: bool = True
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    server: ServerConfig = ServerConfig()
+    ipc_dir: str = ""  # private per-instance directory for socket files, made by the launcher
+
+    def ipc_address(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.ipc_dir, name)}"
+
+    def to_bytes(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "EngineConfig":
+        return msgspec.msgpack.decode(data, type=cls)
+
+
+def replace(struct, **changes):
+    """msgspec.structs.replace, re-exported so callers need not know the Structs are msgspec."""
+    return msgspec.structs.replace(struct, **changes)

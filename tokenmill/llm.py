@@ -1,0 +1,198 @@
+"""The offline API: `LLM(model, **engine_args).generate(prompts, SamplingParams(...))`.
+
+It starts the same scheduler and worker processes as `tokenmill serve` and talks to them over the same sockets with a
+blocking client, so offline results are exactly what the server would produce.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import msgspec
+import zmq
+from tqdm import tqdm
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
+from tokenmill.launcher import EngineProcesses
+from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
+                                SchedulerMessage, StepOutputs, decoder, encode)
+from tokenmill.processes import make_socket
+
+READY_TIMEOUT_S = 600.0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
+
+
+@dataclass
+class GenerationResult:
+    """What `LLM.generate` returns per prompt (shaped like vLLM's RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+def _engine_config(model: str, kwargs: dict) -> EngineConfig:
+    """Spread vLLM-style keyword arguments (dtype=..., max_model_len=..., block_size=...) over the config sections."""
+    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    values: dict[str, dict] = {name: {} for name in sections}
+    for key, value in kwargs.items():
+        owner = next((name for name, cls in sections.items() if key in cls.__struct_fields__), None)
+        if owner is None:
+            raise TypeError(f"LLM() got an unexpected engine argument {key!r}")
+        values[owner][key] = value
+    values["model"]["model"] = model
+    return EngineConfig(**{name: sections[name](**vals) for name, vals in values.items()})
+
+
+class LLM:
+    def __init__(self, model: str = "", **engine_args) -> None:
+        from frontend.tokenizer import load_tokenizer
+        from tokenmill.model_source import resolve_config
+
+        self.processes = EngineProcesses(resolve_config(_engine_config(model, engine_args)))
+        self.config = self.processes.config
+        self._ctx = zmq.Context()
+        self._to_scheduler = make_socket(self._ctx, zmq.PUSH, self.config.ipc_address("requests"), bind=False)
+        self._from_scheduler = make_socket(self._ctx, zmq.PULL, self.config.ipc_address("outputs"), bind=False)
+        self._decoder = decoder(SchedulerMessage)
+        self._ids = itertools.count()
+        atexit.register(self.shutdown)
+        self.processes.start()
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.engine_info: EngineReady = self._wait_ready()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _receive(self, timeout_ms: int = 200):
+        """The next scheduler message, or None after timeout_ms; raises if an engine process has died."""
+        if self._from_scheduler.poll(timeout_ms):
+            return self._decoder.decode(self._from_scheduler.recv())
+        dead = self.processes.dead_child()
+        if dead is not None:
+            raise RuntimeError(f"The engine stopped: {dead}.")
+        return None
+
+    def _wait_ready(self) -> EngineReady:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            msg = self._receive()
+            if isinstance(msg, EngineReady):
+                return msg
+        raise TimeoutError(f"the engine did not become ready within {READY_TIMEOUT_S:.0f} s")
+
+    def shutdown(self) -> None:
+        """Stop the engine processes (also done at interpreter exit)."""
+        if not self.processes.stopped:
+            self.processes.stop()
+            self._ctx.destroy(linger=0)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (text, or token ids); results come back in prompt order."""
+        from frontend.detokenizer import IncrementalDetokenizer
+
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params or SamplingParams()] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        results: list[GenerationResult] = []
+        choices: dict[str, tuple[GenerationResult, CompletionOutput, IncrementalDetokenizer, SamplingParams]] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            result = GenerationResult(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", text, ids)
+            results.append(result)
+            max_tokens = params.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, self.config.model.max_model_len - len(ids))
+            for index in range(params.n):
+                seed = None if params.seed is None else params.seed + index
+                choice_params = msgspec.structs.replace(params, n=1, seed=seed, max_tokens=max_tokens)
+                request_id = f"{result.request_id}-{index}"
+                completion = CompletionOutput(index, "", [], None)
+                result.outputs.append(completion)
+                choices[request_id] = (result, completion, IncrementalDetokenizer(self.tokenizer, ids, choice_params),
+                                       choice_params)
+                self._to_scheduler.send(encode(EngineRequest(
+                    request_id=request_id, prompt_token_ids=ids, sampling=choice_params, arrival_time=time.time(),
+                    priority=priority[i] if priority else 0)))
+        self._collect(choices, len(results), use_tqdm)
+        return results
+
+    def _collect(self, choices: dict, num_prompts: int, use_tqdm: bool) -> None:
+        unfinished = set(choices)
+        bar = tqdm(total=num_prompts, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while unfinished:
+                msg = self._receive()
+                if not isinstance(msg, StepOutputs):
+                    continue
+                for out in msg.outputs:
+                    if out.request_id not in unfinished:
+                        continue
+                    result, completion, detok, params = choices[out.request_id]
+                    if self._apply(out, completion, detok):
+                        unfinished.discard(out.request_id)
+                        if completion.finish_reason == "stop" and out.finish_reason is None:
+                            self._to_scheduler.send(encode(AbortRequest([out.request_id])))  # a stop string ended it
+                        if result.finished:
+                            result.num_cached_tokens = out.num_cached_tokens
+                            bar.update(1)
+        except BaseException:
+            self._to_scheduler.send(encode(AbortRequest(list(unfinished))))
+            raise
+        finally:
+            bar.close()
+
+    @staticmethod
+    def _apply(out: RequestOutput, completion: CompletionOutput, detok) -> bool:
+        """Fold one step's output into a choice; True when the choice is finished."""
+        if out.error is not None:
+            raise ValueError(out.error)
+        completion.token_ids.extend(out.new_token_ids)
+        if out.logprobs:
+            completion.logprobs = (completion.logprobs or []) + list(out.logprobs)
+        update = detok.update(out.new_token_ids, out.finish_reason is not None, out.stop_token_id)
+        completion.text = detok.output_text
+        if update.stop_string is not None:
+            completion.finish_reason, completion.stop_reason = "stop", update.stop_string
+            return True
+        if out.finish_reason is not None:
+            completion.finish_reason = out.finish_reason
+            completion.stop_reason = out.stop_token_id if out.stop_token_id not in detok.eos_token_ids else None
+            return True
+        return False

@@ -1,0 +1,207 @@
+"""Every message that crosses a process boundary, as plain msgspec Structs.
+
+Frontend -> scheduler:  EngineRequest, AbortRequest, Ping
+Scheduler -> frontend:  StepOutputs (one per engine step, every request's new tokens), Pong, EngineReady
+Scheduler -> workers:   StepPlan (diffs: new requests in full, running ones as new blocks/tokens), Shutdown
+Worker rank 0 -> sched: WorkerReady, StepResult, WorkerError
+
+Messages are encoded with msgpack; structs are array-like (compact, positional) and tagged, so
+one decoder per socket reads a union of message kinds. Nothing here is ever pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    """Per-request sampling, as in vLLM. Also the offline API's user-facing object."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per sampled token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+# ---------------------------------------------------------------- frontend -> scheduler
+
+
+class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    task: Literal["generate", "embed"] = "generate"
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag=True, array_like=True):
+    nonce: int
+
+
+FrontendMessage = Union[EngineRequest, AbortRequest, Ping]
+
+
+# ---------------------------------------------------------------- scheduler -> frontend
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in one step. `finish_reason` is set on its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the EOS / stop id that finished it (not in new_token_ids' text)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # one entry per new token: (logprob of the token, top ids, top logprobs)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    embedding: bytes | None = None  # float32, raw
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # tokens looked up since the last report
+    prefix_cache_hits: int  # tokens found since the last report
+    num_preemptions: int  # since the last report
+    # filled in by the scheduler process: steps since the last report, their summed wall time, and the part of it
+    # the worker spent in forward + sampling (the rest is scheduling and messaging overhead)
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    model_time_s: float = 0.0
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[RequestOutput]
+    stats: SchedulerStats | None = None
+
+
+class Pong(msgspec.Struct, tag=True, array_like=True):
+    nonce: int
+    workers_alive: bool = True
+
+
+class EngineReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    weight_bytes: int
+    device: str
+    dtype: str
+    architecture: str
+
+
+SchedulerMessage = Union[StepOutputs, Pong, EngineReady]
+
+
+# ---------------------------------------------------------------- scheduler -> workers
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the worker has not seen (or is resuming after preemption): sent in full."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + any outputs so far
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    task: Literal["generate", "embed"] = "generate"
+
+
+class RunningRequestData(msgspec.Struct, array_like=True):
+    """A request the worker already holds: only what changed since the last step."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled last step (the worker appends them)
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class StepPlan(msgspec.Struct, tag=True, array_like=True):
+    step_id: int
+    new_requests: list[NewRequestData]
+    running: list[RunningRequestData]
+    finished_ids: list[str]  # forget these (finished, aborted or preempted) before running the step
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+WorkerCommand = Union[StepPlan, Shutdown]
+
+
+# ---------------------------------------------------------------- workers -> scheduler
+
+
+class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    rank: int
+    num_kv_blocks: int
+    weight_bytes: int
+    device: str
+    dtype: str
+    architecture: str
+    eos_token_ids: list[int] = []
+
+
+class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Rank 0's answer to a StepPlan. Requests whose prompt is still being chunked get nothing."""
+
+    step_id: int
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None  # aligned with request_ids
+    embeddings: dict[str, bytes] | None = None  # finished embedding requests: float32 raw
+    model_time_s: float = 0.0
+
+
+class WorkerError(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    message: str
+
+
+WorkerMessage = Union[WorkerReady, StepResult, WorkerError]
+
+
+# ---------------------------------------------------------------- codecs
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+
+
+def decoder(kind) -> msgspec.msgpack.Decoder:
+    """A decoder for one socket's message union (e.g. `decoder(FrontendMessage)`)."""
+    return msgspec.msgpack.Decoder(kind)

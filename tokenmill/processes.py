@@ -1,0 +1,54 @@
+"""Helpers every tokenmill process uses: logging set-up, dying with the parent, and ZMQ socket creation."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import zmq
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+
+def setup_logging(name: str, level: int = logging.INFO) -> logging.Logger:
+    logging.basicConfig(
+        level=level, stream=sys.stderr, force=True,
+        format=f"%(levelname)s %(asctime)s [{name}] %(message)s", datefmt="%m-%d %H:%M:%S")
+    return logging.getLogger(f"tokenmill.{name}")
+
+
+def become_child_process(name: str) -> logging.Logger:
+    """Set up a scheduler/worker process: it dies when its parent dies, and leaves SIGINT to the parent.
+
+    The parent (the launcher) decides when children stop, by a Shutdown message or SIGTERM; a Ctrl-C in the terminal
+    reaches the whole process group, so children ignore SIGINT and let the parent drive an orderly stop.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_NAME, f"tm-{name}".encode()[:15])  # what ps/top and /proc/PID/comm show
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    return setup_logging(name)
+
+
+def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind in (zmq.PUSH, zmq.PUB):
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer: queues are bounded by the scheduler
+    if kind in (zmq.PULL, zmq.SUB):
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock

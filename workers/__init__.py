@@ -1,0 +1,1 @@
+"""Worker processes: weights, KV-cache tensors, forward passes and sampling."""
