@@ -10,6 +10,18 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in the interpreter. This must be decided before anything imports triton (importing
+# a transformers model module does), hence here, at the top of the root conftest.
+if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from tests.checkpoints import smollm2_tokenizer

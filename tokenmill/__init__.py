@@ -1,3 +1,17 @@
 """tokenmill: an LLM serving engine in the vLLM mould."""
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import tokenmill.messages` in every process does not pull in the offline API's dependencies.
+    if name == "LLM":
+        from tokenmill.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tokenmill.messages import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

@@ -1,0 +1,68 @@
+"""What every handler needs, built once per app: config, engine, tokenizer, metrics, and the shared checks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from frontend.errors import APIError
+from frontend.generation import AdmissionControl
+from frontend.metrics import FrontendMetrics
+from frontend.tokenizer import vocab_size
+from tokenmill.config import EngineConfig
+
+TASK_ENDPOINTS = {"generate": "/v1/completions and /v1/chat/completions", "embed": "/v1/embeddings"}
+
+
+@dataclass
+class ServingContext:
+    config: EngineConfig
+    engine: Any  # AsyncEngineClient or anything with its interface
+    tokenizer: Any
+    metrics: FrontendMetrics
+    admission: AdmissionControl
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    task: str
+    created: int  # when the app was built: the model card's `created`
+
+    @classmethod
+    def create(cls, config: EngineConfig, engine: Any, tokenizer: Any) -> "ServingContext":
+        model = config.model
+        if model.max_model_len <= 0:
+            raise ValueError("config.model.max_model_len is unset: resolve the config (resolve_config) first")
+        name = model.served_model_name or model.model or model.path
+        task = "embed" if model.task == "embed" else "generate"
+        return cls(config=config, engine=engine, tokenizer=tokenizer, metrics=FrontendMetrics(engine, name),
+                   admission=AdmissionControl(config.scheduler.max_waiting_requests), model_name=name,
+                   max_model_len=model.max_model_len, vocab_size=vocab_size(tokenizer), task=task,
+                   created=int(time.time()))
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(404, f"The model `{requested}` does not exist.", "model")
+
+    def require_task(self, task: str, request: web.Request) -> None:
+        """A clear 400 when an endpoint belongs to the other kind of instance (generation vs embeddings)."""
+        if self.task != task:
+            raise APIError(400, f"{request.path} is not served here: this instance serves the '{self.task}' task "
+                                f"({TASK_ENDPOINTS[self.task]}). Start an instance with --task {task} for it.")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"Token id {bad} is out of the vocabulary (0..{self.vocab_size - 1}).", param)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body; aiohttp raises 413 past `client_max_size`, which the error middleware renders."""
+    return await request.read()

@@ -1,0 +1,234 @@
+"""Run the engine requests behind a response's choices and turn their outputs into text deltas.
+
+Each choice is one EngineRequest (a prompt times `n`). `stream_choice` drives one through the engine: incremental
+detokenization, stop strings (a match ends the choice and aborts the engine request), per-request metrics, and an
+abort whenever the choice ends before the engine finished it (client gone, error, cancellation). `merge_choice_streams`
+interleaves several choices as their outputs arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.errors import APIError
+from frontend.metrics import FrontendMetrics
+from frontend.protocol import PromptTokensDetails, UsageInfo, choice_sampling_params
+from frontend.engine_client import EngineDeadError
+from tokenmill.messages import EngineRequest, SamplingParams
+
+log = logging.getLogger("tokenmill.frontend")
+
+TokenLogprobs = tuple[float, list[int], list[float]]
+
+
+@dataclass
+class Choice:
+    """One choice of a response: its engine request, detokenizer and running counts."""
+
+    index: int
+    prompt_index: int
+    request: EngineRequest
+    detokenizer: IncrementalDetokenizer
+    received_at: float  # time.monotonic() when the HTTP request came in: latencies count from there
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    started: bool = False  # the engine has produced output for it
+
+
+@dataclass
+class ChoiceDelta:
+    """What one engine step added to one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ChoiceSummary:
+    """A whole choice, folded from its deltas (for non-streaming responses)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+                  n: int, *, received_at: float, priority: int = 0, cache_salt: str | None = None) -> list[Choice]:
+    """n choices per prompt, indexed prompt-major as OpenAI orders them; request ids are `{base_id}-{index}` and a
+    seeded request's i-th choice of a prompt gets seed + i."""
+    choices: list[Choice] = []
+    arrival = time.time()
+    for prompt_index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
+        for i in range(n):
+            choice_params = choice_sampling_params(prompt_params, i)
+            index = prompt_index * n + i
+            request = EngineRequest(request_id=f"{base_id}-{index}", prompt_token_ids=prompt_ids,
+                                    sampling=choice_params, arrival_time=arrival, priority=priority,
+                                    cache_salt=cache_salt)
+            choices.append(Choice(index, prompt_index, request,
+                                  IncrementalDetokenizer(tokenizer, prompt_ids, choice_params), received_at))
+    return choices
+
+
+def usage_info(choices: Sequence[Choice]) -> UsageInfo:
+    """Token counts of a response: each prompt counted once however many choices it has."""
+    prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
+    for choice in choices:
+        prompt_tokens[choice.prompt_index] = len(choice.request.prompt_token_ids)
+        cached_tokens[choice.prompt_index] = max(cached_tokens.get(choice.prompt_index, 0), choice.num_cached_tokens)
+    num_prompt = sum(prompt_tokens.values())
+    num_completion = sum(choice.num_generated_tokens for choice in choices)
+    num_cached = sum(cached_tokens.values())
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                     total_tokens=num_prompt + num_completion,
+                     prompt_tokens_details=PromptTokensDetails(num_cached) if num_cached else None)
+
+
+class AdmissionControl:
+    """Counts requests sent to the engine that have not produced output yet, for the 429 check: the scheduler's
+    `num_waiting` lags a step behind and misses requests still in flight to it."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self.num_pending = 0
+
+    def check(self, engine: Any, num_new: int) -> None:
+        """Raise 503 when the engine is dead, 429 (with Retry-After) when the queue is full."""
+        dead_reason = getattr(engine, "dead_reason", None)
+        if dead_reason is not None:
+            raise APIError(503, f"The engine stopped: {dead_reason}.")
+        stats = getattr(engine, "latest_stats", None)
+        waiting = max(stats.num_waiting if stats is not None else 0, self.num_pending)
+        if waiting + num_new > self.max_waiting:
+            raise APIError(429, f"The server is busy: {waiting} requests are waiting (limit "
+                                f"{self.max_waiting}). Retry later.", headers={"Retry-After": "1"})
+
+
+async def stream_choice(engine: Any, choice: Choice, metrics: FrontendMetrics,
+                        admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
+    """Yield the choice's deltas; the last has finish_reason. Raises APIError: 400 for a request the engine rejects,
+    503 when the engine has died."""
+    request = choice.request
+    params = request.sampling
+    arrival = choice.received_at
+    last_output_time = arrival
+    engine_done = False
+    admission.num_pending += 1
+    try:
+        async with aclosing(engine.generate(request)) as outputs:
+            async for out in outputs:
+                if out.error is not None:
+                    engine_done = True
+                    raise APIError(400, out.error)
+                now = time.monotonic()
+                if not choice.started:
+                    choice.started = True
+                    admission.num_pending -= 1
+                    metrics.time_to_first_token.observe(now - arrival)
+                    metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+                else:
+                    metrics.inter_token_latency.observe(now - last_output_time)
+                last_output_time = now
+                choice.num_generated_tokens += len(out.new_token_ids)
+                choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+                metrics.generation_tokens.inc(len(out.new_token_ids))
+                engine_done = out.finish_reason is not None
+                if out.finish_reason == "error":
+                    raise APIError(500, "The engine failed while generating this request.")
+                update = choice.detokenizer.update(out.new_token_ids, engine_done, out.stop_token_id)
+                finish_reason: str | None = None
+                stop_reason: int | str | None = None
+                if update.stop_string is not None:
+                    finish_reason, stop_reason = "stop", update.stop_string
+                elif engine_done:
+                    finish_reason = out.finish_reason
+                    if out.stop_token_id is not None and out.stop_token_id in params.stop_token_ids:
+                        stop_reason = out.stop_token_id  # EOS reports null, as vLLM does
+                if finish_reason is not None:
+                    metrics.e2e_request_latency.observe(now - arrival)
+                    metrics.record_finished(finish_reason)
+                yield ChoiceDelta(choice.index, update.text, list(out.new_token_ids), out.logprobs,
+                                  finish_reason, stop_reason)
+                if finish_reason is not None:
+                    return
+        engine_done = True
+        raise APIError(500, "The engine ended the request without a finish reason.")
+    except EngineDeadError as exc:
+        engine_done = True
+        raise APIError(503, str(exc)) from exc
+    finally:
+        if not choice.started:
+            admission.num_pending -= 1
+            choice.started = True
+        if not engine_done:
+            await _abort_quietly(engine, request.request_id)
+
+
+async def _abort_quietly(engine: Any, request_id: str) -> None:
+    try:
+        await engine.abort([request_id])
+    except Exception:  # the engine may be dead already; nothing is left to free then
+        log.debug("abort of %s failed", request_id, exc_info=True)
+
+
+_STREAM_DONE = object()
+
+
+async def merge_choice_streams(streams: Sequence[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """Interleave the choices' deltas as they arrive. The first error ends the merge and every other choice (each
+    then aborts its engine request)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for delta in only:
+                yield delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[ChoiceDelta]) -> None:
+        try:
+            async with aclosing(stream) as deltas:
+                async for delta in deltas:
+                    queue.put_nowait(delta)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_STREAM_DONE)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is _STREAM_DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,82 @@
+"""Prometheus metrics under vLLM's names, in a registry of the app's own (two apps in one process never clash).
+
+Scheduler gauges and counters are read from `engine.latest_stats` when scraped (the engine client keeps its counter
+fields as running totals); token counters and latency histograms are fed by the request handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class SchedulerStatsCollector(Collector):
+    """Reads the engine's latest SchedulerStats at scrape time."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Any]:
+        stats = getattr(self.engine, "latest_stats", None)
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", stats.num_running if stats else 0)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting if stats else 0)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100%).",
+                    stats.kv_cache_usage if stats else 0.0)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries if stats else 0)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      stats.prefix_cache_hits if stats else 0)
+        yield counter("vllm:num_preemptions", "Requests preempted (their KV blocks freed for recompute).",
+                      stats.num_preemptions if stats else 0)
+
+
+class FrontendMetrics:
+    """The app's registry and the per-request instruments the handlers feed."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.registry.register(SchedulerStatsCollector(engine, model_name))
+        labels = ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels,
+                                     registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.", labels,
+                                         registry=self.registry).labels(model_name)
+        self.request_success = Counter("vllm:request_success", "Requests that finished, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to the first token.", labels,
+                                             buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds", "Time between output steps.",
+                                             labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e_request_latency = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                                             buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+
+    def record_finished(self, finish_reason: str) -> None:
+        self.request_success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,178 @@
+"""The aiohttp application: routes, middlewares (errors, API key, CORS) and a standalone runner.
+
+`build_app(config, engine, tokenizer)` wires the OpenAI endpoints to an engine client; `run_server` serves it on
+`config.server.host:port` with uvloop until SIGINT/SIGTERM, then shuts down gracefully. Handlers run with
+`handler_cancellation`, so a client that disconnects cancels its handler and its engine requests are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from frontend import serving_misc
+from frontend.context import ServingContext
+from frontend.errors import APIError, error_response
+from frontend.serving_chat import create_chat_completion
+from frontend.serving_completions import create_completion
+from tokenmill.config import EngineConfig
+
+log = logging.getLogger("tokenmill.frontend")
+
+CONTEXT_KEY = web.AppKey("serving_context", ServingContext)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error, ours or aiohttp's (404 route, 405, 413 body), as OpenAI's JSON error object."""
+    try:
+        return await handler(request)
+    except APIError as error:
+        return error_response(error.status, error.message, error.param, error.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 413:
+            limit = request.app[CONTEXT_KEY].config.server.max_request_body_bytes
+            message = f"The request body is too large (limit {limit} bytes)."
+        elif exc.status == 404:
+            message = f"No route {request.method} {request.path}."
+        else:
+            message = exc.reason
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return error_response(exc.status, message, headers=headers)
+    except Exception:
+        log.exception("error while serving %s %s", request.method, request.path)
+        return error_response(500, "Internal server error.")
+
+
+def make_auth_middleware(api_key: str | None):
+    expected = api_key.encode() if api_key else None
+
+    @web.middleware
+    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Only /v1/* needs the key; /health, /metrics, /version stay open, as in vLLM."""
+        if expected is not None and request.method != "OPTIONS" and request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "")
+            token = given[len("Bearer "):].encode() if given.startswith("Bearer ") else b""
+            if not hmac.compare_digest(token, expected):
+                raise APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>`).")
+        return await handler(request)
+
+    return auth_middleware
+
+
+def make_cors_middleware(allowed_origins: list[str]):
+    """Answers preflight requests; the response-prepare hook adds the allow-origin header to every response."""
+
+    @web.middleware
+    async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            if allowed_origin(allowed_origins, request.headers.get("Origin")) is None:
+                return error_response(403, "CORS origin not allowed.")
+            return web.Response(status=200, headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+                "Access-Control-Max-Age": "600",
+            })
+        return await handler(request)
+
+    return cors_middleware
+
+
+def allowed_origin(allowed_origins: list[str], origin: str | None) -> str | None:
+    if origin is None:
+        return None
+    if "*" in allowed_origins:
+        return "*"
+    return origin if origin in allowed_origins else None
+
+
+async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    origins = request.app[CONTEXT_KEY].config.server.allowed_origins
+    origin = allowed_origin(origins, request.headers.get("Origin"))
+    if origin is not None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        if origin != "*":
+            response.headers["Vary"] = "Origin"
+
+
+def build_app(config: EngineConfig, engine: Any, tokenizer: Any) -> web.Application:
+    """The HTTP app for one instance. `engine` has AsyncEngineClient's interface (generate, abort, check_health,
+    latest_stats, dead_reason); `config.model` must be resolved (max_model_len, served_model_name, task)."""
+    ctx = ServingContext.create(config, engine, tokenizer)
+    middlewares = [error_middleware, make_auth_middleware(config.server.api_key)]
+    if config.server.allowed_origins:
+        middlewares.insert(0, make_cors_middleware(config.server.allowed_origins))
+    app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_body_bytes,
+                          handler_args={"handler_cancellation": True})
+    app[CONTEXT_KEY] = ctx
+    if config.server.allowed_origins:
+        app.on_response_prepare.append(add_cors_headers)
+
+    def route(handler: Callable[[ServingContext, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
+        return functools.partial(handler, ctx)
+
+    app.router.add_get("/v1/models", route(serving_misc.list_models))
+    app.router.add_post("/v1/completions", route(create_completion))
+    app.router.add_post("/v1/chat/completions", route(create_chat_completion))
+    app.router.add_post("/tokenize", route(serving_misc.tokenize))
+    app.router.add_post("/detokenize", route(serving_misc.detokenize))
+    app.router.add_get("/health", route(serving_misc.health))
+    app.router.add_get("/version", route(serving_misc.version))
+    app.router.add_get("/metrics", route(serving_misc.metrics))
+    if ctx.task == "generate":
+        # Embedding instances register their own /v1/embeddings here; a generation instance says it is the wrong one.
+        app.router.add_post("/v1/embeddings", route(wrong_task_embeddings))
+    return app
+
+
+async def wrong_task_embeddings(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    ctx.require_task("embed", request)
+    raise AssertionError("unreachable: only generation instances route here")
+
+
+async def serve_app(config: EngineConfig, engine: Any, tokenizer: Any, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set, then stop accepting, let in-flight requests finish (up to a timeout), close."""
+    access_log = None if config.server.disable_log_requests else logging.getLogger("aiohttp.access")
+    runner = web.AppRunner(build_app(config, engine, tokenizer), handle_signals=False, access_log=access_log,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.server.host, config.server.port).start()
+        log.info("serving %s on http://%s:%d", config.model.served_model_name, config.server.host, config.server.port)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_server(config: EngineConfig, engine: Any, tokenizer: Any) -> None:
+    """Blocking: serve with uvloop until SIGINT/SIGTERM. An engine client with `start()` is started (and awaited
+    ready in the background) inside the serving loop; `tokenmill serve` does its own orchestration instead."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if hasattr(engine, "start"):  # an AsyncEngineClient lives in the loop that serves it
+            engine.start()
+            ready = asyncio.create_task(engine.wait_ready())  # /health turns 200 once it is done
+            ready.add_done_callback(lambda task: task.cancelled() or task.exception())
+        await serve_app(config, engine, tokenizer, stop)
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())

@@ -1,0 +1,143 @@
+"""POST /v1/chat/completions: messages through the chat template, `chat.completion` JSON or SSE chunks out."""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import Any
+
+import jinja2
+import msgspec
+from aiohttp import web
+
+from frontend.context import ServingContext, new_request_id, read_body
+from frontend.errors import APIError
+from frontend.generation import (Choice, ChoiceDelta, ChoiceSummary, build_choices, merge_choice_streams,
+                                 stream_choice, usage_info)
+from frontend.logprobs import TokenTexts, chat_logprobs
+from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                               ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage, chat_max_tokens,
+                               decode_request, encode_json, now, resolve_max_tokens, to_sampling_params)
+from frontend.protocol import chat_logprobs as requested_chat_logprobs
+from frontend.sse import stream_deltas
+from frontend.tokenizer import encode_text, render_chat
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them; content parts are joined into one string (text parts only)."""
+    result: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"Unsupported content part type {part.type!r}: this model takes text only",
+                                   f"messages[{i}].content[{j}].type")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
+        for name in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(message, name)
+            if value is not msgspec.UNSET:
+                entry[name] = value
+        result.append(entry)
+    return result
+
+
+def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Render the conversation and tokenize it (the template already holds the special tokens)."""
+    try:
+        text = render_chat(ctx.tokenizer, message_dicts(messages), add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools,
+                           template_kwargs=template_kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from None
+    except jinja2.TemplateError as exc:
+        raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
+    return encode_text(ctx.tokenizer, text, add_special_tokens=False)
+
+
+async def create_chat_completion(ctx: ServingContext, http_request: web.Request) -> web.StreamResponse:
+    received_at = time.monotonic()
+    ctx.require_task("generate", http_request)
+    request: ChatCompletionRequest = decode_request(await read_body(http_request), ChatCompletionRequest)
+    ctx.check_model(request.model)
+    logprobs = requested_chat_logprobs(request)
+    prompt_ids = chat_prompt_ids(ctx, request.messages, add_generation_prompt=request.add_generation_prompt,
+                                 continue_final_message=request.continue_final_message, tools=request.tools,
+                                 template_kwargs=request.chat_template_kwargs)
+    max_tokens = resolve_max_tokens(chat_max_tokens(request), len(prompt_ids), ctx.max_model_len)
+    params = to_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, vocab_size=ctx.vocab_size)
+    ctx.admission.check(ctx.engine, request.n)
+    request_id = new_request_id("chatcmpl")
+    choices = build_choices(ctx.tokenizer, request_id, [prompt_ids], [params], request.n,
+                            received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
+    deltas = merge_choice_streams([stream_choice(ctx.engine, c, ctx.metrics, ctx.admission) for c in choices])
+    renderer = ChatRenderer(ctx, request, request_id, choices)
+    if request.stream:
+        return await stream_deltas(http_request, deltas, renderer.chunk, preamble=renderer.role_chunks,
+                                   epilogue=renderer.usage_chunk)
+    summaries = [ChoiceSummary(c.index) for c in choices]
+    async with aclosing(deltas):
+        async for delta in deltas:
+            summaries[delta.index].add(delta)
+    return web.Response(body=renderer.full_response(summaries), content_type="application/json")
+
+
+class ChatRenderer:
+    """Builds the JSON of one chat response or of its stream chunks."""
+
+    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, request_id: str,
+                 choices: list[Choice]) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.request_id = request_id
+        self.choices = choices
+        self.created = now()
+        self.texts = TokenTexts(ctx.tokenizer)
+        self.num_top = request.top_logprobs or 0
+
+    def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.ctx.model_name,
+                                   choices=choices)
+
+    def _logprobs(self, token_ids: list[int], entries: list | None):
+        if not self.request.logprobs or not entries:
+            return None
+        return chat_logprobs(token_ids, entries, self.texts, self.num_top)
+
+    def role_chunks(self) -> list[bytes]:
+        """The first chunk of every choice carries the role (and empty content), as OpenAI and vLLM send it."""
+        return [encode_json(self._chunk([ChatStreamChoice(index=c.index,
+                                                          delta=DeltaMessage(role="assistant", content=""))]))
+                for c in self.choices]
+
+    def chunk(self, delta: ChoiceDelta) -> bytes | None:
+        logprobs = self._logprobs(delta.token_ids, delta.logprobs)
+        if not delta.text and delta.finish_reason is None and logprobs is None:
+            return None
+        message = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+        chunk = self._chunk([ChatStreamChoice(index=delta.index, delta=message, logprobs=logprobs,
+                                              finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+        options = self.request.stream_options
+        if options is not None and options.include_usage and options.continuous_usage_stats:
+            chunk.usage = usage_info(self.choices)
+        return encode_json(chunk)
+
+    def usage_chunk(self) -> bytes | None:
+        options = self.request.stream_options
+        if options is None or not options.include_usage:
+            return None
+        chunk = self._chunk([])
+        chunk.usage = usage_info(self.choices)
+        return encode_json(chunk)
+
+    def full_response(self, summaries: list[ChoiceSummary]) -> bytes:
+        choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text),
+                              logprobs=self._logprobs(s.token_ids, s.logprobs), finish_reason=s.finish_reason,
+                              stop_reason=s.stop_reason) for s in summaries]
+        return encode_json(ChatCompletionResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
+                                                  choices=choices, usage=usage_info(self.choices)))

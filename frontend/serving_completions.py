@@ -1,0 +1,137 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) in, `text_completion` JSON or SSE chunks out."""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+
+from aiohttp import web
+
+from frontend.context import ServingContext, new_request_id, read_body
+from frontend.errors import APIError
+from frontend.generation import (Choice, ChoiceDelta, ChoiceSummary, build_choices, merge_choice_streams,
+                                 stream_choice, usage_info)
+from frontend.logprobs import TokenTexts, completion_logprobs
+from frontend.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, decode_request, encode_json,
+                               now, resolve_max_tokens, to_sampling_params)
+from frontend.sse import stream_deltas
+from frontend.tokenizer import encode_text
+
+
+def prompt_inputs(ctx: ServingContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt: a string, a list of strings, token ids, or a list of token-id lists."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        items = list(prompt)
+    else:
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of "
+                            "token-id lists", "prompt")
+    inputs: list[tuple[str | None, list[int]]] = []
+    for item in items:
+        if isinstance(item, str):
+            inputs.append((item, encode_text(ctx.tokenizer, item, request.add_special_tokens)))
+        else:
+            ctx.check_token_ids(item, "prompt")
+            inputs.append((None, item))
+        if not inputs[-1][1]:
+            raise APIError(400, "prompt must not be empty", "prompt")
+    return inputs
+
+
+async def create_completion(ctx: ServingContext, http_request: web.Request) -> web.StreamResponse:
+    received_at = time.monotonic()
+    ctx.require_task("generate", http_request)
+    request: CompletionRequest = decode_request(await read_body(http_request), CompletionRequest)
+    ctx.check_model(request.model)
+    if request.echo and request.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
+    inputs = prompt_inputs(ctx, request)
+    params = [to_sampling_params(request, logprobs=request.logprobs, vocab_size=ctx.vocab_size,
+                                 max_tokens=resolve_max_tokens(request.max_tokens, len(ids), ctx.max_model_len,
+                                                               prompt_param="prompt"))
+              for _, ids in inputs]
+    ctx.admission.check(ctx.engine, len(inputs) * request.n)
+    request_id = new_request_id("cmpl")
+    choices = build_choices(ctx.tokenizer, request_id, [ids for _, ids in inputs], params, request.n,
+                            received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
+    echoes = [_echo_text(ctx, inputs[c.prompt_index]) if request.echo else "" for c in choices]
+    deltas = merge_choice_streams([stream_choice(ctx.engine, c, ctx.metrics, ctx.admission) for c in choices])
+    renderer = CompletionRenderer(ctx, request, request_id, choices, echoes)
+    if request.stream:
+        return await stream_deltas(http_request, deltas, renderer.chunk, epilogue=renderer.usage_chunk)
+    summaries = [ChoiceSummary(c.index) for c in choices]
+    async with aclosing(deltas):
+        async for delta in deltas:
+            summaries[delta.index].add(delta)
+    return web.Response(body=renderer.full_response(summaries), content_type="application/json")
+
+
+def _echo_text(ctx: ServingContext, prompt: tuple[str | None, list[int]]) -> str:
+    text, ids = prompt
+    return text if text is not None else ctx.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+class CompletionRenderer:
+    """Builds the JSON of one completion response or of its stream chunks."""
+
+    def __init__(self, ctx: ServingContext, request: CompletionRequest, request_id: str, choices: list[Choice],
+                 echoes: list[str]) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.request_id = request_id
+        self.choices = choices
+        self.echoes = echoes
+        self.created = now()
+        self.texts = TokenTexts(ctx.tokenizer)
+        self.text_offsets = [len(echo) for echo in echoes]
+        self.echo_sent = [not echo for echo in echoes]
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list | None):
+        if self.request.logprobs is None or not entries:
+            return None
+        logprobs, self.text_offsets[index] = completion_logprobs(token_ids, entries, self.texts,
+                                                                 self.text_offsets[index])
+        return logprobs
+
+    def chunk(self, delta: ChoiceDelta) -> bytes | None:
+        text = delta.text
+        if not self.echo_sent[delta.index]:
+            text, self.echo_sent[delta.index] = self.echoes[delta.index] + text, True
+        logprobs = self._logprobs(delta.index, delta.token_ids, delta.logprobs)
+        keep_ids = self.request.return_token_ids and delta.token_ids
+        if not text and delta.finish_reason is None and logprobs is None and not keep_ids:
+            return None
+        choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
+                                  stop_reason=delta.stop_reason)
+        if self.request.return_token_ids:
+            choice.token_ids = delta.token_ids
+        response = CompletionResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
+                                      choices=[choice])
+        options = self.request.stream_options
+        if options is not None and options.include_usage and options.continuous_usage_stats:
+            response.usage = usage_info(self.choices)
+        return encode_json(response)
+
+    def usage_chunk(self) -> bytes | None:
+        options = self.request.stream_options
+        if options is None or not options.include_usage:
+            return None
+        return encode_json(CompletionResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
+                                              choices=[], usage=usage_info(self.choices)))
+
+    def full_response(self, summaries: list[ChoiceSummary]) -> bytes:
+        choices = [CompletionChoice(index=s.index, text=self.echoes[s.index] + s.text,
+                                    logprobs=self._logprobs(s.index, s.token_ids, s.logprobs),
+                                    finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in summaries]
+        if self.request.return_token_ids:
+            for choice, summary in zip(choices, summaries):
+                choice.token_ids = summary.token_ids
+                choice.prompt_token_ids = self.choices[summary.index].request.prompt_token_ids
+        return encode_json(CompletionResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
+                                              choices=choices, usage=usage_info(self.choices)))

@@ -1,0 +1,69 @@
+"""The small endpoints: /v1/models, /tokenize, /detokenize, /health, /version, /metrics."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import tokenmill
+from frontend.context import ServingContext, read_body
+from frontend.errors import APIError, error_response
+from frontend.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                               TokenizeResponse, decode_request, encode_json, now)
+from frontend.serving_chat import chat_prompt_ids
+from frontend.tokenizer import encode_text
+
+
+def json_response(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="application/json")
+
+
+async def list_models(ctx: ServingContext, request: web.Request) -> web.Response:
+    card = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.config.model.path or ctx.model_name,
+                     max_model_len=ctx.max_model_len)
+    return json_response(encode_json(ModelList(data=[card])))
+
+
+async def tokenize(ctx: ServingContext, request: web.Request) -> web.Response:
+    body: TokenizeRequest = decode_request(await read_body(request), TokenizeRequest)
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of `prompt` and `messages`", "prompt")
+    if body.messages is not None:
+        if body.add_special_tokens:
+            raise APIError(400, "add_special_tokens applies to a prompt; the chat template adds them for messages",
+                           "add_special_tokens")
+        ids = chat_prompt_ids(ctx, body.messages, add_generation_prompt=body.add_generation_prompt,
+                              continue_final_message=body.continue_final_message)
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = encode_text(ctx.tokenizer, body.prompt or "", add_special)
+    response = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
+    if body.return_token_strs:
+        response.token_strs = list(ctx.tokenizer.convert_ids_to_tokens(ids))
+    return json_response(encode_json(response))
+
+
+async def detokenize(ctx: ServingContext, request: web.Request) -> web.Response:
+    body: DetokenizeRequest = decode_request(await read_body(request), DetokenizeRequest)
+    ctx.check_model(body.model)
+    ctx.check_token_ids(body.tokens, "tokens")
+    text = ctx.tokenizer.decode(body.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return json_response(encode_json(DetokenizeResponse(prompt=text)))
+
+
+async def health(ctx: ServingContext, request: web.Request) -> web.Response:
+    if await ctx.engine.check_health():
+        return web.Response(status=200)
+    reason = getattr(ctx.engine, "dead_reason", None)
+    return error_response(503, f"The engine stopped: {reason}." if reason else "The engine is not ready.")
+
+
+async def version(ctx: ServingContext, request: web.Request) -> web.Response:
+    return json_response(encode_json({"version": tokenmill.__version__}))
+
+
+async def metrics(ctx: ServingContext, request: web.Request) -> web.Response:
+    response = web.Response(body=ctx.metrics.render())
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response

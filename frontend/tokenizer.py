@@ -1,0 +1,66 @@
+"""Load the served model's tokenizer and render chat messages through its chat template.
+
+`load_tokenizer` reads an HF tokenizer directory, or the tokenizer embedded in a GGUF file; `ModelConfig.tokenizer`
+names another source and `ModelConfig.chat_template` replaces the template (a file path or a literal Jinja template).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from tokenmill.config import ModelConfig
+
+
+def read_chat_template(value: str) -> str:
+    """A literal template (it has Jinja braces) or the contents of the file it names."""
+    if "{" in value:
+        return value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    raise ValueError(f"chat template {value!r} is neither a Jinja template nor a readable file")
+
+
+def _from_source(source: str, gguf_file: str | None = None) -> Any:
+    if gguf_file is None and source.endswith(".gguf") and os.path.isfile(source):
+        source, gguf_file = os.path.split(os.path.abspath(source))
+    if gguf_file is not None:
+        return AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(source)
+
+
+def load_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer for `model` (resolved by `resolve_config`: `path` and `gguf_file` are filled in)."""
+    if model.tokenizer:
+        tokenizer = _from_source(model.tokenizer)
+    else:
+        tokenizer = _from_source(model.path or model.model, model.gguf_file)
+    if model.chat_template:
+        tokenizer.chat_template = read_chat_template(model.chat_template)
+    return tokenizer
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text for a conversation. Raises ValueError when the model has no chat template; Jinja errors
+    (a template's `raise_exception`, e.g. roles that must alternate) propagate as jinja2 TemplateError."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("This model has no chat template; use /v1/completions or start the server with "
+                         "--chat-template.")
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False,
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        continue_final_message=continue_final_message, **(template_kwargs or {}))
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def vocab_size(tokenizer: Any) -> int:
+    """Ids below this are valid input (base vocabulary plus added tokens)."""
+    return len(tokenizer)

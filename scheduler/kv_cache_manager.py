@@ -1,0 +1,104 @@
+"""Maps requests to KV-cache blocks: prefix-cache lookup, slot allocation for the next tokens, caching, freeing.
+
+A request's block table is a list of physical blocks covering its tokens in order. Full blocks get a hash that
+chains the parent block's hash with the block's token ids and the request's cache salt; once their KV is computed
+they are indexed in the pool so a later request with the same prefix reuses them instead of recomputing.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from scheduler.block_pool import ROOT_BLOCK_HASH, Block, BlockPool, hash_block
+from scheduler.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.num_indexed_blocks: dict[str, int] = {}  # leading blocks of each request already in the prefix cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """The longest run of cached full blocks that starts the request's tokens, leaving its last token to compute
+        (the step needs logits to sample from). Counts nothing and takes no references: call allocate_slots next."""
+        if not self.enable_prefix_caching or request.is_embedding:
+            return []
+        self._extend_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: Sequence[Block] = ()) -> list[int] | None:
+        """Give the request blocks for `num_new_tokens` more tokens after its computed ones (and after
+        `cached_blocks`, prefix hits of a request being scheduled from scratch). Returns the ids of the blocks added
+        to its table, or None, changing nothing, when the pool is short."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_tokens_after = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_fresh = self.num_blocks_for(num_tokens_after) - len(blocks) - len(cached_blocks)
+        # hits that sit in the free queue stop being allocatable once we take them
+        num_free_hits = sum(1 for b in cached_blocks if b.ref_count == 0)
+        if max(num_fresh, 0) + num_free_hits > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(cached_blocks)  # before allocating, so the fresh blocks cannot evict the hits
+        added = list(cached_blocks) + (self.pool.allocate(num_fresh) if num_fresh > 0 else [])
+        if request.request_id not in self.req_blocks:
+            self.req_blocks[request.request_id] = blocks
+            self.num_indexed_blocks[request.request_id] = len(cached_blocks)
+        blocks.extend(added)
+        return [b.block_id for b in added]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Index the request's full blocks whose KV the workers have computed, so later requests can share them."""
+        if not self.enable_prefix_caching or request.request_id not in self.req_blocks:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self.num_indexed_blocks[request.request_id]
+        if num_full <= start:
+            return
+        self._extend_block_hashes(request)
+        blocks = self.req_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.cache(blocks[i], request.block_hashes[i])
+        self.num_indexed_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks to the pool, tail first; cached content stays reusable until evicted."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_indexed_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def _extend_block_hashes(self, request: Request) -> None:
+        """Hash every full block of the request's known tokens that is not hashed yet (tokens only ever grow)."""
+        hashes = request.block_hashes
+        size = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // size):
+            parent = hashes[i - 1] if i else ROOT_BLOCK_HASH
+            hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt))

@@ -1,0 +1,92 @@
+"""A request's state inside the scheduler: its tokens, how many have KV computed, and what the workers already know.
+
+There are no prefill or decode phases: `num_computed_tokens` catches up to `num_tokens` (prompt + outputs), a
+chunk at a time for a long prompt and one token at a time once it is generating.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from tokenmill.messages import EngineRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # new, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable per-request state, owned by the Scheduler."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling", "task", "priority", "cache_salt", "arrival_seq",
+        "enqueue_time", "max_tokens", "all_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
+        "finish_reason", "block_hashes", "num_preemptions", "on_worker", "num_tokens_on_worker",
+        "num_blocks_on_worker",
+    )
+
+    def __init__(self, engine_request: EngineRequest, arrival_seq: int, enqueue_time: float, max_tokens: int) -> None:
+        self.request_id = engine_request.request_id
+        self.prompt_token_ids = list(engine_request.prompt_token_ids)
+        self.sampling: SamplingParams = engine_request.sampling
+        self.task = engine_request.task
+        self.priority = engine_request.priority
+        self.cache_salt = engine_request.cache_salt
+        self.arrival_seq = arrival_seq  # order of admission into the scheduler; FCFS ties break on it
+        self.enqueue_time = enqueue_time  # scheduler clock at admission, for ageing
+        self.max_tokens = max_tokens  # resolved: never None, never past max_model_len
+        self.all_token_ids = list(self.prompt_token_ids)  # prompt + outputs
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling; -1 until then
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
+        self.num_preemptions = 0
+        # what the workers hold, so a plan sends only the difference
+        self.on_worker = False
+        self.num_tokens_on_worker = 0
+        self.num_blocks_on_worker = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.task == "embed"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def remaining_work(self) -> int:
+        """Expected tokens still to process: KV not yet computed plus outputs not yet generated."""
+        to_compute = self.num_tokens - self.num_computed_tokens
+        if self.is_embedding:
+            return to_compute
+        return to_compute + self.max_tokens - self.num_output_tokens
+
+    def forget_worker_state(self) -> None:
+        """The workers dropped this request (preempted): next time it goes out in full."""
+        self.on_worker = False
+        self.num_tokens_on_worker = 0
+        self.num_blocks_on_worker = 0
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, outputs={self.num_output_tokens}/{self.max_tokens})")

@@ -1,0 +1,329 @@
+"""The scheduler core: admits requests, plans each step under the token and sequence budgets, applies results.
+
+One scheduling model, no phases (as vLLM V1): every request has `num_computed_tokens` catching up to `num_tokens`
+(prompt + outputs). Each step serves running requests first, in policy order, then admits waiting ones; a prompt
+longer than the remaining token budget gets a chunk. When a running request cannot get blocks for its next tokens,
+the request with the worst policy key is preempted (recompute: its blocks are freed and it starts over, usually
+helped by the prefix cache). Plans carry diffs: workers get a request in full once, then only new tokens and blocks.
+
+This class does no I/O; `scheduler/process.py` drives it: `add_request`/`abort_requests` as messages arrive, then
+`schedule()` -> workers -> `update()` for each step. `update()` must see a plan's result before the next `schedule()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Iterable
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.policy import SchedulingPolicy, make_policy
+from scheduler.request import Request, RequestStatus
+from tokenmill.config import EngineConfig
+from tokenmill.messages import (EngineRequest, FinishReason, NewRequestData, RequestOutput, RunningRequestData,
+                                SchedulerStats, StepPlan, StepResult)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: list[int],
+                 clock: Callable[[], float] = time.monotonic, policy: SchedulingPolicy | None = None) -> None:
+        self.config = config
+        self.block_size = config.cache.block_size
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        # 0 means "not resolved from a model" (unit tests): then the pool's capacity is the only limit
+        self.max_model_len = config.model.max_model_len or num_kv_blocks * self.block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.policy = policy or make_policy(config.scheduler.scheduling_policy)
+        self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching)
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._finished_on_workers: list[str] = []  # ids the workers must forget, sent with the next plan
+        self._arrival_seq = itertools.count()
+        self._next_step_id = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------ admission and aborts
+
+    def add_request(self, request: EngineRequest) -> str | None:
+        """Queue a request. Returns None when admitted, else why it can never run (one sentence)."""
+        reason = self._admission_error(request)
+        if reason is not None:
+            return reason
+        max_tokens = request.sampling.max_tokens
+        if request.task == "embed":
+            max_tokens = 0
+        elif max_tokens is None:
+            max_tokens = self.max_model_len - len(request.prompt_token_ids)
+        req = Request(request, next(self._arrival_seq), self.clock(), max_tokens)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return None
+
+    def _admission_error(self, request: EngineRequest) -> str | None:
+        num_prompt = len(request.prompt_token_ids)
+        if request.request_id in self.requests:
+            return f"Request id {request.request_id!r} is already in use."
+        if len(self.waiting) >= self.config.scheduler.max_waiting_requests:
+            return f"The server is overloaded: {len(self.waiting)} requests are already waiting; retry later."
+        if num_prompt == 0:
+            return "The prompt is empty."
+        if request.task == "embed":
+            if num_prompt > self.max_model_len:
+                return (f"The input has {num_prompt} tokens, more than the model's maximum context length "
+                        f"of {self.max_model_len}.")
+            if num_prompt > self.max_num_batched_tokens:
+                return (f"The input has {num_prompt} tokens, more than max_num_batched_tokens "
+                        f"({self.max_num_batched_tokens}); embedding inputs are never split.")
+            return None
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            return f"max_tokens must be at least 1, got {max_tokens}."
+        total = num_prompt + (max_tokens if max_tokens is not None else 1)
+        if total > self.max_model_len:
+            return (f"This model's maximum context length is {self.max_model_len} tokens, but the request needs "
+                    f"{total} ({num_prompt} in the prompt + {total - num_prompt} to generate).")
+        if max_tokens is None:
+            total = self.max_model_len
+        if self.kv.num_blocks_for(total) > self.kv.num_blocks:
+            return (f"The request needs up to {total} tokens of KV cache ({self.kv.num_blocks_for(total)} blocks), "
+                    f"more than the whole cache holds ({self.kv.num_blocks} blocks of {self.block_size} tokens).")
+        if not self.chunked_prefill and num_prompt > self.max_num_batched_tokens:
+            return (f"The prompt has {num_prompt} tokens, more than max_num_batched_tokens "
+                    f"({self.max_num_batched_tokens}) with chunked prefill disabled.")
+        return None
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Finish the given requests with "abort" and free their blocks now. Unknown or finished ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            self._finish(req, "abort")
+            outputs.append(RequestOutput(request_id, [], "abort", num_prompt_tokens=req.num_prompt_tokens,
+                                         num_cached_tokens=max(req.num_cached_tokens, 0)))
+        if outputs:
+            self._drop_finished_from_queues()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ planning a step
+
+    def schedule(self) -> StepPlan | None:
+        """Pick every request's tokens for the next step. None when nothing can run."""
+        now = self.clock()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
+        preempted_any = False
+
+        # running requests first; when blocks run out, preempt from the back of the policy order
+        order = self.policy.order(self.running, now)
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.is_embedding:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = next(r for r in reversed(order) if r.status is RequestStatus.RUNNING and not r.is_embedding)
+                budget += self._preempt(victim, scheduled)
+                preempted_any = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: everything after it in the order is preempted too
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        # then waiting requests, unless this step had to preempt (they would only take the freed blocks back)
+        if not preempted_any:
+            budget = self._admit_waiting(now, budget, scheduled)
+
+        if not scheduled:
+            return None
+        return self._build_plan(scheduled)
+
+    def _admit_waiting(self, now: float, budget: int, scheduled: dict[str, int]) -> int:
+        """Admit waiting requests in policy order until one does not fit; returns the budget left."""
+        admitted_any = False
+        for req in self.policy.order(self.waiting, now):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if req.is_embedding:
+                if req.num_tokens > budget:
+                    break  # never chunked: wait for a step with room
+                num_cached, num_new = 0, req.num_tokens
+            else:
+                hits = self.kv.find_cached_prefix(req)
+                num_cached = len(hits) * self.block_size
+                num_new = req.num_tokens - num_cached
+                if num_new > budget:
+                    # with chunked prefill off only a resumed request (prompt + outputs) may be split
+                    if not self.chunked_prefill and req.num_preemptions == 0:
+                        break
+                    num_new = budget
+                while (new_block_ids := self.kv.allocate_slots(req, num_new, hits)) is None:
+                    victim = self._victim_for_waiting(req, now)
+                    if victim is None:
+                        break
+                    budget += self._preempt(victim, scheduled)
+                if new_block_ids is None:
+                    break  # the pool is short: keep the policy order strict, try again next step
+                self._prefix_queries += req.num_tokens
+                self._prefix_hits += num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            self.running.append(req)
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+            admitted_any = True
+        if admitted_any:
+            self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+        return budget
+
+    def _victim_for_waiting(self, waiting_req: Request, now: float) -> Request | None:
+        """Under a policy that allows it, the running request with the worst key if that key is worse than the
+        waiting request's; else None."""
+        if not self.policy.preempts_for_waiting:
+            return None
+        candidates = [r for r in self.running if not r.is_embedding]
+        if not candidates:
+            return None
+        victim = max(candidates, key=lambda r: self.policy.sort_key(r, now))
+        if self.policy.sort_key(victim, now) <= self.policy.sort_key(waiting_req, now):
+            return None
+        return victim
+
+    def _preempt(self, req: Request, scheduled: dict[str, int]) -> int:
+        """Recompute-preempt a running request: free its blocks, send it back to waiting (at the front).
+        Returns the tokens it had been given this step, now back in the budget."""
+        self.kv.free(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.insert(0, req)
+        if req.on_worker:
+            self._finished_on_workers.append(req.request_id)
+            req.forget_worker_state()
+        self._num_preemptions += 1
+        return scheduled.pop(req.request_id, 0)
+
+    def _build_plan(self, scheduled: dict[str, int]) -> StepPlan:
+        """Turn this step's token counts into worker diffs, then advance each request's computed tokens."""
+        new_requests: list[NewRequestData] = []
+        running: list[RunningRequestData] = []
+        for request_id, num_scheduled in scheduled.items():
+            req = self.requests[request_id]
+            blocks = self.kv.req_blocks.get(request_id, ())
+            if not req.on_worker:
+                new_requests.append(NewRequestData(
+                    request_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling,
+                    [b.block_id for b in blocks], req.num_computed_tokens, num_scheduled, req.task))
+                req.on_worker = True
+            else:
+                running.append(RunningRequestData(
+                    request_id, req.all_token_ids[req.num_tokens_on_worker:],
+                    [b.block_id for b in blocks[req.num_blocks_on_worker:]], req.num_computed_tokens, num_scheduled))
+            req.num_tokens_on_worker = req.num_tokens
+            req.num_blocks_on_worker = len(blocks)
+            req.num_computed_tokens += num_scheduled
+        plan = StepPlan(self._next_step_id, new_requests, running, self._finished_on_workers)
+        self._next_step_id += 1
+        self._finished_on_workers = []
+        return plan
+
+    # ------------------------------------------------------------------ applying a step's result
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Append sampled tokens, check stop conditions, finish requests. Results for aborted requests are dropped."""
+        planned = [self.requests.get(n.request_id) for n in plan.new_requests]
+        planned += [self.requests.get(r.request_id) for r in plan.running]
+        planned_alive = [r for r in planned if r is not None and r.status is RequestStatus.RUNNING]
+        for req in planned_alive:
+            self.kv.cache_computed_blocks(req)  # their KV is written now: shareable
+
+        outputs: list[RequestOutput] = []
+        answered: set[str] = set()
+        logprobs = result.logprobs
+        for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
+            req = self.requests.get(request_id)
+            # only a request whose scheduled tokens reached its end samples; anything else is stale
+            if (req is None or req.status is not RequestStatus.RUNNING or req.is_embedding
+                    or req.num_computed_tokens != req.num_tokens or request_id in answered):
+                continue
+            answered.add(request_id)
+            req.all_token_ids.append(token_id)
+            finish_reason, stop_token_id = self._stop_reason(req, token_id)
+            outputs.append(RequestOutput(
+                request_id, [token_id], finish_reason, stop_token_id, req.num_prompt_tokens,
+                max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs else None))
+            if finish_reason is not None:
+                self._finish(req, finish_reason)
+
+        for request_id, embedding in (result.embeddings or {}).items():
+            req = self.requests.get(request_id)
+            if req is None or not req.is_embedding or req.status is not RequestStatus.RUNNING:
+                continue
+            outputs.append(RequestOutput(request_id, [], "stop", num_prompt_tokens=req.num_prompt_tokens,
+                                         embedding=embedding))
+            self._finish(req, "stop")
+
+        # a request that reached its end but got nothing back would otherwise wait forever
+        for req in planned_alive:
+            if req.status is RequestStatus.RUNNING and req.num_computed_tokens >= req.num_tokens:
+                outputs.append(RequestOutput(req.request_id, [], "error", num_prompt_tokens=req.num_prompt_tokens,
+                                             error="The worker returned no result for this request."))
+                self._finish(req, "error")
+
+        self._drop_finished_from_queues()
+        return outputs
+
+    def _stop_reason(self, req: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        """Why the request stops after `token_id` was appended: stop ids / EOS, then max_tokens, then max_model_len."""
+        sampling = req.sampling
+        if req.num_output_tokens >= sampling.min_tokens:
+            if token_id in sampling.stop_token_ids:
+                return "stop", token_id
+            if not sampling.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", token_id
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Mark finished, free its blocks now, tell the workers to forget it. The caller drops it from the queues."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        if req.on_worker:
+            self._finished_on_workers.append(req.request_id)
+
+    def _drop_finished_from_queues(self) -> None:
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+
+    # ------------------------------------------------------------------ metrics
+
+    def stats(self) -> SchedulerStats:
+        """Queue sizes and KV usage now; prefix-cache and preemption counters since the last call."""
+        stats = SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+            num_preemptions=self._num_preemptions)
+        self._prefix_queries = self._prefix_hits = self._num_preemptions = 0
+        return stats

@@ -1,0 +1,70 @@
+"""A fake engine with AsyncEngineClient's interface, for testing the HTTP frontend without a model.
+
+By default it echoes each request's prompt tokens back, one per step; `replies` scripts the output tokens of the next
+requests instead. It finishes like the scheduler does: a stop id or EOS ends with "stop" (the id is the last new
+token and `stop_token_id`), `max_tokens` with "length". `hold=True` makes requests wait after their first token
+until aborted (for disconnect tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from frontend.engine_client import EngineDeadError
+from tokenmill.messages import EngineRequest, RequestOutput, SchedulerStats
+
+EOS_ID = 2
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.latest_stats: SchedulerStats | None = None
+        self.dead_reason: str | None = None
+        self.healthy = True
+        self.requests: list[EngineRequest] = []
+        self.aborted: list[str] = []
+        self.replies: list[list[int]] = []  # output tokens of the next requests, in order
+        self.reject_with: str | None = None
+        self.hold = False
+        self.step_delay_s = 0.0
+        self.aborted_event = asyncio.Event()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"The engine stopped: {self.dead_reason}.")
+        self.requests.append(request)
+        if self.reject_with is not None:
+            yield RequestOutput(request.request_id, [], finish_reason="error", error=self.reject_with)
+            return
+        params = request.sampling
+        tokens = self.replies.pop(0) if self.replies else list(request.prompt_token_ids)
+        ending_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS_ID})
+        for step, token in enumerate(tokens):
+            await asyncio.sleep(self.step_delay_s)
+            if request.request_id in self.aborted:
+                return
+            if self.dead_reason is not None:
+                raise EngineDeadError(f"The engine stopped: {self.dead_reason}.")
+            finish, stop_id = None, None
+            if token in ending_ids and step + 1 > params.min_tokens:
+                finish, stop_id = "stop", token
+            elif step + 1 == params.max_tokens or step + 1 == len(tokens):
+                finish = "length"
+            logprobs = None
+            if params.logprobs is not None:
+                top_ids = [token, token + 1, token + 2][:params.logprobs]
+                logprobs = [(-0.25, top_ids, [-0.25, -1.5, -3.0][:len(top_ids)])]
+            yield RequestOutput(request.request_id, [token], finish_reason=finish, stop_token_id=stop_id,
+                                num_prompt_tokens=len(request.prompt_token_ids), logprobs=logprobs)
+            if finish is not None:
+                return
+            if self.hold:
+                await asyncio.Event().wait()  # until cancelled
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+        self.aborted_event.set()
+
+    async def check_health(self) -> bool:
+        return self.healthy and self.dead_reason is None

@@ -1,0 +1,78 @@
+"""Run the Triton kernels in this folder on CUDA when there is a GPU, else through the interpreter.
+
+Without a GPU, TRITON_INTERPRET must be set before Triton is first imported (Triton decorates its
+own library functions at import), so it is set here, at the top. That holds when this folder runs
+on its own; in a whole-suite run, a test module collected earlier that imports Triton (importing an
+HF modeling module does) would come first, which `_require_interpreter` reports instead of letting
+every kernel test fail obscurely. With a GPU, tests build their tensors on CUDA (default device).
+
+Triton 3.9's interpreter gets bf16 wrong in two ways the GPU backend does not, so both are fixed
+here, for the interpreter only:
+- `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns (`create_dot` only converts
+  fp8): bf16 operands are widened to fp32 before the matmul;
+- fp32 -> bf16 casts truncate the mantissa where the GPU rounds to nearest even: they go through
+  torch's (round-to-nearest-even) conversion instead.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+TRITON_IMPORTED_INTERPRETED = isinstance(tl.standard.sum, interpreter.InterpretedFunction)
+
+
+def _widen_bf16(handle: "interpreter.TensorHandle") -> "interpreter.TensorHandle":
+    if handle.dtype.scalar != tl.bfloat16:
+        return handle
+    as_fp32 = (handle.data.astype(np.uint32) << 16).view(np.float32)
+    return interpreter.TensorHandle(as_fp32, tl.float32)
+
+
+_interpreter_create_dot = interpreter.InterpreterBuilder.create_dot
+
+
+def _create_dot_with_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return _interpreter_create_dot(self, _widen_bf16(a), _widen_bf16(b), d, input_precision, max_num_imprecise_acc)
+
+
+_interpreter_cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+
+def _cast_rounding_to_bf16(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        rounded = torch.from_numpy(np.asarray(src.data).copy()).to(torch.bfloat16).view(torch.int16)
+        return interpreter.TensorHandle(rounded.numpy().view(np.uint16), tl.bfloat16)
+    return _interpreter_cast_impl(self, src, dst_type)
+
+
+interpreter.InterpreterBuilder.create_dot = _create_dot_with_bf16
+interpreter.InterpreterBuilder.cast_impl = _cast_rounding_to_bf16
+
+
+@pytest.fixture(autouse=True)
+def _require_interpreter() -> None:
+    if INTERPRETING and not TRITON_IMPORTED_INTERPRETED:
+        pytest.fail(
+            "Triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on CPU: "
+            "run tests/kernels on its own, or export TRITON_INTERPRET=1 (tests/conftest.py can set it)."
+        )
+
+
+@pytest.fixture(autouse=True)
+def _device_and_seed():
+    torch.manual_seed(0)
+    if INTERPRETING:
+        yield
+        return
+    torch.set_default_device("cuda")
+    yield
+    torch.set_default_device(None)

@@ -1,0 +1,104 @@
+"""Compile every kernel ahead of time for real NVIDIA targets, without a GPU.
+
+The interpreter runs kernels as numpy and accepts things the GPU compiler rejects (tile sizes
+`tl.dot` cannot take, type mismatches in loops, unsupported control flow), so the tests also run
+this script, with TRITON_INTERPRET unset, to push each kernel through Triton's full pipeline
+(TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas). Prints one line per kernel config
+and exits non-zero on the first failure. Usage: python cuda_compile_check.py [sm ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import kv_write, paged_attention, rms_norm, rotary
+
+TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+
+
+def compile_kernel(kernel, target: GPUTarget, pointers: dict[str, str], constexprs: dict, floats=()):
+    """Compile `kernel` with pointer element types, constexpr values; other args are i32 scalars."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        elif name in floats:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=target)
+
+
+def attention_pointers(dtype: str) -> dict[str, str]:
+    ptr = TYPES[dtype]
+    return {
+        "query_ptr": ptr,
+        "k_cache_ptr": ptr,
+        "v_cache_ptr": ptr,
+        "out_ptr": ptr,
+        "block_tables_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "query_start_loc_ptr": "*i32",
+    }
+
+
+def kernel_configs():
+    """(label, kernel, pointers, constexprs, float args) for each config worth compiling."""
+    for dtype, group, head_dim, block_size in [("fp16", 8, 128, 16), ("bf16", 3, 80, 32), ("fp32", 1, 64, 8)]:
+        common = dict(
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_DIM=paged_attention._padded_dims(head_dim),
+            BLOCK_SIZE=block_size,
+            IEEE_DOT=dtype == "fp32",
+        )
+        decode = dict(
+            common, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), TILE_KEYS=paged_attention.DECODE_TILE_KEYS
+        )
+        yield f"decode {dtype} G{group} D{head_dim} BS{block_size}", paged_attention._decode_kernel, attention_pointers(dtype), decode, ("scale_log2",)
+        tokens_per_tile, block_rows = paged_attention.prefill_tile_shape(group)
+        prefill = dict(
+            common, TOKENS_PER_TILE=tokens_per_tile, BLOCK_ROWS=block_rows, TILE_KEYS=paged_attention.PREFILL_TILE_KEYS
+        )
+        yield f"prefill {dtype} G{group} D{head_dim} BS{block_size}", paged_attention._prefill_kernel, attention_pointers(dtype), prefill, ("scale_log2",)
+    for dtype, head_dim in [("fp16", 128), ("bf16", 80)]:
+        ptr = TYPES[dtype]
+        pointers = {"key_ptr": ptr, "value_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_mapping_ptr": "*i64"}
+        constexprs = dict(NUM_KV_HEADS=3, HEAD_DIM=head_dim, BLOCK_HEADS=4, BLOCK_DIM=triton.next_power_of_2(head_dim), BLOCK_SIZE=16)
+        yield f"write_kv {dtype} D{head_dim}", kv_write._write_kv_kernel, pointers, constexprs, ()
+    for dtype, hidden, residual in [("bf16", 4096, True), ("fp16", 576, False)]:
+        ptr = TYPES[dtype]
+        pointers = {"x_ptr": ptr, "residual_ptr": ptr, "weight_ptr": ptr, "out_ptr": ptr, "residual_out_ptr": ptr}
+        constexprs = dict(HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual)
+        yield f"rms_norm {dtype} H{hidden} residual={residual}", rms_norm._rms_norm_kernel, pointers, constexprs, ("eps",)
+    for dtype, neox, rot_dim in [("fp16", True, 128), ("bf16", False, 64)]:
+        ptr = TYPES[dtype]
+        pointers = {"q_ptr": ptr, "k_ptr": ptr, "q_out_ptr": ptr, "k_out_ptr": ptr, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+        constexprs = dict(
+            NUM_Q_HEADS=9, NUM_K_HEADS=3, BLOCK_Q_HEADS=16, BLOCK_K_HEADS=4, HEAD_DIM=128, BLOCK_DIM=128,
+            HALF_ROT=rot_dim // 2, BLOCK_HALF=rot_dim // 2, NEOX_STYLE=neox, COPY_TAIL=rot_dim < 128,
+        )
+        yield f"rotary {dtype} neox={neox} rot{rot_dim}", rotary._rotary_kernel, pointers, constexprs, ()
+
+
+def main(capabilities: list[int]) -> int:
+    for capability in capabilities:
+        target = GPUTarget("cuda", capability, 32)
+        for label, kernel, pointers, constexprs, floats in kernel_configs():
+            start = time.perf_counter()
+            compiled = compile_kernel(kernel, target, pointers, constexprs, floats)
+            assert compiled.asm.get("cubin"), f"{label}: no cubin"
+            shared = compiled.metadata.shared
+            print(f"sm_{capability} {label}: ok, {shared} B shared, {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main([int(arg) for arg in sys.argv[1:]] or [90]))

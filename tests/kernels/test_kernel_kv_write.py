@@ -1,0 +1,68 @@
+"""KV-cache write kernel against its torch reference and against the slot arithmetic itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import kv_write
+from kernels.kv_write import write_kv, write_kv_ref
+
+
+def make_slots(num_tokens: int, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Distinct random slots, with every fourth token marked as padding (-1)."""
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[::4] = -1
+    return slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_matches_reference(block_size, head_dim, dtype):
+    num_blocks, num_kv_heads, num_tokens = 5, 3, 37
+    key = torch.randn(num_tokens, num_kv_heads, head_dim)  # fp32 input: the kernel casts on store
+    value = torch.randn(num_tokens, num_kv_heads, head_dim)
+    slots = make_slots(num_tokens, num_blocks, block_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, 7.0, dtype=dtype), torch.full(shape, -7.0, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv(key, value, k_cache, v_cache, slots)
+    write_kv_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_slot_arithmetic_and_padding():
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    k_cache = torch.zeros(4, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(3, num_kv_heads, head_dim)
+    value = torch.randn(3, num_kv_heads, head_dim)
+    write_kv(key, value, k_cache, v_cache, torch.tensor([2 * block_size + 5, -1, 17]))
+    assert torch.equal(k_cache[2, 5], key[0]) and torch.equal(v_cache[2, 5], value[0])
+    assert torch.equal(k_cache[1, 1], key[2]) and torch.equal(v_cache[1, 1], value[2])
+    assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 2  # the padding token wrote nothing
+
+
+def test_strided_key_value_from_fused_qkv():
+    num_kv_heads, head_dim, block_size = 2, 64, 16
+    qkv = torch.randn(9, (4 + 2 * num_kv_heads) * head_dim)
+    key = qkv[:, 4 * head_dim : 6 * head_dim].view(9, num_kv_heads, head_dim)
+    value = qkv[:, 6 * head_dim :].view(9, num_kv_heads, head_dim)
+    slots = torch.arange(9) + 3
+    k_cache = torch.zeros(2, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[3:12], key)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[3:12], value)
+
+
+def test_empty_write_does_not_launch(monkeypatch):
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("an empty write must not launch a kernel")
+
+    monkeypatch.setattr(kv_write, "_write_kv_kernel", NoLaunch())
+    cache = torch.zeros(2, 16, 2, 64)
+    write_kv(torch.empty(0, 2, 64), torch.empty(0, 2, 64), cache, cache.clone(), torch.empty(0, dtype=torch.int64))
+    assert torch.all(cache == 0)

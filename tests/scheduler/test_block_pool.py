@@ -1,0 +1,105 @@
+"""Unit tests of the block pool: LRU free queue, reference counts, hash chain and prefix-cache eviction."""
+
+import pytest
+
+from scheduler.block_pool import ROOT_BLOCK_HASH, BlockPool, hash_block
+
+
+def test_allocation_takes_least_recently_freed_blocks_first():
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    assert [x.block_id for x in (a, b, c, d)] == [0, 1, 2, 3]
+    assert pool.num_free_blocks == 0
+    pool.free([c])
+    pool.free([a])
+    pool.free([d])
+    assert [blk.block_id for blk in pool.allocate(2)] == [2, 0]
+    assert [blk.block_id for blk in pool.allocate(1)] == [3]
+
+
+def test_reference_counts_keep_shared_blocks_out_of_the_free_queue():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.touch([block])
+    assert block.ref_count == 2
+    pool.free([block])
+    assert block.ref_count == 1 and pool.num_free_blocks == 1
+    pool.free([block])
+    assert block.ref_count == 0 and pool.num_free_blocks == 2
+    with pytest.raises(ValueError):
+        pool.free([block])
+
+
+def test_allocating_more_than_free_raises():
+    pool = BlockPool(3)
+    pool.allocate(2)
+    with pytest.raises(ValueError):
+        pool.allocate(2)
+
+
+def test_hash_chains_parent_tokens_and_salt():
+    first = hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], None)
+    assert first == hash_block(ROOT_BLOCK_HASH, (1, 2, 3, 4), None)
+    assert first != hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 5], None)
+    assert first != hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], "tenant-a")
+    assert hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], "tenant-a") != hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], "tenant-b")
+    # same tokens under a different parent is different content
+    second = hash_block(first, [5, 6, 7, 8], None)
+    other_parent = hash_block(hash_block(ROOT_BLOCK_HASH, [9, 9, 9, 9], None), [5, 6, 7, 8], None)
+    assert second != other_parent
+
+
+def test_freed_cached_block_is_reclaimed_on_a_hit():
+    pool = BlockPool(3)
+    (block,) = pool.allocate(1)
+    pool.cache(block, 1234)
+    pool.free([block])
+    assert pool.num_free_blocks == 3
+    assert pool.get_cached(1234) is block  # still indexed while free
+    pool.touch([block])
+    assert block.ref_count == 1
+    assert block.block_id not in pool.free_queue
+    assert pool.num_free_blocks == 2
+
+
+def test_reallocating_a_cached_block_evicts_its_hash():
+    pool = BlockPool(2)
+    first, second = pool.allocate(2)
+    pool.cache(first, 11)
+    pool.cache(second, 22)
+    pool.free([first])  # first is now the least recently freed
+    pool.free([second])
+    (reused,) = pool.allocate(1)
+    assert reused is first
+    assert reused.hash is None
+    assert pool.get_cached(11) is None
+    assert pool.get_cached(22) is second
+
+
+def test_duplicate_content_keeps_the_first_block_indexed():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache(a, 5)
+    pool.cache(b, 5)
+    assert pool.get_cached(5) is a
+    assert b.hash is None
+    pool.free([a, b])
+    # evicting the unindexed duplicate must not drop the indexed block's entry
+    pool.free_queue.move_to_end(a.block_id)
+    assert pool.allocate(1) == [b]
+    assert pool.get_cached(5) is a
+
+
+def test_caching_disabled_indexes_nothing():
+    pool = BlockPool(2, enable_caching=False)
+    (block,) = pool.allocate(1)
+    pool.cache(block, 9)
+    assert block.hash is None and pool.get_cached(9) is None
+
+
+def test_usage_counts_referenced_blocks():
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    assert pool.usage == pytest.approx(0.75)
+    pool.free(blocks)
+    assert pool.usage == 0.0

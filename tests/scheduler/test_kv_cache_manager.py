@@ -1,0 +1,124 @@
+"""Unit tests of the KV cache manager: slot allocation, prefix lookup rules, caching computed blocks, freeing."""
+
+from sched_testing import make_request
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import Request
+
+BLOCK = 4
+
+
+def new_request(request_id: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(make_request(request_id, tokens, cache_salt=salt), arrival_seq=0, enqueue_time=0.0, max_tokens=4)
+
+
+def compute_all(kv: KVCacheManager, req: Request) -> None:
+    """Allocate and 'compute' every token of the request, then index its full blocks."""
+    assert kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens) is not None
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
+
+
+def test_allocation_covers_the_tokens_and_grows_a_block_at_a_time():
+    kv = KVCacheManager(8, BLOCK)
+    req = new_request("a", list(range(10)))
+    assert kv.allocate_slots(req, 10) == [0, 1, 2]
+    req.num_computed_tokens = 10
+    assert kv.allocate_slots(req, 1) == []  # token 11 still fits block 2
+    req.num_computed_tokens = 12
+    assert kv.allocate_slots(req, 1) == [3]
+    assert kv.block_ids("a") == [0, 1, 2, 3]
+
+
+def test_allocation_fails_without_side_effects_when_short():
+    kv = KVCacheManager(2, BLOCK)
+    req = new_request("a", list(range(12)))
+    assert kv.allocate_slots(req, 12) is None
+    assert kv.pool.num_free_blocks == 2 and "a" not in kv.req_blocks
+
+
+def test_prefix_hit_reuses_full_blocks_and_leaves_the_last_token_to_compute():
+    kv = KVCacheManager(16, BLOCK)
+    first = new_request("a", list(range(10)))
+    compute_all(kv, first)
+    same = new_request("b", list(range(10)))
+    hits = kv.find_cached_prefix(same)
+    assert [b.block_id for b in hits] == kv.block_ids("a")[:2]  # the partial third block is never shared
+    # a prompt of exactly two blocks may reuse only the first: its last token must be recomputed
+    two_blocks = new_request("c", list(range(8)))
+    assert len(kv.find_cached_prefix(two_blocks)) == 1
+    # a prompt that diverges in the second block shares only the first
+    diverging = new_request("d", list(range(5)) + [99, 98, 97, 96, 95])
+    assert len(kv.find_cached_prefix(diverging)) == 1
+
+
+def test_hits_are_shared_with_reference_counts():
+    kv = KVCacheManager(16, BLOCK)
+    first = new_request("a", list(range(10)))
+    compute_all(kv, first)
+    second = new_request("b", list(range(10)))
+    hits = kv.find_cached_prefix(second)
+    added = kv.allocate_slots(second, 2, hits)
+    assert added[:2] == kv.block_ids("a")[:2] and len(added) == 3
+    assert [b.ref_count for b in kv.req_blocks["a"]] == [2, 2, 1]
+    kv.free(first)
+    assert [b.ref_count for b in kv.req_blocks["b"]] == [1, 1, 1]
+
+
+def test_salt_separates_identical_prompts():
+    kv = KVCacheManager(16, BLOCK)
+    compute_all(kv, new_request("a", list(range(10)), salt="alice"))
+    assert kv.find_cached_prefix(new_request("b", list(range(10)), salt="bob")) == []
+    assert len(kv.find_cached_prefix(new_request("c", list(range(10)), salt="alice"))) == 2
+
+
+def test_freed_blocks_stay_cached_until_reallocated_and_tail_goes_first():
+    kv = KVCacheManager(4, BLOCK)
+    first = new_request("a", list(range(12)))
+    compute_all(kv, first)  # three full blocks: 0, 1, 2
+    kv.free(first)
+    assert kv.pool.num_free_blocks == 4
+    # blocks were freed tail first, so a fresh allocation evicts the unused block, then block 2, keeping 0 and 1
+    other = new_request("x", [500 + i for i in range(8)])
+    assert kv.allocate_slots(other, 8) == [3, 2]
+    again = new_request("b", list(range(12)))
+    assert [b.block_id for b in kv.find_cached_prefix(again)] == [0, 1]
+
+
+def test_hits_in_the_free_queue_count_against_free_blocks():
+    kv = KVCacheManager(3, BLOCK)
+    first = new_request("a", list(range(9)))
+    compute_all(kv, first)  # blocks 0,1 full and cached, block 2 partial
+    kv.free(first)
+    second = new_request("b", list(range(9)) + [50, 51, 52, 53, 54, 55, 56])  # 16 tokens: 4 blocks
+    hits = kv.find_cached_prefix(second)
+    assert len(hits) == 2
+    assert kv.allocate_slots(second, 8, hits) is None  # 2 hits + 2 fresh > 3 blocks
+    assert kv.allocate_slots(second, 4, hits) == [0, 1, 2]
+    assert kv.pool.num_free_blocks == 0
+
+
+def test_generated_tokens_fill_blocks_that_become_cached():
+    kv = KVCacheManager(8, BLOCK)
+    req = new_request("a", [1, 2, 3])
+    compute_all(kv, req)
+    req.all_token_ids.append(4)  # a sampled token completes block 0
+    assert kv.allocate_slots(req, 1) == []
+    req.num_computed_tokens = 4
+    kv.cache_computed_blocks(req)
+    follower = new_request("b", [1, 2, 3, 4, 5])
+    assert [b.block_id for b in kv.find_cached_prefix(follower)] == [0]
+
+
+def test_uncomputed_blocks_are_not_shared():
+    kv = KVCacheManager(8, BLOCK)
+    req = new_request("a", list(range(12)))
+    assert kv.allocate_slots(req, 12) is not None
+    kv.cache_computed_blocks(req)  # nothing computed yet
+    assert kv.find_cached_prefix(new_request("b", list(range(12)))) == []
+
+
+def test_prefix_caching_disabled_never_hits():
+    kv = KVCacheManager(8, BLOCK, enable_prefix_caching=False)
+    compute_all(kv, new_request("a", list(range(10))))
+    assert kv.find_cached_prefix(new_request("b", list(range(10)))) == []

@@ -1,0 +1,24 @@
+"""Fixtures for worker tests: tiny random checkpoints, built once per session and shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.workers.tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """`tiny_checkpoint(kind, max_shard_size=None)` -> (checkpoint directory, float32 HF reference model)."""
+    made: dict[tuple[str, str | None], tuple[Path, object]] = {}
+
+    def get(kind: str, max_shard_size: str | None = None):
+        key = (kind, max_shard_size)
+        if key not in made:
+            directory = tmp_path_factory.mktemp(f"{kind}-{max_shard_size or 'single'}")
+            made[key] = (directory, make_tiny_checkpoint(kind, directory, max_shard_size=max_shard_size))
+        return made[key]
+
+    return get

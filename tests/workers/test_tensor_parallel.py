@@ -1,0 +1,63 @@
+"""Tensor parallelism on CPU: two gloo ranks, each holding half the heads and MLP columns, give the full logits."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.workers.runner_driver import logits_in_chunks
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from workers.model_runner import ModelRunner
+
+CHUNKS = [0, 9, 21, 22, 23]
+KV_BUDGET_BYTES = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_rank(rank: int, path: str, port: int, input_ids: torch.Tensor, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    config = EngineConfig(
+        model=ModelConfig(path=path),
+        cache=CacheConfig(block_size=4, kv_cache_memory_bytes=KV_BUDGET_BYTES),
+        parallel=ParallelConfig(device="cpu", tensor_parallel_size=2, dist_port=port),
+    )
+    runner = ModelRunner(config, rank=rank)
+    try:
+        runner.load_model()
+        attention = runner.model.model.layers[0].self_attn
+        torch.save(
+            {
+                "logits": logits_in_chunks(runner.model, input_ids, CHUNKS),
+                "heads": (attention.num_heads, attention.num_kv_heads),
+                "num_blocks": runner.num_kv_blocks_for_budget(),
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2's single KV head is replicated on both ranks
+def test_two_ranks_reproduce_single_rank_logits(tiny_checkpoint, tmp_path, kind):
+    path, hf_model = tiny_checkpoint(kind)
+    input_ids = torch.randint(3, hf_model.config.vocab_size, (CHUNKS[-1],), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_model(input_ids[None]).logits[0]
+    args = (str(path), free_port(), input_ids, str(tmp_path))
+    mp.start_processes(run_rank, args=args, nprocs=2, start_method="spawn")
+    kv_heads = hf_model.config.num_key_value_heads
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["heads"] == (2, max(1, kv_heads // 2))
+        # per rank: K and V, 2 layers, 4-token blocks, its kv heads of 16 dims, float32
+        assert result["num_blocks"] == KV_BUDGET_BYTES // (2 * 2 * 4 * max(1, kv_heads // 2) * 16 * 4)
+        torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,109 @@
+"""Paged attention on CPU against dense causal attention over each sequence's own keys and values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from workers.attention import build_attention_metadata, write_kv_and_attend, write_kv_torch
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
+
+
+def dense_reference(query, keys, values, scale):
+    """query [q_len, Hq, D] at the last q_len positions of keys/values [seq_len, Hkv, D]."""
+    q_len, seq_len = query.shape[0], keys.shape[0]
+    group = NUM_HEADS // NUM_KV_HEADS
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.double(), keys.double()) * scale
+    query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
+
+
+def run_case(query_lens, seq_lens, seed=0, garbage=float("nan")):
+    """Fill the cache for every sequence's history, then one step of new tokens; compare with dense attention.
+
+    Unused cache slots hold `garbage`, as a torch.empty cache may.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    k_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), garbage)
+    v_cache = torch.full_like(k_cache, garbage)
+    free = [int(b) for b in rng.permutation(NUM_BLOCKS) if b != 0]
+    max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens) + 1  # one spare column of padding
+    block_tables = np.zeros((len(seq_lens), max_blocks), dtype=np.int64)
+    histories, queries, new_keys, new_values = [], [], [], []
+    for b, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        blocks = [free.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+        block_tables[b, : len(blocks)] = blocks
+        # The runner's contract: a block is zeroed when first handed out, and block 0 (table padding) at once.
+        # Every other block keeps the garbage, so reading outside the block tables would show.
+        for block in [0, *blocks]:
+            k_cache[block] = 0.0
+            v_cache[block] = 0.0
+        keys = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+        values = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+        histories.append((keys, values))
+        cached = seq_len - q_len
+        for pos in range(cached):  # what earlier steps stored
+            slot = blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+            k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot] = keys[pos]
+            v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot] = values[pos]
+        queries.append(torch.randn(q_len, NUM_HEADS, HEAD_DIM, generator=generator))
+        new_keys.append(keys[cached:])
+        new_values.append(values[cached:])
+
+    meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), block_tables, BLOCK_SIZE, CPU)
+    scale = HEAD_DIM**-0.5
+    out = write_kv_and_attend(
+        torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache), meta, scale
+    )
+    expected = torch.cat([dense_reference(q, k, v, scale) for q, (k, v) in zip(queries, histories)])
+    return out, expected, meta
+
+
+@pytest.mark.parametrize(
+    "query_lens, seq_lens",
+    [
+        ([1, 1, 1, 1], [1, 7, 8, 33]),  # decode only, block-aligned and not
+        ([5, 9, 16], [5, 9, 16]),  # whole prompts
+        ([4, 3], [13, 30]),  # prompt chunks after cached prefixes
+        ([1, 6, 1, 3, 1], [17, 6, 2, 12, 40]),  # mixed decode and prefill
+    ],
+)
+def test_paged_attention_matches_dense(query_lens, seq_lens):
+    out, expected, meta = run_case(query_lens, seq_lens)
+    assert meta.is_decode_only == all(q == 1 for q in query_lens)
+    assert torch.isfinite(out).all(), "garbage (NaN) cache slots leaked into the output"
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_metadata_slots_positions_and_groups():
+    block_tables = np.array([[7, 2, 0], [5, 0, 0], [9, 3, 4]])
+    meta = build_attention_metadata(np.array([2, 1, 3]), np.array([6, 3, 11]), block_tables, BLOCK_SIZE, CPU)
+    # seq 0: positions 4, 5 -> block 2; seq 1: position 2 -> block 5; seq 2: positions 8, 9, 10 -> block 4
+    assert meta.slot_mapping.tolist() == [8, 9, 22, 16, 17, 18]
+    assert meta.slot_mapping.dtype == torch.int64 and meta.block_tables.dtype == torch.int32
+    assert meta.query_start_loc.tolist() == [0, 2, 3, 6] and meta.seq_lens.tolist() == [6, 3, 11]
+    assert not meta.is_decode_only and meta.max_query_len == 3 and meta.max_seq_len == 11
+    assert meta.decode.token_indices.tolist() == [2]
+    assert [(p.query_start, p.query_end, p.seq_len) for p in meta.prefills] == [(0, 2, 6), (3, 6, 11)]
+    assert meta.prefills[1].block_ids.tolist() == [9, 3, 4]
+
+
+def test_write_kv_fills_exactly_the_slots():
+    k_cache = torch.zeros(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(3, NUM_KV_HEADS, HEAD_DIM)
+    value = torch.randn(3, NUM_KV_HEADS, HEAD_DIM)
+    write_kv_torch(key, value, k_cache, v_cache, torch.tensor([13, 2, 7]))
+    torch.testing.assert_close(k_cache[3, 1], key[0])
+    torch.testing.assert_close(v_cache[0, 2], value[1])
+    torch.testing.assert_close(k_cache[1, 3], key[2])
+    assert int((k_cache.abs().sum(-1).sum(-1) > 0).sum()) == 3

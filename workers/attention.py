@@ -1,0 +1,275 @@
+"""Paged KV cache and attention: write this step's keys/values into their slots, attend through block tables.
+
+Cache layout (shared with the Triton kernels in `kernels/`): per layer a K cache and a V cache, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`. Token t of a step lives in flat slot
+`slot_mapping[t] = block_id * block_size + offset`.
+
+Padding is read, then masked: decode batches gather whole blocks (and block-table padding points at block 0), so
+every slot of a block that appears in a block table, and all of block 0, must hold finite values, since a masked
+NaN still poisons SDPA (0 * nan = nan). The model runner guarantees it by zeroing each block the first time it is
+handed out; after that a slot holds zeros or stale but finite keys and values.
+
+`AttentionMetadata` is built once per step by the model runner and shared by every layer; whatever can be
+precomputed for the whole step (decode masks, per-sequence causal masks) is built there, not per layer.
+
+The device switch lives in `attention_backend`: today only the torch implementation exists (it is what runs on
+CPU, and it is also correct on CUDA); the CUDA branch is where the Triton kernels from `kernels/` plug in.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """The sequences of a step that have exactly one query token, attended in one batched SDPA call."""
+
+    token_indices: torch.Tensor | None  # [Bd] int64 rows of the flat batch; None when the whole batch is decode
+    block_tables: torch.Tensor  # [Bd, num_blocks] int64, only as many columns as the longest sequence needs
+    key_mask: torch.Tensor  # [Bd, 1, 1, num_blocks * block_size] bool: True where the key is in the sequence
+
+
+@dataclass
+class PrefillSequence:
+    """One sequence with several query tokens (a prompt, a prompt chunk, or a resumed request)."""
+
+    query_start: int
+    query_end: int
+    seq_len: int
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    causal_mask: torch.Tensor | None  # [q_len, seq_len] bool; None when q_len == seq_len (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step's flat batch of T tokens from B sequences."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of every new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step (computed + scheduled)
+    is_decode_only: bool
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    decode: DecodeGroup | None  # the single-token sequences, batched
+    prefills: list[PrefillSequence]  # the multi-token sequences, one SDPA call each
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """Positions `[T]` of a flat batch: sequence b's query i sits at seq_lens[b] - query_lens[b] + i."""
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    first_token = np.cumsum(query_lens) - query_lens
+    return np.arange(int(query_lens.sum())) - first_token[seq_of_token] + (seq_lens - query_lens)[seq_of_token]
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build a step's metadata from host arrays: query_lens[B], seq_lens[B] and block_tables[B, max_blocks]."""
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    block_tables = np.asarray(block_tables, dtype=np.int64)
+    num_seqs = len(query_lens)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    positions = token_positions(query_lens, seq_lens)
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+    blocks_needed = -(-seq_lens // block_size)
+    is_decode = query_lens == 1
+    is_decode_only = bool(is_decode.all())
+    decode = None
+    if is_decode.any():
+        decode_seqs = np.flatnonzero(is_decode)
+        decode_seq_lens = seq_lens[decode_seqs]
+        num_blocks = int(blocks_needed[decode_seqs].max())
+        key_positions = np.arange(num_blocks * block_size)
+        key_mask = key_positions[None, :] < decode_seq_lens[:, None]
+        decode = DecodeGroup(
+            token_indices=None if is_decode_only else to_device(query_start_loc[decode_seqs], torch.int64),
+            block_tables=to_device(block_tables[decode_seqs, :num_blocks], torch.int64),
+            key_mask=to_device(key_mask[:, None, None, :], torch.bool),
+        )
+
+    prefills = []
+    for seq in np.flatnonzero(~is_decode):
+        q_len, seq_len = int(query_lens[seq]), int(seq_lens[seq])
+        causal_mask = None
+        if q_len != seq_len:
+            query_positions = np.arange(seq_len - q_len, seq_len)
+            causal_mask = to_device(np.arange(seq_len)[None, :] <= query_positions[:, None], torch.bool)
+        prefills.append(
+            PrefillSequence(
+                query_start=int(query_start_loc[seq]),
+                query_end=int(query_start_loc[seq + 1]),
+                seq_len=seq_len,
+                block_ids=to_device(block_tables[seq, : blocks_needed[seq]], torch.int64),
+                causal_mask=causal_mask,
+            )
+        )
+
+    return AttentionMetadata(
+        slot_mapping=to_device(slot_mapping, torch.int64),
+        block_tables=to_device(block_tables, torch.int32),
+        query_start_loc=to_device(query_start_loc, torch.int32),
+        seq_lens=to_device(seq_lens, torch.int32),
+        is_decode_only=is_decode_only,
+        max_query_len=int(query_lens.max()) if num_seqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+        block_size=block_size,
+        decode=decode,
+        prefills=prefills,
+    )
+
+
+# ---------------------------------------------------------------- torch implementation (CPU, and correct anywhere)
+
+
+def write_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value `[T, Hkv, D]` into the caches at their flat slots, in place."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather_sequence(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's cached keys or values as `[Hkv, seq_len, D]`, read through its block ids."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    gathered = cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+    return gathered.transpose(0, 1)
+
+
+def _attend_decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+) -> torch.Tensor:
+    """Single-token queries `[Bd, Hq, D]` of many sequences in one masked SDPA over their padded caches."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    # Grouped-query attention without repeating K/V: the G query heads sharing a KV head act as G query rows.
+    grouped_query = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    flat_blocks = group.block_tables.reshape(-1)
+    keys = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=group.key_mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of query `[T, Hq, D]` over each sequence's cached keys/values; returns `[T, Hq, D]`.
+
+    The caches must already hold this step's keys and values.
+    """
+    decode = metadata.decode
+    if metadata.is_decode_only and decode is not None:
+        return _attend_decode(query, k_cache, v_cache, decode, scale)
+
+    output = torch.empty_like(query)
+    if decode is not None:
+        decode_query = query.index_select(0, decode.token_indices)
+        output.index_copy_(0, decode.token_indices, _attend_decode(decode_query, k_cache, v_cache, decode, scale))
+    for seq in metadata.prefills:
+        # 4-d [1, heads, len, D]: torch's CPU SDPA takes a far slower path for 3-d GQA inputs with a mask.
+        seq_query = query[seq.query_start : seq.query_end].transpose(0, 1)[None]
+        keys = _gather_sequence(k_cache, seq.block_ids, seq.seq_len)[None]
+        values = _gather_sequence(v_cache, seq.block_ids, seq.seq_len)[None]
+        seq_out = F.scaled_dot_product_attention(
+            seq_query,
+            keys,
+            values,
+            attn_mask=seq.causal_mask,
+            is_causal=seq.causal_mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        output[seq.query_start : seq.query_end] = seq_out[0].transpose(0, 1)
+    return output
+
+
+# ---------------------------------------------------------------- backend selection: the one CPU/CUDA switch
+
+
+class AttentionBackend(Protocol):
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    """Pure torch: gathers through the block tables and calls SDPA."""
+
+    write_kv = staticmethod(write_kv_torch)
+    attend = staticmethod(paged_attention_torch)
+
+
+@functools.cache
+def attention_backend(device_type: str) -> AttentionBackend:
+    """The attention implementation for a device type ("cpu" or "cuda").
+
+    CUDA is where the Triton kernels from `kernels/` (KV write, paged attention) plug in, as a backend with these
+    same two methods. Until they do, the torch path serves every device: it is exact on CUDA, only slower.
+    """
+    return TorchAttentionBackend()
+
+
+def write_kv_and_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One layer's paged attention: store this step's key/value `[T, Hkv, D]`, then attend; returns `[T, Hq, D]`."""
+    k_cache, v_cache = kv_cache
+    backend = attention_backend(query.device.type)
+    backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    return backend.attend(query, k_cache, v_cache, metadata, scale)

@@ -1,0 +1,195 @@
+"""Read a checkpoint: its Hugging Face config, the dtype to run it in, and its weights as (HF name, tensor) pairs.
+
+Weights come from safetensors (`model.safetensors`, or shards listed in `model.safetensors.index.json`) or from a
+GGUF file, whose llama.cpp tensor names are mapped to HF names and whose quantized tensors are dequantized to
+float32. Tensors are yielded one at a time so the model copies each into its (already placed) parameter and the
+whole checkpoint is never held in memory twice.
+
+dtype rule (`ModelConfig.dtype`):
+- "float32" / "bfloat16" / "float16": used as given, on any device.
+- "auto" with a GGUF file: float32 on CPU; bfloat16 on CUDA (float16 where the GPU lacks bfloat16).
+- "auto" otherwise: the config's dtype when it is float32 or bfloat16; float16 stays float16 on CUDA but becomes
+  float32 on CPU (CPU float16 matmuls are slow or unsupported); no dtype in the config counts as float32 on CPU
+  and bfloat16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tokenmill.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(model_cfg: ModelConfig):
+    """The model's `transformers.PretrainedConfig`, from `config.json` or from the GGUF file's metadata.
+
+    GGUF metadata names no architecture, so `architectures` is filled in from the model type when missing.
+    """
+    from transformers import AutoConfig
+
+    from workers.models.registry import architecture_of
+
+    if model_cfg.gguf_file:
+        hf_config = AutoConfig.from_pretrained(model_cfg.path, gguf_file=model_cfg.gguf_file)
+    else:
+        hf_config = AutoConfig.from_pretrained(model_cfg.path)
+    if not getattr(hf_config, "architectures", None):
+        try:
+            hf_config.architectures = [architecture_of(hf_config)]
+        except ValueError:
+            pass  # an unsupported model: the error is raised where a model class is needed
+    return hf_config
+
+
+def _config_dtype(hf_config) -> torch.dtype | None:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        return _DTYPES.get(value.removeprefix("torch."))
+    return value if isinstance(value, torch.dtype) else None
+
+
+def resolve_dtype(model_cfg: ModelConfig, hf_config, device: torch.device) -> torch.dtype:
+    """The dtype weights and activations run in; see the module docstring for the rule."""
+    if model_cfg.dtype != "auto":
+        return _DTYPES[model_cfg.dtype]
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        half = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        half = torch.float32
+    if model_cfg.gguf_file:
+        return half
+    wanted = _config_dtype(hf_config)
+    if wanted == torch.float32 or (wanted == torch.bfloat16 and not on_cuda):
+        return wanted
+    if wanted == torch.float16:
+        return torch.float16 if on_cuda else torch.float32
+    return half
+
+
+def iter_weights(model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor as (HF parameter name, CPU tensor), with a progress bar."""
+    if model_cfg.gguf_file:
+        yield from _iter_gguf(os.path.join(model_cfg.path, model_cfg.gguf_file))
+    else:
+        yield from _iter_safetensors(model_cfg.path)
+
+
+# ---------------------------------------------------------------- safetensors
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files: the shards named by the index, or the single file."""
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index_file):
+        with open(index_file) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors weights in {path} (model.safetensors or an index file)")
+    return [os.path.join(path, name) for name in found]
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = safetensors_files(path)
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as progress:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    progress.update(1)
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_UNUSED = {"rope_freqs"}  # llama3 frequency factors: recomputed from the config instead
+_GGUF_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors the model does not use."""
+    match = _GGUF_LAYER_PATTERN.fullmatch(name)
+    if match:
+        layer, kind, param = match.groups()
+        if kind not in _GGUF_LAYER_NAMES:
+            raise KeyError(f"unknown GGUF tensor {name!r}")
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{param}"
+    base, _, param = name.rpartition(".")
+    if base in _GGUF_UNUSED:
+        return None
+    if base not in _GGUF_GLOBAL_NAMES:
+        raise KeyError(f"unknown GGUF tensor {name!r}")
+    return f"{_GGUF_GLOBAL_NAMES[base]}.{param}"
+
+
+def unpermute_llama_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of the rotary halves in Q/K rows (as transformers' GGUF loader does)."""
+    half_rows = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half_rows, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
+
+
+def _gguf_field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _iter_gguf(file: str) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(file)
+    arch = _gguf_field(reader, "general.architecture")
+    # llama.cpp permutes Q/K rows only for the llama architecture (Mistral GGUFs are "llama" too).
+    permuted_heads = {}  # projection name -> its number of heads
+    if arch == "llama":
+        num_heads = int(_gguf_field(reader, "llama.attention.head_count"))
+        num_kv_heads = int(_gguf_field(reader, "llama.attention.head_count_kv") or num_heads)
+        permuted_heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
+
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=None):
+        hf_name = gguf_name_to_hf(tensor.name)
+        if hf_name is None:
+            continue
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        projection = hf_name.split(".")[-2]
+        if projection in permuted_heads:
+            weights = unpermute_llama_qk(weights, permuted_heads[projection])
+        if not weights.flags.writeable:  # F32 tensors are views of the read-only memory-mapped file
+            weights = weights.copy()
+        yield hf_name, torch.from_numpy(weights)

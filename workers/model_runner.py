@@ -1,0 +1,335 @@
+"""The worker's model runner: holds weights, the paged KV cache and per-request state; runs one StepPlan at a time.
+
+A StepPlan is a diff: finished requests are forgotten, new ones arrive in full, running ones bring the tokens
+sampled last step and any new blocks. Each scheduled request contributes `num_scheduled_tokens` tokens starting
+at `num_computed_tokens`, so prompts, prompt chunks and decode tokens all run in one flat batch and one forward.
+Only requests whose scheduled tokens reach the end of their known tokens get logits and a sampled token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tokenmill.config import EngineConfig
+from tokenmill.messages import NewRequestData, StepPlan, StepResult
+from workers.attention import AttentionMetadata, build_attention_metadata, token_positions
+from workers.model_loader import iter_weights, load_hf_config, resolve_dtype
+from workers.models.layers import TensorParallel
+from workers.models.registry import architecture_of, model_class
+from workers.sampler import RequestSamplingState, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """What the worker remembers about one request between steps."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + outputs known so far
+    block_ids: list[int]
+    task: str
+    sampling: RequestSamplingState | None  # None for embedding requests
+
+
+@dataclass
+class _StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] rows of the flat batch whose hidden state is sampled
+    sampled_requests: list[_Request]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def resolve_device(config: EngineConfig, rank: int) -> torch.device:
+    """cuda:<rank> when CUDA is asked for (or available under "auto"), else cpu."""
+    wanted = config.parallel.device
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config, rank)
+        self.tp = TensorParallel(rank, config.parallel.tensor_parallel_size)
+        self.block_size = config.cache.block_size
+        self.hf_config = None
+        self.architecture = ""
+        self.dtype = torch.float32
+        self.model = None
+        self.weight_bytes = 0
+        self.eos_token_ids: list[int] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._never_used_blocks = np.zeros(0, dtype=bool)
+        self._requests: dict[str, _Request] = {}
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.model.seed)
+        if self.tp.size > 1:
+            self._init_distributed()
+
+    def _init_distributed(self) -> None:
+        if dist.is_initialized():
+            return
+        if not self.config.parallel.dist_port:
+            raise ValueError("tensor parallelism needs parallel.dist_port")
+        dist.init_process_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{self.config.parallel.dist_port}",
+            rank=self.rank,
+            world_size=self.tp.size,
+        )
+
+    # ---------------------------------------------------------------- start-up
+
+    def load_model(self) -> None:
+        """Build the model on the target device and dtype, then stream the checkpoint into it."""
+        model_cfg = self.config.model
+        self.hf_config = load_hf_config(model_cfg)
+        self.architecture = model_cfg.architecture or architecture_of(self.hf_config)
+        self.dtype = resolve_dtype(model_cfg, self.hf_config, self.device)
+        started = time.perf_counter()
+        with torch.device(self.device), _default_dtype(self.dtype):
+            model = model_class(self.architecture)(self.hf_config, tp=self.tp)
+        model.load_weights(iter_weights(model_cfg))
+        self.model = model.eval()
+        unique = {p.data_ptr(): p for p in model.parameters()}.values()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+        self.eos_token_ids = self._read_eos_token_ids()
+        log.info(
+            "loaded %s (%s, %.1f MiB of weights on %s) in %.1f s",
+            self.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.weight_bytes / 2**20,
+            self.device,
+            time.perf_counter() - started,
+        )
+
+    def _read_eos_token_ids(self) -> list[int]:
+        """From generation_config.json when the checkpoint has one, else the model config's eos_token_id."""
+        eos = None
+        generation_config = os.path.join(self.config.model.path, "generation_config.json")
+        if os.path.exists(generation_config):
+            with open(generation_config) as f:
+                eos = json.load(f).get("eos_token_id")
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(eos)] if isinstance(eos, int) else [int(token) for token in eos]
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block across every layer, K and V."""
+        model = self.model
+        per_layer = self.block_size * model.num_kv_heads * model.head_dim * self.dtype.itemsize
+        return 2 * model.num_layers * per_layer
+
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len or int(self.hf_config.max_position_embeddings)
+
+    def num_kv_blocks_for_budget(self) -> int:
+        """How many KV blocks fit: the configured count, the CPU byte budget, or what the GPU has left.
+
+        With tensor parallelism every rank must call this; they agree on the smallest count.
+        """
+        cache = self.config.cache
+        if cache.num_kv_blocks > 0:
+            return cache.num_kv_blocks
+        if self.device.type == "cuda":
+            num_blocks = self._num_kv_blocks_on_gpu()
+        else:
+            num_blocks = cache.kv_cache_memory_bytes // self.kv_block_bytes()
+        if self.tp.size > 1:
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
+        return num_blocks
+
+    def _num_kv_blocks_on_gpu(self) -> int:
+        """gpu_memory_utilization of the GPU, less what a worst-case step holds, capped by what is free."""
+        cache = self.config.cache
+        _, total = torch.cuda.mem_get_info(self.device)
+        in_use = self._profile_peak_memory()
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        budget = min(cache.gpu_memory_utilization * total - in_use, free_now)
+        num_blocks = int(budget // self.kv_block_bytes())
+        if num_blocks <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {in_use / 2**30:.2f} GiB in use after profiling, "
+                f"{cache.gpu_memory_utilization:.2f} of {total / 2**30:.2f} GiB allowed"
+            )
+        return num_blocks
+
+    def _profile_peak_memory(self) -> int:
+        """Bytes this process holds at the peak of a worst-case step (max_num_batched_tokens tokens), KV excluded."""
+        sched = self.config.scheduler
+        max_len = self.max_model_len()
+        seq_lens = [max_len] * (sched.max_num_batched_tokens // max_len)
+        if sched.max_num_batched_tokens % max_len:
+            seq_lens.append(sched.max_num_batched_tokens % max_len)
+        blocks_per_seq = [-(-n // self.block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq)
+        block_tables = np.zeros((len(seq_lens), max(blocks_per_seq)), dtype=np.int64)
+        next_block = 0
+        for row, count in enumerate(blocks_per_seq):
+            block_tables[row, :count] = np.arange(next_block, next_block + count)
+            next_block += count
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocate_kv_cache(num_blocks)
+        dummy_kv_bytes = num_blocks * self.kv_block_bytes()
+        lens = np.array(seq_lens)
+        attn = build_attention_metadata(lens, lens, block_tables, self.block_size, self.device)
+        num_tokens = sum(seq_lens)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.from_numpy(token_positions(lens, lens)).to(self.device)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, attn, self.kv_caches)
+            num_rows = min(sched.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:num_rows]).softmax(dim=-1)  # the sampler works on copies of these
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device) - dummy_kv_bytes
+        self.kv_caches = []
+        del hidden
+        torch.cuda.empty_cache()
+        log.info("profiled a %d-token step: %.2f GiB peak besides the KV cache", num_tokens, peak / 2**30)
+        return peak
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Per layer a K and a V cache `[num_blocks, block_size, num_kv_heads, head_dim]`, left uninitialised.
+
+        Each block is zeroed the first time a plan hands it out (block 0 at once: it pads block tables), which
+        keeps attention's padding reads finite without touching the whole cache up front.
+        """
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        self.kv_caches = [
+            (
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.model.num_layers)
+        ]
+        self._never_used_blocks = np.ones(num_blocks, dtype=bool)
+        self._zero_never_used_blocks([0])
+
+    def _zero_never_used_blocks(self, block_ids: list[int]) -> None:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        fresh = np.unique(ids[self._never_used_blocks[ids]])
+        if fresh.size == 0:
+            return
+        self._never_used_blocks[fresh] = False
+        index = torch.from_numpy(fresh).to(self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_fill_(0, index, 0.0)
+            v_cache.index_fill_(0, index, 0.0)
+
+    # ---------------------------------------------------------------- steps
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply the plan's diff, run one forward over every scheduled token, and sample where a token is due."""
+        for request_id in plan.finished_ids:
+            self._requests.pop(request_id, None)
+        scheduled: list[tuple[_Request, int, int]] = []
+        handed_out: list[int] = []
+        for new in plan.new_requests:
+            request = self._add_request(new)
+            handed_out.extend(new.block_ids)
+            scheduled.append((request, new.num_computed_tokens, new.num_scheduled_tokens))
+        for running in plan.running:
+            request = self._requests[running.request_id]
+            request.token_ids.extend(running.new_token_ids)
+            request.block_ids.extend(running.new_block_ids)
+            handed_out.extend(running.new_block_ids)
+            scheduled.append((request, running.num_computed_tokens, running.num_scheduled_tokens))
+        if handed_out:
+            self._zero_never_used_blocks(handed_out)
+        scheduled = [entry for entry in scheduled if entry[2] > 0]
+        if not scheduled:
+            return StepResult(plan.step_id, [], [])
+
+        started = time.perf_counter()
+        batch = self._prepare_batch(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        if self.rank != 0 or not batch.sampled_requests:
+            return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        states = [request.sampling for request in batch.sampled_requests]
+        result = sample(logits, states)
+        for state, token_id in zip(states, result.token_ids):
+            state.output_token_ids.append(token_id)
+        return StepResult(
+            plan.step_id,
+            [request.request_id for request in batch.sampled_requests],
+            result.token_ids,
+            logprobs=result.logprobs,
+            model_time_s=time.perf_counter() - started,
+        )
+
+    def _add_request(self, new: NewRequestData) -> _Request:
+        sampling = None
+        if new.task == "generate":
+            prompt = new.token_ids[: new.num_prompt_tokens]
+            sampling = RequestSamplingState(new.sampling, prompt, self.eos_token_ids, self.device)
+            sampling.output_token_ids.extend(new.token_ids[new.num_prompt_tokens :])  # resumed after preemption
+        request = _Request(new.request_id, list(new.token_ids), list(new.block_ids), new.task, sampling)
+        self._requests[new.request_id] = request
+        return request
+
+    def _prepare_batch(self, scheduled: list[tuple[_Request, int, int]]) -> _StepBatch:
+        """The flat batch: token ids, positions, attention metadata and the rows to sample, built once per step."""
+        num_seqs = len(scheduled)
+        query_lens = np.fromiter((n for _, _, n in scheduled), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((start for _, start, _ in scheduled), dtype=np.int64, count=num_seqs)
+        seq_lens = starts + query_lens
+        blocks_needed = -(-seq_lens // self.block_size)
+        block_tables = np.zeros((num_seqs, int(blocks_needed.max())), dtype=np.int64)
+        input_ids: list[int] = []
+        sample_rows: list[int] = []
+        sampled_requests: list[_Request] = []
+        end_row = 0
+        for seq, (request, start, num_tokens) in enumerate(scheduled):
+            end = start + num_tokens
+            if end > len(request.token_ids) or blocks_needed[seq] > len(request.block_ids):
+                raise ValueError(
+                    f"request {request.request_id}: {num_tokens} tokens scheduled from {start} but it knows "
+                    f"{len(request.token_ids)} tokens and {len(request.block_ids)} blocks"
+                )
+            input_ids.extend(request.token_ids[start:end])
+            block_tables[seq, : blocks_needed[seq]] = request.block_ids[: blocks_needed[seq]]
+            end_row += num_tokens
+            if end == len(request.token_ids) and request.sampling is not None:
+                sample_rows.append(end_row - 1)
+                sampled_requests.append(request)
+
+        device = self.device
+        return _StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
+            positions=torch.from_numpy(token_positions(query_lens, seq_lens)).to(device),
+            attn=build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, device),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long).to(device),
+            sampled_requests=sampled_requests,
+        )

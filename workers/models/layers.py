@@ -1,0 +1,255 @@
+"""Building blocks shared by the decoder models: RMSNorm, rotary embeddings, and linear layers split per rank.
+
+Tensor parallelism is local to these layers: a `TensorParallel` (rank, size) tells each layer which slice of a
+full Hugging Face weight it owns; column-split layers (fused QKV, fused gate/up) keep their per-rank output rows,
+row-split layers (o_proj, down_proj) keep their per-rank input columns and all-reduce their output. With size 1
+every slice is the whole tensor and the all-reduce is skipped.
+
+Every layer with parameters has `load(param_name, full_tensor, shard_id)`, which copies its rank's slice of a
+checkpoint tensor into the parameter (shape-checked) and returns how many elements it wrote, so the model can
+verify that every parameter was filled exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class TensorParallel(NamedTuple):
+    rank: int = 0
+    size: int = 1
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of `total` (heads, MLP columns), which must divide evenly."""
+        if total % self.size:
+            raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={self.size}")
+        return total // self.size
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(partial)
+        return partial
+
+
+def copy_checked(dest: torch.Tensor, src: torch.Tensor, what: str) -> int:
+    """Copy `src` into `dest` (converting dtype/device); shapes must match exactly, never broadcast."""
+    if dest.shape != src.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match parameter {tuple(dest.shape)}")
+    dest.copy_(src)
+    return dest.numel()
+
+
+def new_parameter(*shape: int) -> nn.Parameter:
+    """An uninitialised inference parameter on the current default device and dtype (loading fills it)."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ReplicatedLoad:
+    """Mixin: every rank holds the whole parameter."""
+
+    def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
+        return copy_checked(getattr(self, param_name).data, full, f"{type(self).__name__}.{param_name}")
+
+
+class RMSNorm(ReplicatedLoad, nn.Module):
+    """Root-mean-square norm, computed in float32 as Hugging Face does; optionally fuses the residual add."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter(size)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_float.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); with no residual, x itself is the new residual."""
+        if residual is not None:
+            x = x + residual
+        return self.normalize(x), x
+
+
+class QKVLinear(nn.Module):
+    """q_proj, k_proj and v_proj fused into one matmul; rows hold this rank's query heads, then its K and V heads."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int, bias: bool, tp: TensorParallel
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.num_heads = tp.split(total_heads, "num_attention_heads")
+        if total_kv_heads >= tp.size:
+            self.num_kv_heads = tp.split(total_kv_heads, "num_key_value_heads")
+            first_kv_head = tp.rank * self.num_kv_heads
+        else:  # fewer KV heads than ranks: each KV head is replicated on size / total_kv_heads ranks
+            self.num_kv_heads = 1
+            first_kv_head = tp.rank * total_kv_heads // tp.size
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        # shard id -> (first row in the fused parameter, first row in the checkpoint tensor, rows)
+        self._shards = {
+            "q": (0, tp.rank * self.q_size, self.q_size),
+            "k": (self.q_size, first_kv_head * head_dim, self.kv_size),
+            "v": (self.q_size + self.kv_size, first_kv_head * head_dim, self.kv_size),
+        }
+        self.weight = new_parameter(self.q_size + 2 * self.kv_size, hidden_size)
+        self.bias = new_parameter(self.q_size + 2 * self.kv_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (views of one matmul output)."""
+        qkv = F.linear(x, self.weight, self.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = x.shape[0]
+        return (
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
+
+    def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
+        dest_row, src_row, rows = self._shards[shard_id]
+        dest = getattr(self, param_name).data.narrow(0, dest_row, rows)
+        return copy_checked(dest, full.narrow(0, src_row, rows), f"qkv_proj.{param_name}[{shard_id}]")
+
+
+class GateUpLinear(nn.Module):
+    """gate_proj and up_proj fused into one matmul, followed by SiLU(gate) * up."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.rank_size = tp.split(intermediate_size, "intermediate_size")
+        self._first_src_row = tp.rank * self.rank_size
+        self.weight = new_parameter(2 * self.rank_size, hidden_size)
+        self.bias = new_parameter(2 * self.rank_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.weight, self.bias).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
+        dest_row = 0 if shard_id == "gate" else self.rank_size
+        dest = getattr(self, param_name).data.narrow(0, dest_row, self.rank_size)
+        src = full.narrow(0, self._first_src_row, self.rank_size)
+        return copy_checked(dest, src, f"gate_up_proj.{param_name}[{shard_id}]")
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input columns are split across ranks; partial outputs are summed by an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.rank_input_size = tp.split(input_size, "row-parallel input size")
+        self.weight = new_parameter(output_size, self.rank_input_size)
+        self.bias = new_parameter(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # the bias is added once, after the sum
+
+    def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
+        if param_name == "bias":
+            return copy_checked(self.bias.data, full, "row-parallel bias")
+        columns = full.narrow(1, self.tp.rank * self.rank_input_size, self.rank_input_size)
+        return copy_checked(self.weight.data, columns, "row-parallel weight")
+
+
+class VocabEmbedding(ReplicatedLoad, nn.Module):
+    """Token embedding table. Replicated on every rank for now; a vocab-parallel split would live here."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = new_parameter(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(ReplicatedLoad, nn.Module):
+    """Hidden states -> float32 logits. Replicated on every rank for now; may share its weight with the embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.weight = tied_to.weight if tied_to is not None else new_parameter(vocab_size, hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float()
+
+
+# ---------------------------------------------------------------- rotary position embeddings
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings of a HF config as one dict with at least `rope_type` and `rope_theta`.
+
+    transformers 5 spells them `config.rope_parameters`; older configs use `rope_theta` plus `rope_scaling`.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+def rope_inverse_frequencies(head_dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
+    """float32 [head_dim / 2] inverse frequencies for the default, `linear` or `llama3` rope types."""
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial rotary embeddings are not supported")
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, params, max_position_embeddings)
+    raise NotImplementedError(f"rope type {rope_type!r} is not supported")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, params: dict, max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = float(params.get("original_max_position_embeddings", max_position_embeddings))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding. `cos_sin` runs once per step; every layer reuses its result."""
+
+    def __init__(self, head_dim: int, params: dict, max_position_embeddings: int):
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(head_dim, params, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, head_dim / 2]` for the positions, in float32 then cast like Hugging Face does."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, head_dim / 2]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

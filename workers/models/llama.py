@@ -1,0 +1,226 @@
+"""The Llama-family decoder: one implementation for Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm).
+
+Built from a Hugging Face config; parameter names follow the HF checkpoints (`model.layers.N.self_attn...`) except
+that q/k/v and gate/up are fused into single matmuls at load time (`qkv_proj`, `gate_up_proj`).
+
+    forward(input_ids[T], positions[T], attn, kv_caches) -> hidden[T, H]   (after the final norm)
+    compute_logits(hidden[N, H]) -> float32 logits[N, V]
+    load_weights(iterable of (hf_name, tensor))
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from workers.attention import AttentionMetadata, write_kv_and_attend
+from workers.models.layers import (
+    GateUpLinear,
+    LMHead,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    TensorParallel,
+    VocabEmbedding,
+    apply_rotary,
+    copy_checked,
+    rope_parameters,
+)
+
+log = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# HF projection name -> (fused module name, shard id)
+_FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
+        super().__init__()
+        hidden_size = config.hidden_size
+        head_dim = getattr(config, "head_dim", None) or hidden_size // config.num_attention_heads
+        out_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVLinear(
+            hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, qkv_bias, tp
+        )
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden_size, out_bias, tp)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden)
+        if self.q_norm is not None:
+            q = self.q_norm.normalize(q)
+            k = self.k_norm.normalize(k)
+        cos, sin = cos_sin
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale)
+        return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config, tp: TensorParallel):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size, bias, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config, tp)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, qk_norm, tp) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: Sequence[KVCache],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # once per step, shared by all layers
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama and its close relatives; subclasses only flip the two architectural switches below."""
+
+    QKV_BIAS: bool | None = None  # None: follow config.attention_bias
+    QK_NORM = False
+
+    def __init__(self, config, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        qkv_bias = self.QKV_BIAS if self.QKV_BIAS is not None else bool(getattr(config, "attention_bias", False))
+        _warn_if_sliding_window(config)
+        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+        attention = self.model.layers[0].self_attn
+        self.num_layers = len(self.model.layers)
+        self.num_kv_heads = attention.num_kv_heads  # per rank
+        self.head_dim = attention.head_dim
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's K (or V) cache."""
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: Sequence[KVCache],
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused, per-rank) parameters; fail if any is left unfilled."""
+        params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as the embedding
+        filled = dict.fromkeys(params, 0)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            module_path, _, param_name = name.rpartition(".")
+            parent_path, _, module_name = module_path.rpartition(".")
+            shard_id = None
+            if module_name in _FUSED_PROJECTIONS:
+                module_name, shard_id = _FUSED_PROJECTIONS[module_name]
+                module_path = f"{parent_path}.{module_name}"
+            target = f"{module_path}.{param_name}"
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            module = self.get_submodule(module_path)
+            if hasattr(module, "load"):
+                filled[target] += module.load(param_name, tensor, shard_id)
+            else:
+                filled[target] += copy_checked(params[target].data, tensor, name)
+        wrong = [name for name, count in filled.items() if count != params[name].numel()]
+        if wrong:
+            raise ValueError(f"parameters not filled exactly once by the checkpoint: {wrong[:8]}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    QKV_BIAS = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    QK_NORM = True
+
+
+def _warn_if_sliding_window(config) -> None:
+    window = getattr(config, "sliding_window", None)
+    uses_window = window is not None and getattr(config, "use_sliding_window", True)
+    if uses_window and window < config.max_position_embeddings:
+        log.warning(
+            "config has sliding_window=%d; attention here is full-context, so outputs differ past %d tokens",
+            window,
+            window,
+        )

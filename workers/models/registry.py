@@ -1,0 +1,50 @@
+"""Which model class serves which Hugging Face `architectures` name, imported only when asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# HF architecture name -> (module, class)
+_MODEL_CLASSES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("workers.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("workers.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("workers.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("workers.models.llama", "Qwen3ForCausalLM"),
+}
+
+# For configs that carry no `architectures` (GGUF metadata gives only the model type).
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODEL_CLASSES)
+
+
+def architecture_of(hf_config) -> str:
+    """The first supported name in `config.architectures`, else the one implied by `config.model_type`."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        if name in _MODEL_CLASSES:
+            return name
+    by_type = _ARCHITECTURE_BY_MODEL_TYPE.get(getattr(hf_config, "model_type", ""))
+    if by_type is not None and not names:
+        return by_type
+    raise ValueError(
+        f"unsupported model architecture {names or getattr(hf_config, 'model_type', None)}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODEL_CLASSES:
+        supported = ", ".join(supported_architectures())
+        raise ValueError(f"unsupported model architecture {architecture!r}; supported: {supported}")
+    module_name, class_name = _MODEL_CLASSES[architecture]
+    return getattr(importlib.import_module(module_name), class_name)
