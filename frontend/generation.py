@@ -149,6 +149,7 @@ async def stream_choice(engine: Any, choice: Choice, metrics: FrontendMetrics,
                     admission.num_pending -= 1
                     metrics.time_to_first_token.observe(now - arrival)
                     metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+                    metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
                 else:
                     metrics.inter_token_latency.observe(now - last_output_time)
                 last_output_time = now

@@ -20,6 +20,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
+PROMPT_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
 
 class SchedulerStatsCollector(Collector):
     """Reads the engine's latest SchedulerStats at scrape time."""
@@ -64,6 +66,8 @@ class FrontendMetrics:
         labels = ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels,
                                      registry=self.registry).labels(model_name)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", labels,
+                                               buckets=PROMPT_TOKEN_BUCKETS, registry=self.registry).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.", labels,
                                          registry=self.registry).labels(model_name)
         self.request_success = Counter("vllm:request_success", "Requests that finished, by finish reason.",

@@ -347,3 +347,40 @@ class TokenizeResponse(Struct, kw_only=True):
 
 class DetokenizeResponse(Struct, kw_only=True):
     prompt: str
+
+
+# ---------------------------------------------------------------------------------------------- embeddings
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    """OpenAI's embeddings request, plus vLLM's extensions (truncate_prompt_tokens, add_special_tokens, priority)."""
+
+    # a string, a list of strings, a list of token ids, or a list of token-id lists (checked in `embedding_inputs`)
+    input: Union[str, list[Union[str, int, list[int]]]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last N tokens; -1: max_model_len
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
+class EmbeddingData(Struct, kw_only=True):
+    object: str = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 bytes
+
+
+class EmbeddingUsage(Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(Struct, kw_only=True):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

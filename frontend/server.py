@@ -22,6 +22,7 @@ from frontend.context import ServingContext
 from frontend.errors import APIError, error_response
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion
+from frontend.serving_embeddings import EmbeddingServing
 from tokenmill.config import EngineConfig
 
 log = logging.getLogger("tokenmill.frontend")
@@ -130,9 +131,10 @@ def build_app(config: EngineConfig, engine: Any, tokenizer: Any) -> web.Applicat
     app.router.add_get("/health", route(serving_misc.health))
     app.router.add_get("/version", route(serving_misc.version))
     app.router.add_get("/metrics", route(serving_misc.metrics))
-    if ctx.task == "generate":
-        # Embedding instances register their own /v1/embeddings here; a generation instance says it is the wrong one.
-        app.router.add_post("/v1/embeddings", route(wrong_task_embeddings))
+    if ctx.task == "embed":
+        app.router.add_post("/v1/embeddings", EmbeddingServing(ctx).create_embedding)
+    else:
+        app.router.add_post("/v1/embeddings", route(wrong_task_embeddings))  # a clear 400: the wrong instance
     return app
 
 

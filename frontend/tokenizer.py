@@ -61,6 +61,18 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def encode_text_keep_last(tokenizer: Any, text: str, add_special_tokens: bool, max_tokens: int) -> list[int]:
+    """At most `max_tokens` ids of `text`, cut from the left but keeping the special tokens the tokenizer adds
+    (vLLM's `truncate_prompt_tokens`, which tokenizes with truncation_side="left")."""
+    previous = tokenizer.truncation_side
+    tokenizer.truncation_side = "left"
+    try:
+        ids = tokenizer(text, add_special_tokens=add_special_tokens, truncation=True, max_length=max_tokens)
+    finally:
+        tokenizer.truncation_side = previous
+    return list(ids["input_ids"])[-max_tokens:]  # when max_tokens is below the special tokens' count
+
+
 def vocab_size(tokenizer: Any) -> int:
     """Ids below this are valid input (base vocabulary plus added tokens)."""
     return len(tokenizer)

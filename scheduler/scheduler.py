@@ -37,7 +37,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.policy = policy or make_policy(config.scheduler.scheduling_policy)
-        self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching)
+        # an embedding instance has no KV cache (0 blocks): its requests never take blocks, so a one-block pool
+        # that is never used keeps the manager free of special cases
+        self.kv = KVCacheManager(max(num_kv_blocks, 1), self.block_size, config.cache.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []

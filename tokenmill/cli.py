@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="L2-normalize embeddings (default: from the model's sentence-transformers files)")
     m.add_argument("--allow-dimensions", action="store_true",
                    help="allow the `dimensions` embedding parameter on models that do not declare Matryoshka support")
+    m.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: never capture CUDA graphs; run every decode step eagerly")
 
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64])
@@ -86,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
             dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype), max_model_len=args.max_model_len, task=args.task,
             chat_template=args.chat_template, seed=args.seed, pooling=args.pooling, normalize=args.normalize,
-            allow_dimensions=args.allow_dimensions),
+            allow_dimensions=args.allow_dimensions, enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
                           enable_prefix_caching=args.enable_prefix_caching),

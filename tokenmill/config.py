@@ -31,6 +31,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     pooling: Literal["mean", "cls", "last"] | None = None
     normalize: bool | None = None
     allow_dimensions: bool = False  # Matryoshka truncation for models that do not declare it
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -81,7 +81,11 @@ def log_capacity(config: EngineConfig, ready: EngineReady) -> None:
     log.info("model %s (%s), architecture %s, dtype %s, device %s, weights %.1f MiB",
              config.model.served_model_name, config.model.path, ready.architecture, ready.dtype, ready.device,
              ready.weight_bytes / 2**20)
-    log.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency at max_model_len %d: %.2fx",
-             ready.num_kv_blocks, ready.block_size, tokens, max_len, tokens / max_len)
+    if config.model.task == "embed":
+        log.info("no KV cache (embeddings: each step encodes whole inputs, up to %d tokens)",
+                 config.scheduler.max_num_batched_tokens)
+    else:
+        log.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency at max_model_len %d: %.2fx",
+                 ready.num_kv_blocks, ready.block_size, tokens, max_len, tokens / max_len)
     if os.environ.get("TOKENMILL_LOG_IPC"):
         log.info("sockets in %s", config.ipc_dir)

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model, **engine_args).generate(prompts, SamplingParams(...))`.
+"""The offline API: `LLM(model, **engine_args).generate(prompts, SamplingParams(...))`, and `.embed(texts)` for
+embedding models.
 
 It starts the same scheduler and worker processes as `tokenmill serve` and talks to them over the same sockets with a
 blocking client, so offline results are exactly what the server would produce.
@@ -11,7 +12,7 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 import zmq
@@ -20,7 +21,7 @@ from tqdm import tqdm
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
 from tokenmill.launcher import EngineProcesses
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
-                                SchedulerMessage, StepOutputs, decoder, encode)
+                                SchedulerMessage, SchedulerStats, StepOutputs, decoder, encode)
 from tokenmill.processes import make_socket
 
 READY_TIMEOUT_S = 600.0
@@ -51,6 +52,54 @@ class GenerationResult:
         return all(o.finish_reason is not None for o in self.outputs)
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingResult:
+    """What `LLM.embed` returns per prompt (shaped like vLLM's EmbeddingRequestOutput: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class EngineStats:
+    """The engine's step timings summed over every step reported to this LLM (from `SchedulerStats`).
+
+    `step_time_s` is the scheduler's wall time per step (plan, send, wait for the worker, update);
+    `model_time_s` is the part the worker spent in forward + sampling. The rest is scheduling and messaging.
+    """
+
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    model_time_s: float = 0.0
+
+    def add(self, stats: SchedulerStats) -> None:
+        self.num_steps += stats.num_steps
+        self.step_time_s += stats.step_time_s
+        self.model_time_s += stats.model_time_s
+
+    def since(self, earlier: "EngineStats") -> "EngineStats":
+        """The steps reported after the snapshot `earlier` was taken."""
+        return EngineStats(self.num_steps - earlier.num_steps, self.step_time_s - earlier.step_time_s,
+                           self.model_time_s - earlier.model_time_s)
+
+    @property
+    def overhead_time_s(self) -> float:
+        return self.step_time_s - self.model_time_s
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Scheduling + messaging time over step time (0 when no step was reported)."""
+        return self.overhead_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
 def _engine_config(model: str, kwargs: dict) -> EngineConfig:
     """Spread vLLM-style keyword arguments (dtype=..., max_model_len=..., block_size=...) over the config sections."""
     sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
@@ -76,6 +125,10 @@ class LLM:
         self._from_scheduler = make_socket(self._ctx, zmq.PULL, self.config.ipc_address("outputs"), bind=False)
         self._decoder = decoder(SchedulerMessage)
         self._ids = itertools.count()
+        self._stats = EngineStats()
+        # called with every StepOutputs as it arrives (one per engine step that produced output); benchmarks use it
+        # to time individual steps
+        self.step_listener: Callable[[StepOutputs], None] | None = None
         atexit.register(self.shutdown)
         self.processes.start()
         self.tokenizer = load_tokenizer(self.config.model)
@@ -115,6 +168,10 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def engine_stats(self) -> EngineStats:
+        """A snapshot of the step timings reported so far (subtract two with `since` to time one call)."""
+        return EngineStats(self._stats.num_steps, self._stats.step_time_s, self._stats.model_time_s)
+
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
@@ -153,6 +210,68 @@ class LLM:
         self._collect(choices, len(results), use_tqdm)
         return results
 
+    # ------------------------------------------------------------------ embeddings
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]], use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingResult]:
+        """One pooled embedding per prompt (text, or token ids), in prompt order; needs an embedding model.
+        `truncate_prompt_tokens` keeps each prompt's last N tokens (text keeps its special tokens)."""
+        import numpy as np
+
+        from frontend.tokenizer import encode_text_keep_last
+
+        if self.config.model.task != "embed":
+            raise ValueError(f"embed() needs an embedding model; {self.config.model.served_model_name} serves "
+                             f"'{self.config.model.task}' (pass task='embed' to LLM for a decoder)")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        results: dict[str, EmbeddingResult] = {}
+        for prompt in prompts:
+            text = prompt if isinstance(prompt, str) else None
+            if text is None:
+                ids = list(prompt)[-truncate_prompt_tokens:] if truncate_prompt_tokens else list(prompt)
+            elif truncate_prompt_tokens:
+                ids = encode_text_keep_last(self.tokenizer, text, True, truncate_prompt_tokens)
+            else:
+                ids = self.tokenizer.encode(text)
+            request_id = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+            results[request_id] = EmbeddingResult(request_id, text, ids, EmbeddingOutput([]), finished=False)
+            self._to_scheduler.send(encode(EngineRequest(request_id=request_id, prompt_token_ids=ids,
+                                                         sampling=SamplingParams(max_tokens=None), task="embed",
+                                                         arrival_time=time.time())))
+        unfinished = set(results)
+        bar = tqdm(total=len(results), desc="Embedded prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while unfinished:
+                for out in self._step_outputs():
+                    if out.request_id not in unfinished:
+                        continue
+                    if out.error is not None or out.embedding is None:
+                        raise ValueError(out.error or f"the engine ended request {out.request_id} with "
+                                                      f"'{out.finish_reason}' and no embedding")
+                    result = results[out.request_id]
+                    result.outputs.embedding = np.frombuffer(out.embedding, dtype="<f4").tolist()
+                    result.finished = True
+                    unfinished.discard(out.request_id)
+                    bar.update(1)
+        except BaseException:
+            self._to_scheduler.send(encode(AbortRequest(list(unfinished))))
+            raise
+        finally:
+            bar.close()
+        return list(results.values())
+
+    def _step_outputs(self) -> list[RequestOutput]:
+        """The outputs of the next engine step (none after a quiet poll); feeds the stats and the step listener."""
+        msg = self._receive()
+        if not isinstance(msg, StepOutputs):
+            return []
+        if msg.stats is not None:
+            self._stats.add(msg.stats)
+        if self.step_listener is not None:
+            self.step_listener(msg)
+        return msg.outputs
+
     def _collect(self, choices: dict, num_prompts: int, use_tqdm: bool) -> None:
         unfinished = set(choices)
         bar = tqdm(total=num_prompts, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
@@ -161,6 +280,10 @@ class LLM:
                 msg = self._receive()
                 if not isinstance(msg, StepOutputs):
                     continue
+                if msg.stats is not None:
+                    self._stats.add(msg.stats)
+                if self.step_listener is not None:
+                    self.step_listener(msg)
                 for out in msg.outputs:
                     if out.request_id not in unfinished:
                         continue

@@ -12,15 +12,19 @@ handed out; after that a slot holds zeros or stale but finite keys and values.
 `AttentionMetadata` is built once per step by the model runner and shared by every layer; whatever can be
 precomputed for the whole step (decode masks, per-sequence causal masks) is built there, not per layer.
 
-The device switch lives in `attention_backend`: today only the torch implementation exists (it is what runs on
-CPU, and it is also correct on CUDA); the CUDA branch is where the Triton kernels from `kernels/` plug in.
+The device switch lives in `attention_backend`, the one place that decides which implementation runs: on CPU the
+torch code below (SDPA through the block tables), on CUDA the Triton kernels from `kernels/`
+(`workers/triton_backend.py`: KV write, decode and prefill paged attention, and the fused RMSNorm and rotary kernels
+that the layers in `workers/models/layers.py` call through the same backend). The Triton kernels read only the
+block-table entries their sequences' lengths cover and mask the rest, so they need none of the SDPA masks built here
+(`builds_sdpa_groups`).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -101,8 +105,9 @@ def build_attention_metadata(
     blocks_needed = -(-seq_lens // block_size)
     is_decode = query_lens == 1
     is_decode_only = bool(is_decode.all())
+    builds_sdpa_groups = attention_backend(device.type).builds_sdpa_groups
     decode = None
-    if is_decode.any():
+    if builds_sdpa_groups and is_decode.any():
         decode_seqs = np.flatnonzero(is_decode)
         decode_seq_lens = seq_lens[decode_seqs]
         num_blocks = int(blocks_needed[decode_seqs].max())
@@ -115,7 +120,7 @@ def build_attention_metadata(
         )
 
     prefills = []
-    for seq in np.flatnonzero(~is_decode):
+    for seq in np.flatnonzero(~is_decode) if builds_sdpa_groups else ():
         q_len, seq_len = int(query_lens[seq]), int(seq_lens[seq])
         causal_mask = None
         if q_len != seq_len:
@@ -224,6 +229,14 @@ def paged_attention_torch(
 
 
 class AttentionBackend(Protocol):
+    # whether `build_attention_metadata` must prepare `decode` and `prefills` (the torch path's SDPA groups and masks)
+    builds_sdpa_groups: bool
+    # Fused kernels for the layers, or None where the layers' own torch code runs:
+    # rms_norm_kernel(x [T, H], weight, eps, residual | None) -> (normed, new residual), as `kernels.rms_norm`;
+    # rotary_kernel(q [T, Hq, D], k [T, Hkv, D], positions [T], cos_sin_table) -> (q, k) rotated in place.
+    rms_norm_kernel: Callable | None
+    rotary_kernel: Callable | None
+
     def write_kv(
         self,
         key: torch.Tensor,
@@ -244,19 +257,26 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Pure torch: gathers through the block tables and calls SDPA."""
+    """Pure torch: gathers through the block tables and calls SDPA; RMSNorm and rotary stay the layers' torch code."""
 
+    builds_sdpa_groups = True
+    rms_norm_kernel = None
+    rotary_kernel = None
     write_kv = staticmethod(write_kv_torch)
     attend = staticmethod(paged_attention_torch)
 
 
+# Device types that run the Triton kernels. Tests add "cpu" (with TRITON_INTERPRET=1) to run the kernel path on CPU.
+TRITON_DEVICE_TYPES = frozenset({"cuda"})
+
+
 @functools.cache
 def attention_backend(device_type: str) -> AttentionBackend:
-    """The attention implementation for a device type ("cpu" or "cuda").
+    """The implementation for a device type: the Triton kernels on CUDA, torch everywhere else."""
+    if device_type in TRITON_DEVICE_TYPES:
+        from workers.triton_backend import TritonAttentionBackend
 
-    CUDA is where the Triton kernels from `kernels/` (KV write, paged attention) plug in, as a backend with these
-    same two methods. Until they do, the torch path serves every device: it is exact on CUDA, only slower.
-    """
+        return TritonAttentionBackend()
     return TorchAttentionBackend()
 
 

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
 from workers.attention import AttentionMetadata, build_attention_metadata, token_positions
+from workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
 from workers.model_loader import iter_weights, load_hf_config, resolve_dtype
 from workers.models.layers import TensorParallel
 from workers.models.registry import architecture_of, model_class
@@ -84,8 +86,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._never_used_blocks = np.zeros(0, dtype=bool)
         self._requests: dict[str, _Request] = {}
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            self._cuda_memory_at_start = torch.cuda.mem_get_info(self.device)  # (free, total) before any weight
+        elif self.tp.size > 1:
+            # the ranks share the host's cores: oversubscribed, every all-reduce would wait on the slowest rank
+            torch.set_num_threads(max(1, torch.get_num_threads() // self.tp.size))
         torch.manual_seed(config.model.seed)
         if self.tp.size > 1:
             self._init_distributed()
@@ -112,8 +119,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_cfg, self.hf_config, self.device)
         started = time.perf_counter()
         with torch.device(self.device), _default_dtype(self.dtype):
-            model = model_class(self.architecture)(self.hf_config, tp=self.tp)
-        model.load_weights(iter_weights(model_cfg))
+            model = self.build_model()
+        model.load_weights(self.checkpoint_weights())
         self.model = model.eval()
         unique = {p.data_ptr(): p for p in model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
@@ -126,6 +133,14 @@ class ModelRunner:
             self.device,
             time.perf_counter() - started,
         )
+
+    def build_model(self) -> torch.nn.Module:
+        """The model with uninitialised weights, on the current default device and dtype."""
+        return model_class(self.architecture)(self.hf_config, tp=self.tp)
+
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs for `load_weights`."""
+        return iter_weights(self.config.model)
 
     def _read_eos_token_ids(self) -> list[int]:
         """From generation_config.json when the checkpoint has one, else the model config's eos_token_id."""
@@ -168,19 +183,45 @@ class ModelRunner:
         return num_blocks
 
     def _num_kv_blocks_on_gpu(self) -> int:
-        """gpu_memory_utilization of the GPU, less what a worst-case step holds, capped by what is free."""
+        """The blocks that fit in gpu_memory_utilization of the GPU besides everything else this worker holds.
+
+        Counted against the share: the weights and a worst-case step's activations (profiled), memory taken outside
+        torch's allocator since start-up (NCCL, cuBLAS workspaces), and the decode CUDA graphs' pool. Other processes
+        on the GPU (a second instance) are respected by never taking more than is free now, less the activations
+        and graphs still to come.
+        """
         cache = self.config.cache
-        _, total = torch.cuda.mem_get_info(self.device)
-        in_use = self._profile_peak_memory()
+        free_at_start, total = self._cuda_memory_at_start
+        peak = self._profile_peak_memory()  # weights + activations
         free_now, _ = torch.cuda.mem_get_info(self.device)
-        budget = min(cache.gpu_memory_utilization * total - in_use, free_now)
+        held_by_torch = torch.cuda.memory_reserved(self.device)  # the weights: the profile's activations are released
+        activations = max(0, peak - held_by_torch)
+        outside_torch = max(0, free_at_start - free_now - held_by_torch)
+        graphs = self._decode_graph_memory_estimate(activations)
+        budget = min(
+            cache.gpu_memory_utilization * total - peak - outside_torch - graphs,
+            free_now - activations - graphs,
+        )
         num_blocks = int(budget // self.kv_block_bytes())
+        kv_bytes = max(0, num_blocks) * self.kv_block_bytes()
+        allowed = cache.gpu_memory_utilization * total
+        gib = [n / 2**30 for n in (total, allowed, held_by_torch, activations, outside_torch, graphs, kv_bytes)]
+        log.info("GPU memory (GiB): %.2f total, %.2f allowed; weights and buffers %.2f, activations %.2f, "
+                 "outside torch %.2f, decode graphs ~%.2f; KV cache %.2f", *gib)
         if num_blocks <= 0:
             raise RuntimeError(
-                f"no GPU memory left for the KV cache: {in_use / 2**30:.2f} GiB in use after profiling, "
-                f"{cache.gpu_memory_utilization:.2f} of {total / 2**30:.2f} GiB allowed"
+                f"no GPU memory left for the KV cache: weights and activations take {peak / 2**30:.2f} GiB, "
+                f"{free_now / 2**30:.2f} GiB is free and {cache.gpu_memory_utilization:.2f} of {total / 2**30:.2f} GiB "
+                "is allowed; raise --gpu-memory-utilization or lower --max-num-batched-tokens"
             )
         return num_blocks
+
+    def _decode_graph_memory_estimate(self, activations: int) -> int:
+        """The decode graphs' memory pool: the activations of their largest batch, scaled from the profiled step."""
+        if not self._uses_cuda_graphs():
+            return 0
+        largest = graph_batch_sizes(self.config.scheduler.max_num_seqs)[-1]
+        return int(activations * min(1.0, largest / self.config.scheduler.max_num_batched_tokens))
 
     def _profile_peak_memory(self) -> int:
         """Bytes this process holds at the peak of a worst-case step (max_num_batched_tokens tokens), KV excluded."""
@@ -235,6 +276,29 @@ class ModelRunner:
         self._never_used_blocks = np.ones(num_blocks, dtype=bool)
         self._zero_never_used_blocks([0])
 
+    def _uses_cuda_graphs(self) -> bool:
+        model_cfg = self.config.model
+        return self.device.type == "cuda" and not model_cfg.enforce_eager and model_cfg.task == "generate"
+
+    def capture_cuda_graphs(self) -> None:
+        """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager)."""
+        if not self._uses_cuda_graphs():
+            return
+        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
+        max_blocks_per_seq = -(-self.max_model_len() // self.block_size)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_caches, sizes, max_blocks_per_seq, self.block_size, self.device,
+                cuda_graph_capture(self.device),
+            )  # fmt: skip
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        log.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1f s (%.2f GiB); --enforce-eager turns them off",
+            sizes, time.perf_counter() - started, (free_before - free_after) / 2**30,
+        )  # fmt: skip
+
     def _zero_never_used_blocks(self, block_ids: list[int]) -> None:
         ids = np.asarray(block_ids, dtype=np.int64)
         fresh = np.unique(ids[self._never_used_blocks[ids]])
@@ -273,10 +337,17 @@ class ModelRunner:
 
         started = time.perf_counter()
         batch = self._prepare_batch(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
-        if self.rank != 0 or not batch.sampled_requests:
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(batch.attn):
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.attn)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        if not batch.sampled_requests:
             return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
+        # every rank: the vocab-parallel LM head gathers its logits from all of them
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        if self.rank != 0:
+            return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
         states = [request.sampling for request in batch.sampled_requests]
         result = sample(logits, states)
         for state, token_id in zip(states, result.token_ids):

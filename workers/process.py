@@ -24,12 +24,16 @@ def run_worker_process(config_bytes: bytes, rank: int) -> None:
     plans = make_socket(ctx, zmq.SUB, config.ipc_address("plans"), bind=False)
     results = make_socket(ctx, zmq.PUSH, config.ipc_address("results"), bind=False)
     try:
-        from workers.model_runner import ModelRunner
+        if config.model.task == "embed":
+            from workers.embedding_runner import EmbeddingRunner as Runner
+        else:
+            from workers.model_runner import ModelRunner as Runner
 
-        runner = ModelRunner(config, rank=rank)
+        runner = Runner(config, rank=rank)
         runner.load_model()
         num_blocks = runner.num_kv_blocks_for_budget()
         runner.allocate_kv_cache(num_blocks)
+        runner.capture_cuda_graphs()
         results.send(encode(WorkerReady(
             rank=rank, num_kv_blocks=num_blocks, weight_bytes=runner.weight_bytes, device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."), architecture=runner.architecture,

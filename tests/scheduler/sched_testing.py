@@ -1,8 +1,9 @@
 """Test helpers for the scheduler: small configs, requests, a fake clock and a fake worker that mirrors plans.
 
-The fake worker keeps the per-request state a real worker keeps (tokens, block table, computed tokens), applies each
-plan's diffs to it and asserts they are consistent, then "samples" a token for every request whose scheduled
-tokens reach its end, exactly when a real worker would.
+The fake worker keeps the per-request state a real worker keeps (tokens, block table, computed tokens) and a map of
+which token each KV slot holds. It applies each plan's diffs, asserts they are consistent and that every request
+attends only to KV of its own tokens, then "samples" a token for every request whose scheduled tokens reach its end,
+exactly when a real worker would.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class FakeWorker:
         self.state: dict[str, WorkerRequestState] = {}
         self.forgotten: list[str] = []
         self.new_requests_seen: list[NewRequestData] = []  # every request sent in full, resends included
+        self.kv_content: dict[tuple[int, int], int] = {}  # (block id, slot) -> token whose KV was written there
 
     def apply(self, plan: StepPlan) -> dict[str, int]:
         """Apply the plan's diffs, check them, and return request id -> tokens scheduled."""
@@ -102,9 +104,22 @@ class FakeWorker:
             assert end <= len(state.token_ids), "scheduled past the known tokens"
             if state.task == "generate":
                 assert len(state.block_ids) * self.block_size >= end, "no KV slot for a scheduled token"
+                self.check_and_write_kv(state, end)
             state.num_computed_tokens = end
             state.scheduled_history.append(num_scheduled)
         return scheduled
+
+    def slot(self, state: WorkerRequestState, position: int) -> tuple[int, int]:
+        return state.block_ids[position // self.block_size], position % self.block_size
+
+    def check_and_write_kv(self, state: WorkerRequestState, end: int) -> None:
+        """The KV a request attends to must be its own tokens: the computed ones (prefix-cache hits included) are
+        checked against what was written into those slots, then this step writes the scheduled ones."""
+        for position in range(state.num_computed_tokens):
+            assert self.kv_content.get(self.slot(state, position)) == state.token_ids[position], \
+                f"stale KV at position {position}: a shared block holds other tokens"
+        for position in range(state.num_computed_tokens, end):
+            self.kv_content[self.slot(state, position)] = state.token_ids[position]
 
     def execute(self, plan: StepPlan) -> StepResult:
         scheduled = self.apply(plan)
@@ -129,7 +144,8 @@ def step(scheduler: Scheduler, worker: FakeWorker) -> tuple[StepPlan | None, lis
     return plan, scheduler.update(plan, worker.execute(plan))
 
 
-def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 1000) -> dict[str, list[RequestOutput]]:
+def run_to_completion(scheduler: Scheduler, worker: FakeWorker,
+                      max_steps: int = 1000) -> dict[str, list[RequestOutput]]:
     """Step until nothing is unfinished; returns every request's outputs in order."""
     outputs: dict[str, list[RequestOutput]] = {}
     for _ in range(max_steps):

@@ -42,7 +42,7 @@ def test_hash_chains_parent_tokens_and_salt():
     assert first == hash_block(ROOT_BLOCK_HASH, (1, 2, 3, 4), None)
     assert first != hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 5], None)
     assert first != hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], "tenant-a")
-    assert hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], "tenant-a") != hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], "tenant-b")
+    assert hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], "a") != hash_block(ROOT_BLOCK_HASH, [1, 2, 3, 4], "b")
     # same tokens under a different parent is different content
     second = hash_block(first, [5, 6, 7, 8], None)
     other_parent = hash_block(hash_block(ROOT_BLOCK_HASH, [9, 9, 9, 9], None), [5, 6, 7, 8], None)

@@ -5,7 +5,8 @@ aborts and fake worker steps on tiny pools, and checks the block and request inv
 - a block's ref count equals the number of block tables that hold it; a table holds a block at most once;
   a block in several tables is a hashed, full (prefix-cache) block;
 - only running generation requests own blocks, enough for their computed tokens; finished ones own nothing;
-- the fake worker's mirror of each request (built only from plan diffs) equals the scheduler's state;
+- the fake worker's mirror of each request (built only from plan diffs) equals the scheduler's state, and every
+  request attends only to KV slots holding its own tokens (so a stale prefix-cache hit fails);
 - no deadlock: whenever requests are unfinished, the next schedule() plans at least one token;
 - outputs obey max_tokens, min_tokens and the stop rules; admission accepts exactly the requests that can run;
 - at teardown, after finishing or aborting everything, the pool is whole again.
@@ -28,7 +29,7 @@ SHARED_PREFIXES = [list(range(10, 30)), list(range(40, 60)), [5] * 20]
 STOP_TOKEN = 3
 SAMPLED_TOKENS = [EOS, STOP_TOKEN] + list(range(7, 25))  # the fake worker stops a request about one time in ten
 
-# one arrival: a prompt made of a shared prefix and a unique suffix, plus its sampling and scheduling options
+# one arrival: a prompt made of a shared prefix and a unique (maybe empty) suffix, plus its sampling and scheduling options
 request_shapes = st.fixed_dictionaries({
     "prefix": st.integers(0, len(SHARED_PREFIXES) - 1), "prefix_len": st.integers(1, 12),
     "suffix_len": st.integers(0, 4), "max_tokens": st.integers(1, 7).map(lambda n: None if n == 7 else n),

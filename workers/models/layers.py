@@ -2,8 +2,12 @@
 
 Tensor parallelism is local to these layers: a `TensorParallel` (rank, size) tells each layer which slice of a
 full Hugging Face weight it owns; column-split layers (fused QKV, fused gate/up) keep their per-rank output rows,
-row-split layers (o_proj, down_proj) keep their per-rank input columns and all-reduce their output. With size 1
-every slice is the whole tensor and the all-reduce is skipped.
+row-split layers (o_proj, down_proj) keep their per-rank input columns and all-reduce their output; the embedding
+and the LM head are vocab-parallel (each rank holds a slice of the vocabulary's rows: lookups are all-reduced,
+logits all-gathered). With size 1 every slice is the whole tensor and no collective runs.
+
+RMSNorm and the rotary embedding run their torch code below unless the device's backend (`attention_backend`, the
+one CPU/CUDA switch) offers a fused kernel, as it does on CUDA.
 
 Every layer with parameters has `load(param_name, full_tensor, shard_id)`, which copies its rank's slice of a
 checkpoint tensor into the parameter (shape-checked) and returns how many elements it wrote, so the model can
@@ -13,12 +17,15 @@ verify that every parameter was filled exactly once.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from workers.attention import attention_backend
 
 
 class TensorParallel(NamedTuple):
@@ -35,6 +42,16 @@ class TensorParallel(NamedTuple):
         if self.size > 1:
             dist.all_reduce(partial)
         return partial
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
+        """(first row, rows per rank, rows that are real) of this rank's slice of a vocabulary.
+
+        Every rank holds ceil(vocab_size / size) rows so the shards gather into one tensor; the last rank's slice
+        may run past the vocabulary, and those padding rows are zero.
+        """
+        rows_per_rank = -(-vocab_size // self.size)
+        first_row = self.rank * rows_per_rank
+        return first_row, rows_per_rank, max(0, min(rows_per_rank, vocab_size - first_row))
 
 
 def copy_checked(dest: torch.Tensor, src: torch.Tensor, what: str) -> int:
@@ -72,6 +89,9 @@ class RMSNorm(ReplicatedLoad, nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); with no residual, x itself is the new residual."""
+        kernel = attention_backend(x.device.type).rms_norm_kernel
+        if kernel is not None:
+            return kernel(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         return self.normalize(x), x
@@ -162,26 +182,64 @@ class RowParallelLinear(nn.Module):
         return copy_checked(self.weight.data, columns, "row-parallel weight")
 
 
-class VocabEmbedding(ReplicatedLoad, nn.Module):
-    """Token embedding table. Replicated on every rank for now; a vocab-parallel split would live here."""
+class VocabEmbedding(nn.Module):
+    """Token embedding table, vocab-parallel: each rank looks up the ids in its slice, zeros the others, all-reduces."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TensorParallel = TensorParallel(),
+        weight: nn.Parameter | None = None,
+    ):
         super().__init__()
-        self.weight = new_parameter(vocab_size, hidden_size)
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.first_row, rows_per_rank, self.num_real_rows = tp.vocab_rows(vocab_size)
+        self.weight = weight if weight is not None else new_parameter(rows_per_rank, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.first_row
+        owned = (local_ids >= 0) & (local_ids < self.num_real_rows)
+        embedded = F.embedding(local_ids.masked_fill(~owned, 0), self.weight)
+        return self.tp.all_reduce(embedded.masked_fill_(~owned[:, None], 0))
+
+    def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
+        """Copy this rank's rows of the `[vocab, hidden]` checkpoint tensor and zero the padding rows."""
+        what = f"{type(self).__name__}.{param_name}"
+        if full.shape[0] != self.vocab_size:
+            raise ValueError(f"{what}: checkpoint has {full.shape[0]} rows for a vocabulary of {self.vocab_size}")
+        dest = self.weight.data
+        written = copy_checked(dest[: self.num_real_rows], full.narrow(0, self.first_row, self.num_real_rows), what)
+        dest[self.num_real_rows :].zero_()
+        return written + dest[self.num_real_rows :].numel()
 
 
-class LMHead(ReplicatedLoad, nn.Module):
-    """Hidden states -> float32 logits. Replicated on every rank for now; may share its weight with the embedding."""
+class LMHead(VocabEmbedding):
+    """Hidden states -> float32 logits over the whole vocabulary, on every rank.
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
-        super().__init__()
-        self.weight = tied_to.weight if tied_to is not None else new_parameter(vocab_size, hidden_size)
+    Vocab-parallel like the embedding, whose weight it may share: each rank computes its slice's logits and an
+    all-gather joins the slices (every rank takes part; only rank 0 samples).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TensorParallel = TensorParallel(),
+        tied_to: VocabEmbedding | None = None,
+    ):
+        super().__init__(vocab_size, hidden_size, tp, weight=tied_to.weight if tied_to is not None else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size > 1:
+            shards = [torch.empty_like(logits) for _ in range(self.tp.size)]
+            dist.all_gather(shards, logits)
+            logits = torch.cat(shards, dim=-1)[:, : self.vocab_size]
+        return logits.float()
 
 
 # ---------------------------------------------------------------- rotary position embeddings
@@ -236,17 +294,57 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict, max_position_embeddings
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding. `cos_sin` runs once per step; every layer reuses its result."""
+    """Neox-style (rotate-half) rotary embedding. `for_step` runs once per step; every layer reuses its result."""
 
     def __init__(self, head_dim: int, params: dict, max_position_embeddings: int):
         super().__init__()
         inv_freq = rope_inverse_frequencies(head_dim, params, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.max_position_embeddings = max_position_embeddings
+        self._cos_sin_table: torch.Tensor | None = None
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
+        """The rotation of one step's positions: cos/sin for the torch code, or the kernel's table lookup."""
+        kernel = attention_backend(positions.device.type).rotary_kernel
+        if kernel is None:
+            cos, sin = self.cos_sin(positions, dtype)
+            return RotaryStep(cos=cos, sin=sin)
+        return RotaryStep(positions=positions, cos_sin_table=self.cos_sin_table(), kernel=kernel)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[T, 1, head_dim / 2]` for the positions, in float32 then cast like Hugging Face does."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+    def cos_sin_table(self) -> torch.Tensor:
+        """float32 `[max_position_embeddings, head_dim]` (cos half, then sin half) for the rotary kernel; built once.
+
+        It is first needed by the start-up profiling step, before any CUDA graph is captured.
+        """
+        if self._cos_sin_table is None:
+            from kernels.rotary import rotary_cos_sin_cache
+
+            inv_freq = self.inv_freq.float().cpu()
+            table = rotary_cos_sin_cache(2 * inv_freq.shape[0], self.max_position_embeddings, inv_freq=inv_freq)
+            self._cos_sin_table = table.to(self.inv_freq.device)
+        return self._cos_sin_table
+
+
+@dataclass
+class RotaryStep:
+    """One step's rotation, shared by every layer: torch cos/sin, or positions + table for a fused kernel."""
+
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    cos_sin_table: torch.Tensor | None = None
+    kernel: Callable | None = None
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[T, Hq, D]` and k `[T, Hkv, D]` rotated by their positions (the kernel rotates them in place)."""
+        if self.kernel is not None:
+            return self.kernel(q, k, self.positions, self.cos_sin_table)
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

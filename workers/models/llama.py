@@ -23,10 +23,10 @@ from workers.models.layers import (
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
+    RotaryStep,
     RowParallelLinear,
     TensorParallel,
     VocabEmbedding,
-    apply_rotary,
     copy_checked,
     rope_parameters,
 )
@@ -65,7 +65,7 @@ class DecoderAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryStep,
         kv_cache: KVCache,
         attn: AttentionMetadata,
     ) -> torch.Tensor:
@@ -73,9 +73,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm.normalize(q)
             k = self.k_norm.normalize(k)
-        cos, sin = cos_sin
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = rotary.rotate(q, k)
         out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale)
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
@@ -103,12 +101,12 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryStep,
         kv_cache: KVCache,
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, kv_cache, attn)
+        hidden = self.self_attn(hidden, rotary, kv_cache, attn)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -116,7 +114,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(config, qkv_bias, qk_norm, tp) for _ in range(config.num_hidden_layers)
         )
@@ -132,10 +130,10 @@ class DecoderModel(nn.Module):
         kv_caches: Sequence[KVCache],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # once per step, shared by all layers
+        rotary = self.rotary.for_step(positions, hidden.dtype)  # once per step, shared by all layers
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn)
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, attn)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -155,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied_to)
         attention = self.model.layers[0].self_attn
         self.num_layers = len(self.model.layers)
         self.num_kv_heads = attention.num_kv_heads  # per rank

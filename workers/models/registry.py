@@ -12,7 +12,13 @@ _MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("workers.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("workers.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("workers.models.llama", "Qwen3ForCausalLM"),
+    # encoders, served as embedding models only (task heads in the checkpoint are skipped at load)
+    "BertModel": ("workers.models.bert", "BertEmbeddingModel"),
+    "BertForMaskedLM": ("workers.models.bert", "BertEmbeddingModel"),
+    "RobertaModel": ("workers.models.bert", "BertEmbeddingModel"),
+    "XLMRobertaModel": ("workers.models.bert", "BertEmbeddingModel"),
 }
+ENCODER_ARCHITECTURES = frozenset(name for name, (module, _) in _MODEL_CLASSES.items() if module.endswith(".bert"))
 
 # For configs that carry no `architectures` (GGUF metadata gives only the model type).
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -21,6 +27,11 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+def is_encoder(architecture: str) -> bool:
+    """Bidirectional encoders: no KV cache, no logits; built as `cls(hf_config, dtype, device)`."""
+    return architecture in ENCODER_ARCHITECTURES
 
 
 def supported_architectures() -> list[str]:

@@ -1,0 +1,115 @@
+"""Where a decode step's time goes: the worker's `ModelRunner` at batch B, in this process, under torch.profiler.
+
+It prefills B random prompts of --context-len tokens, times --steps decode steps (one token per request per step,
+no scheduler or messaging), prints the profiler's top operators by self CPU time, and, with
+--compare-transformers, times one transformers forward of the same batch over the same context for reference.
+
+    python scripts/profile_decode.py --batch-size 32 --context-len 320 --threads 2 --compare-transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from benchlib.stats import summarize
+
+
+def build_runner(model: str, dtype: str, num_blocks: int, block_size: int):
+    from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
+    from tokenmill.model_source import resolve_config
+    from workers.model_runner import ModelRunner
+
+    config = resolve_config(EngineConfig(model=ModelConfig(model=model, dtype=dtype),
+                                         cache=CacheConfig(num_kv_blocks=num_blocks, block_size=block_size)))
+    runner = ModelRunner(config)
+    runner.load_model()
+    runner.allocate_kv_cache(num_blocks)
+    return runner, config
+
+
+class DecodeDriver:
+    """Prefills every prompt in one step, then runs one decode step (a token per request) per `step()` call."""
+
+    def __init__(self, runner, prompts: list[list[int]], max_steps: int, block_size: int) -> None:
+        from tokenmill.messages import NewRequestData, SamplingParams, StepPlan
+
+        greedy = SamplingParams(max_tokens=max_steps + 1, temperature=0.0, ignore_eos=True)
+        blocks_each = -(-(len(prompts[0]) + max_steps + 1) // block_size)
+        new = [NewRequestData(f"r{i}", prompt, len(prompt), greedy,
+                              list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each)), 0, len(prompt))
+               for i, prompt in enumerate(prompts)]
+        self.runner = runner
+        self.result = runner.execute(StepPlan(0, new, [], []))
+        self.computed = len(prompts[0])
+        self.step_id = 0
+
+    def step(self) -> float:
+        """Run one decode step; returns its wall time in seconds."""
+        from tokenmill.messages import RunningRequestData, StepPlan
+
+        self.step_id += 1
+        running = [RunningRequestData(rid, [token], [], self.computed, 1)
+                   for rid, token in zip(self.result.request_ids, self.result.sampled_token_ids)]
+        started = time.perf_counter()
+        self.result = self.runner.execute(StepPlan(self.step_id, [], running, []))
+        elapsed = time.perf_counter() - started
+        self.computed += 1
+        return elapsed
+
+
+def transformers_step_time(config, batch_size: int, context_len: int, repeats: int = 3) -> float:
+    """Best time of one transformers decode forward at the same batch and context (DynamicCache, no padding)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    kwargs = {"gguf_file": config.model.gguf_file} if config.model.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32, **kwargs).eval()
+    ids = torch.randint(100, 1000, (batch_size, context_len))
+    best = float("inf")
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache, use_cache=True)
+        for step in range(repeats):
+            started = time.perf_counter()
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--context-len", type=int, default=320)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--compare-transformers", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    block_size = 16
+    blocks_each = -(-(args.context_len + 2 * args.steps + 1) // block_size)
+    runner, config = build_runner(args.model, args.dtype, 1 + args.batch_size * blocks_each, block_size)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(100, 20_000, args.context_len)] for _ in range(args.batch_size)]
+
+    driver = DecodeDriver(runner, prompts, 2 * args.steps, block_size)
+    step_ms = summarize([driver.step() for _ in range(args.steps)], 1e3)  # timed without the profiler
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            driver.step()
+    print(f"decode step at batch {args.batch_size}, context {args.context_len}, {torch.get_num_threads()} threads: "
+          f"median {step_ms['median']:.1f} ms, mean {step_ms['mean']:.1f} ms")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if args.compare_transformers:
+        hf = transformers_step_time(config, args.batch_size, args.context_len)
+        print(f"transformers decode forward, same batch and context: {hf * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The CUDA side of `attention_backend`: the Triton kernels from `kernels/` behind the backend interface.
+
+Per layer the KV write scatters this step's keys and values to their slots (slot -1, a CUDA-graph padding row, is
+skipped); attention runs the decode kernel when every sequence has one query token and the varlen prefill kernel
+otherwise (prompts, chunks, prefix-cache hits, and mixed batches, where a decode token is a sequence of one query).
+The layers' RMSNorm (with the residual add fused) and rotary embedding use the matching kernels.
+
+Everything here reads only tensors from `AttentionMetadata` (no host values, no syncs), so a decode step built on
+static buffers can be captured in a CUDA graph (`workers/cuda_graphs.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_write import write_kv
+from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from kernels.rms_norm import rms_norm
+from kernels.rotary import apply_rotary
+from workers.attention import AttentionMetadata
+
+
+def rotate_in_place(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k (views of the fused QKV output) in place by looking their positions up in the table."""
+    return apply_rotary(q, k, positions, cos_sin_table, neox_style=True, inplace=True)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`."""
+    if metadata.is_decode_only:
+        return paged_attention_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale)
+    return paged_attention_prefill(
+        query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale
+    )
+
+
+class TritonAttentionBackend:
+    """KV write, paged attention, RMSNorm and rotary as Triton kernels."""
+
+    builds_sdpa_groups = False
+    rms_norm_kernel = staticmethod(rms_norm)
+    rotary_kernel = staticmethod(rotate_in_place)
+    write_kv = staticmethod(write_kv)
+    attend = staticmethod(paged_attention_triton)
