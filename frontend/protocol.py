@@ -75,6 +75,7 @@ class SamplingRequest(Struct, kw_only=True):
 class CompletionRequest(SamplingRequest, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists (checked in `prompt_inputs`)
     prompt: Union[str, list[Union[str, int, list[int]]]]
+    max_tokens: PositiveInt | None = 16  # the legacy completions default, as OpenAI and vLLM; null = all the room left
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     add_special_tokens: bool = True
@@ -155,11 +156,11 @@ def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> di
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
                        prompt_param: str = "messages") -> int:
     """The completion budget: what was asked, or all the room left; a 400 when the prompt plus it does not fit."""
+    if num_prompt_tokens >= max_model_len:  # the prompt alone does not fit: blame the prompt, whatever max_tokens is
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+                            f"input messages.", prompt_param)
     if requested is None:
-        if num_prompt_tokens >= max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                                f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
-                                f"input messages.", prompt_param)
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + requested > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "

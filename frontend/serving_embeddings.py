@@ -128,12 +128,14 @@ class EmbeddingServing:
     def check_dimensions(self, dimensions: int) -> None:
         from workers.pooling import check_dimensions
 
+        allow_any = self.ctx.config.model.allow_dimensions
         try:
-            check_dimensions(dimensions, self.hidden_size, self.pooling, self.ctx.config.model.allow_dimensions)
+            check_dimensions(dimensions, self.hidden_size, self.pooling, allow_any)
         except ValueError as exc:
-            hint = "" if self.ctx.config.model.allow_dimensions else " (start the server with --allow-dimensions " \
-                                                                     "to truncate anyway)"
-            raise APIError(400, f"{exc}{hint}", "dimensions") from None
+            message = str(exc)
+            if not allow_any and dimensions <= self.hidden_size:  # refused for the model, not for the number
+                message += " (start the server with --allow-dimensions to truncate anyway)"
+            raise APIError(400, message, "dimensions") from None
 
     # ------------------------------------------------------------------ the engine
 

@@ -28,15 +28,15 @@ import numpy as np
 from tqdm import tqdm
 
 from benchlib.launch import launched_server
-from benchlib.results import make_results_dir, save_json
+from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
 from benchlib.streaming import (StreamTiming, completion_payload, http_session, random_token_ids, served_model_name,
-                                stream_completion)
+                                split_gaps_at_window, stream_completion)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-streams", type=int, default=8, help="decode streams running when the prompt arrives")
     parser.add_argument("--decode-prompt-len", type=int, default=32)
@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
                         help="OMP_NUM_THREADS for the servers (torch threads); 1 avoids oversubscribing a shared CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-root", type=Path, default=REPO_ROOT / "bench_results")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def mode_flags(mode: str, args: argparse.Namespace) -> list[str]:
@@ -87,7 +87,8 @@ async def run_scenario(url: str, args: argparse.Namespace, rng: np.random.Genera
             progress.update(sum(s.num_tokens for s in streams) - progress.n)
         await asyncio.gather(*tasks)
         if long_task is None:
-            raise RuntimeError("the decode streams ended before all reached --tokens-before tokens")
+            failed = [f"{s.label}: {s.error}" for s in streams if s.error]
+            raise RuntimeError(failed[0] if failed else "the decode streams ended before all reached --tokens-before")
         return streams, await long_task
 
 
@@ -101,15 +102,11 @@ def measure_mode(mode: str, args: argparse.Namespace, results_dir: Path) -> dict
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
     window_start, window_end = long_prompt.sent_at, long_prompt.chunk_times[0]
-    in_window, before = [], []
-    for stream in streams:
-        for start, end in stream.itl_intervals():
-            if end > window_start and start < window_end:
-                in_window.append(end - start)
-            elif end <= window_start:
-                before.append(end - start)
+    in_window, before = split_gaps_at_window(streams, window_start, window_end)
+    if not in_window:
+        raise RuntimeError("no decode-stream gap overlaps the long prompt's prefill; raise --decode-tokens")
     streams_ended_early = sum(1 for s in streams if s.chunk_times[-1] < window_end)
-    window_ms = summarize(in_window, scale=1000.0) | {"max": 1000.0 * max(in_window, default=float("nan"))}
+    window_ms = summarize(in_window, scale=1000.0) | {"max": 1000.0 * max(in_window)}
     return {
         "serve_args": serve_args,
         "itl_in_window_ms": window_ms,
@@ -122,14 +119,14 @@ def measure_mode(mode: str, args: argparse.Namespace, results_dir: Path) -> dict
     }
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.server_threads:
         os.environ["OMP_NUM_THREADS"] = str(args.server_threads)  # inherited by the server processes
     results_dir = make_results_dir(args.results_root, "chunked-prefill")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     per_mode = {mode: measure_mode(mode, args, results_dir) for mode in modes}
-    results: dict = {"benchmark": "chunked-prefill", "params": vars(args), "modes": per_mode}
+    results: dict = {"benchmark": "chunked-prefill", "params": args_as_json(args), "modes": per_mode}
     if "chunked" in per_mode and "unchunked" in per_mode:
         chunked, unchunked = per_mode["chunked"]["itl_in_window_ms"], per_mode["unchunked"]["itl_in_window_ms"]
         results["p99_itl_ratio_unchunked_over_chunked"] = unchunked["p99"] / chunked["p99"]

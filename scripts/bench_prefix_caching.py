@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchlib.launch import launched_server
-from benchlib.results import make_results_dir, save_json
+from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
 from benchlib.streaming import (StreamTiming, completion_payload, http_session, random_token_ids, served_model_name,
                                 stream_completion)
@@ -34,7 +34,7 @@ MODE_FLAGS = {"on": ["--enable-prefix-caching"], "off": ["--no-enable-prefix-cac
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prefix-len", type=int, default=1000, help="tokens every request shares")
@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
                         help="OMP_NUM_THREADS for the servers (torch threads); 1 avoids oversubscribing a shared CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-root", type=Path, default=REPO_ROOT / "bench_results")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 async def run_burst(url: str, args: argparse.Namespace, prefix: list[int], suffixes: list[list[int]],
@@ -92,8 +92,8 @@ def measure_mode(mode: str, args: argparse.Namespace, prefix: list[int], suffixe
     }
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.server_threads:
         os.environ["OMP_NUM_THREADS"] = str(args.server_threads)  # inherited by the server processes
     rng = np.random.default_rng(args.seed)
@@ -103,7 +103,7 @@ def main() -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     per_mode = {mode: measure_mode(mode, args, prefix, suffixes, results_dir) for mode in modes}
 
-    results: dict = {"benchmark": "prefix-caching", "params": vars(args), "modes": per_mode}
+    results: dict = {"benchmark": "prefix-caching", "params": args_as_json(args), "modes": per_mode}
     if "on" in per_mode and "off" in per_mode:
         on, off = per_mode["on"]["ttft_ms"], per_mode["off"]["ttft_ms"]
         results["speedup_mean_ttft"] = off["mean"] / on["mean"]

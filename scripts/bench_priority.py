@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchlib.launch import launched_server
-from benchlib.results import make_results_dir, save_json
+from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
 from benchlib.streaming import (StreamTiming, completion_payload, http_session, random_token_ids, served_model_name,
                                 stream_completion)
@@ -36,7 +36,7 @@ from benchlib.workload import LengthRange
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default="priority,fcfs", help="which of priority,fcfs to run, in order")
     parser.add_argument("--max-num-seqs", type=int, default=4, help="for both servers: what the load saturates")
@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
                         help="OMP_NUM_THREADS for the servers (torch threads); 1 avoids oversubscribing a shared CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-root", type=Path, default=REPO_ROOT / "bench_results")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def build_payloads(model: str, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
@@ -78,8 +78,8 @@ async def run_load(url: str, args: argparse.Namespace, desc: str) -> tuple[list[
     Also returns, for each high-priority request, how many low-priority ones had no token yet when it was sent."""
     async with http_session() as session:
         model = await served_model_name(session, url)
-        await stream_completion(session, url, completion_payload(model, random_token_ids(np.random.default_rng(), 16),
-                                                                 2), "warm-up")
+        warm_up_prompt = random_token_ids(np.random.default_rng(args.seed + 1), 16)
+        await stream_completion(session, url, completion_payload(model, warm_up_prompt, 2), "warm-up")
         low_payloads, high_payloads = build_payloads(model, args)
         low = [StreamTiming(f"low {i}", 0.0) for i in range(len(low_payloads))]
         high = [StreamTiming(f"high {i}", 0.0) for i in range(len(high_payloads))]
@@ -123,14 +123,14 @@ def measure_policy(policy: str, args: argparse.Namespace, results_dir: Path) -> 
     }
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.server_threads:
         os.environ["OMP_NUM_THREADS"] = str(args.server_threads)  # inherited by the server processes
     results_dir = make_results_dir(args.results_root, "priority")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     per_policy = {policy: measure_policy(policy, args, results_dir) for policy in policies}
-    results: dict = {"benchmark": "priority", "params": vars(args), "policies": per_policy}
+    results: dict = {"benchmark": "priority", "params": args_as_json(args), "policies": per_policy}
     if "priority" in per_policy and "fcfs" in per_policy:
         results["high_mean_ttft_ratio_fcfs_over_priority"] = (per_policy["fcfs"]["high_ttft_ms"]["mean"]
                                                               / per_policy["priority"]["high_ttft_ms"]["mean"])

@@ -52,11 +52,14 @@ class EngineProcesses:
         return self
 
     def dead_child(self) -> str | None:
-        """A sentence naming the first child that has exited, or None while all are alive."""
-        for child in self.children:
-            if child.exitcode is not None:
-                return f"{child.name} (pid {child.pid}) exited with code {child.exitcode}"
-        return None
+        """A sentence naming every child that has exited, or None while all are alive.
+
+        Naming them all shows the cause when one death brings on another (a killed rank makes rank 0's all-reduce
+        fail, and the scheduler exits on rank 0's error).
+        """
+        dead = [f"{child.name} (pid {child.pid}) exited with code {child.exitcode}"
+                for child in self.children if child.exitcode is not None]
+        return "; ".join(dead) or None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every child (SIGTERM, then SIGKILL after `timeout`) and remove the socket directory. Idempotent."""

@@ -26,6 +26,9 @@ def become_child_process(name: str) -> logging.Logger:
 
     The parent (the launcher) decides when children stop, by a Shutdown message or SIGTERM; a Ctrl-C in the terminal
     reaches the whole process group, so children ignore SIGINT and let the parent drive an orderly stop.
+    SIGTERM keeps its default action (the kernel ends the process) rather than a Python handler: the kernel may hand
+    the signal to any thread (gloo, ZMQ and torch start several), and a handler that runs only in the main thread
+    would then wait until that thread's blocking ZMQ receive returns, which on an idle worker is never.
     """
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -34,7 +37,7 @@ def become_child_process(name: str) -> logging.Logger:
         if os.getppid() == 1:  # the parent died before prctl took effect
             os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return setup_logging(name)
 
 

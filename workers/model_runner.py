@@ -188,7 +188,7 @@ class ModelRunner:
         Counted against the share: the weights and a worst-case step's activations (profiled), memory taken outside
         torch's allocator since start-up (NCCL, cuBLAS workspaces), and the decode CUDA graphs' pool. Other processes
         on the GPU (a second instance) are respected by never taking more than is free now, less the activations
-        and graphs still to come.
+        and graphs still to come. The CUDA context, created before the start-up snapshot, is left out of the count.
         """
         cache = self.config.cache
         free_at_start, total = self._cuda_memory_at_start
@@ -278,7 +278,7 @@ class ModelRunner:
 
     def _uses_cuda_graphs(self) -> bool:
         model_cfg = self.config.model
-        return self.device.type == "cuda" and not model_cfg.enforce_eager and model_cfg.task == "generate"
+        return self.device.type == "cuda" and not model_cfg.enforce_eager and model_cfg.task != "embed"
 
     def capture_cuda_graphs(self) -> None:
         """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager)."""

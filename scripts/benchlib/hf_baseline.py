@@ -59,7 +59,7 @@ def left_padded_batch(requests: list[BenchRequest], pad_id: int) -> tuple[torch.
 @torch.inference_mode()
 def generate_batch(model, requests: list[BenchRequest], pad_id: int) -> int:
     """Run one static batch to its longest max_tokens; returns the tokens generated per row."""
-    input_ids, attention_mask = left_padded_batch(requests, pad_id)
+    input_ids, attention_mask = (t.to(model.device) for t in left_padded_batch(requests, pad_id))
     new_tokens = max(r.output_len for r in requests)
     out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, pad_token_id=pad_id)

@@ -40,6 +40,19 @@ class StreamTiming:
         return list(zip(self.chunk_times, self.chunk_times[1:]))
 
 
+def split_gaps_at_window(streams: list[StreamTiming], start: float, end: float) -> tuple[list[float], list[float]]:
+    """The streams' token gaps that overlap [start, end], and those that ended at or before start (the baseline).
+    Gaps after the window are in neither list."""
+    inside, before = [], []
+    for stream in streams:
+        for gap_start, gap_end in stream.itl_intervals():
+            if gap_end > start and gap_start < end:
+                inside.append(gap_end - gap_start)
+            elif gap_end <= start:
+                before.append(gap_end - gap_start)
+    return inside, before
+
+
 def completion_payload(model: str, prompt_token_ids: list[int], max_tokens: int, **extra) -> dict:
     """A streamed greedy completion that runs to exactly max_tokens (EOS ignored) and reports usage at the end."""
     return {"model": model, "prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": 0.0,

@@ -24,7 +24,7 @@ from tests.server import Server
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
-NEW_TOKENS = 8
+NEW_TOKENS = 6
 FACT = "The capital of France is"
 STORY = "Once upon a time, in a land far away,"
 REPEATS = " ".join(["the"] * 12)
@@ -99,8 +99,7 @@ def first_round(server, model, prompt_ids) -> dict:
             "echo_ids": greedy(prompt=story_ids, echo=True, max_tokens=4),
             "logprobs": greedy(prompt=FACT, logprobs=3),
             "n3": complete(prompt=STORY, n=3, temperature=1.0, seed=11, extra_body={"ignore_eos": True}),
-            "seed_a": complete(prompt=STORY, temperature=1.0, seed=11, extra_body={"ignore_eos": True}),
-            "seed_b": complete(prompt=STORY, temperature=1.0, seed=11, extra_body={"ignore_eos": True}),
+            "seeded": complete(prompt=STORY, temperature=1.0, seed=11, extra_body={"ignore_eos": True}),
             "stream": collect_stream(greedy(prompt=FACT, stream=True, stream_options={"include_usage": True})),
             "repeats": greedy(prompt=REPEATS, extra_body=RETURN_IDS),
             "repeats_penalized": greedy(prompt=REPEATS, presence_penalty=2.0, frequency_penalty=2.0,
@@ -186,7 +185,7 @@ def test_token_id_prompts_and_prompt_lists_match_text_prompts(first_round, promp
 def test_echo_prepends_the_prompt(server, first_round, prompt_ids):
     echoed = strictly_valid(result(first_round, "echo")).choices[0].text
     assert echoed.startswith(STORY) and len(echoed) > len(STORY)
-    # greedy: 4 tokens continue the prompt as the first 4 of the 8-token run do
+    # greedy: 4 tokens continue the prompt as the first 4 of the longer run do
     assert result(first_round, "texts").choices[1].text.startswith(echoed[len(STORY):])
     echoed_ids = strictly_valid(result(first_round, "echo_ids")).choices[0].text
     assert echoed_ids == echoed and detokenize(server, prompt_ids["story"]) == STORY
@@ -200,7 +199,7 @@ def test_completion_logprobs(first_round):
     assert "".join(logprobs.tokens) == choice.text
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(NEW_TOKENS)]
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
-        assert 3 <= len(top) <= 4 and all(lp <= 0 for lp in top.values())
+        assert len(top) == 3 and all(lp <= 0 for lp in top.values())
         assert top[token] == logprob == max(top.values())  # greedy: the sampled token is the likeliest
 
 
@@ -210,8 +209,12 @@ def test_n_choices_and_seeds(first_round, prompt_ids):
     assert len({c.text for c in response.choices}) > 1  # each choice samples with its own seed
     assert response.usage.prompt_tokens == len(prompt_ids["story"])  # the prompt counts once
     assert response.usage.completion_tokens == 3 * NEW_TOKENS
-    seed_a, seed_b = (strictly_valid(result(first_round, name)).choices[0].text for name in ("seed_a", "seed_b"))
-    assert seed_a == seed_b == response.choices[0].text  # same seed, same sample (choice i of n uses seed + i)
+    # same seed, same sample: choice i of n samples with seed + i, so choice 0 repeats the n=1 request's sample
+    assert strictly_valid(result(first_round, "seeded")).choices[0].text == response.choices[0].text
+
+
+def token_counts(usage: openai.types.CompletionUsage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
 
 
 def test_stream_with_usage_matches_the_whole_response(first_round):
@@ -224,7 +227,7 @@ def test_stream_with_usage_matches_the_whole_response(first_round):
     assert len({c.id for c in chunks}) == 1
     # OpenAI's Completion type has no null finish_reason, so only the last text chunk and the usage chunk validate
     strictly_valid(text_chunks[-1])
-    assert strictly_valid(usage_chunk).choices == [] and usage_chunk.usage == greedy.usage
+    assert strictly_valid(usage_chunk).choices == [] and token_counts(usage_chunk.usage) == token_counts(greedy.usage)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -309,7 +312,8 @@ def test_chat_stream_with_usage(first_round):
     assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == whole.choices[0].message.content
     finish_reasons = [c.choices[0].finish_reason for c in content_chunks]
     assert finish_reasons == [None] * (len(content_chunks) - 1) + ["length"]
-    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    # (cached_tokens may differ: a prompt block computed by one request of the round can serve a later one)
+    assert usage_chunk.choices == [] and token_counts(usage_chunk.usage) == token_counts(whole.usage)
     assert all(c.object == "chat.completion.chunk" for c in chunks) and len({c.id for c in chunks}) == 1
 
 

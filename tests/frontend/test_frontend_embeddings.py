@@ -148,6 +148,9 @@ async def test_dimensions_rejected_without_matryoshka(minilm_model, tokenizer):
         assert_400(status, body, "dimensions", "dimensions", "--allow-dimensions")
         with pytest.raises(openai.BadRequestError):
             await client.embeddings.create(model=MODEL, input="hi", dimensions=64)
+        status, body = await post("/v1/embeddings", {"input": "hi", "dimensions": HIDDEN + 1})
+        assert_400(status, body, "dimensions", str(HIDDEN))
+        assert "--allow-dimensions" not in body["error"]["message"]  # out of range for any model
         status, body = await post("/v1/embeddings", {"input": "hi", "dimensions": HIDDEN})  # the full size is fine
         assert status == 200 and len(body["data"][0]["embedding"]) == HIDDEN
     assert len(engine.requests) == 1  # rejected calls never reach the engine

@@ -86,10 +86,12 @@ async def test_completion_echoes_prompt_tokens(smollm2_model, tokenizer):
 
 
 @async_test
-async def test_completion_default_max_tokens_is_the_room_left(smollm2_model, tokenizer):
+async def test_completion_default_max_tokens_is_16_and_null_is_the_room_left(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer) as h:
-        resp = await h.client.completions.create(model=MODEL, prompt="Hi there")
-    assert h.engine.requests[0].sampling.max_tokens == smollm2_model.max_model_len - resp.usage.prompt_tokens
+        await h.client.completions.create(model=MODEL, prompt="Hi there")
+        resp = await h.client.completions.create(model=MODEL, prompt="Hi there", extra_body={"max_tokens": None})
+    assert h.engine.requests[0].sampling.max_tokens == 16  # the legacy completions default, as OpenAI and vLLM
+    assert h.engine.requests[1].sampling.max_tokens == smollm2_model.max_model_len - resp.usage.prompt_tokens
 
 
 @async_test
@@ -264,7 +266,7 @@ async def test_bad_requests_are_400_naming_the_field(smollm2_model, tokenizer):
                                         headers={"Content-Type": "application/json"})
         assert_error(status, error, 400, "BadRequestError")
         status, error, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 5})
-        assert "maximum context length is 256 tokens. However, you requested" in error["error"]["message"]
+        assert "maximum context length is 256 tokens. However, your request has 300 input tokens" in error["error"]["message"]
         with pytest.raises(openai.BadRequestError):
             await h.client.completions.create(model=MODEL, prompt="x", top_p=5)
         await h.good_completion()

@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU: two gloo ranks, each holding half the heads and MLP columns, give the full logits."""
+"""Tensor parallelism on CPU: two gloo ranks, each holding its share of the heads, MLP columns and vocabulary, give
+the full logits."""
 
 from __future__ import annotations
 
@@ -46,7 +47,15 @@ def run_rank(rank: int, path: str, port: int, input_ids: torch.Tensor, out_dir: 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2's single KV head is replicated on both ranks
+# per kind: (query heads, KV heads) on rank 0 and on rank 1
+HEADS_PER_RANK = {
+    "llama": [(2, 1), (2, 1)],
+    "qwen2": [(2, 1), (2, 1)],  # its single KV head is replicated on both ranks
+    "llama-uneven-tp": [(4, 2), (2, 1)],  # 3 KV heads (2 query heads each) split 2 + 1; vocabulary 321 split 161 + 160
+}
+
+
+@pytest.mark.parametrize("kind", list(HEADS_PER_RANK))
 def test_two_ranks_reproduce_single_rank_logits(tiny_checkpoint, tmp_path, kind):
     path, hf_model = tiny_checkpoint(kind)
     input_ids = torch.randint(3, hf_model.config.vocab_size, (CHUNKS[-1],), generator=torch.Generator().manual_seed(3))
@@ -54,10 +63,10 @@ def test_two_ranks_reproduce_single_rank_logits(tiny_checkpoint, tmp_path, kind)
         expected = hf_model(input_ids[None]).logits[0]
     args = (str(path), free_port(), input_ids, str(tmp_path))
     mp.start_processes(run_rank, args=args, nprocs=2, start_method="spawn")
-    kv_heads = hf_model.config.num_key_value_heads
+    most_kv_heads = max(kv for _, kv in HEADS_PER_RANK[kind])
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["heads"] == (2, max(1, kv_heads // 2))
-        # per rank: K and V, 2 layers, 4-token blocks, its kv heads of 16 dims, float32
-        assert result["num_blocks"] == KV_BUDGET_BYTES // (2 * 2 * 4 * max(1, kv_heads // 2) * 16 * 4)
+        assert result["heads"] == HEADS_PER_RANK[kind][rank]
+        # the ranks agree on the smaller count: K and V, 2 layers, 4-token blocks, kv heads of 16 dims, float32
+        assert result["num_blocks"] == KV_BUDGET_BYTES // (2 * 2 * 4 * most_kv_heads * 16 * 4)
         torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=1e-4)

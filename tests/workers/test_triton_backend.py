@@ -10,8 +10,8 @@ import torch
 
 from tests.reference import assert_greedy_match, hf_greedy_reference
 from tests.workers.runner_driver import logits_in_chunks, run_greedy
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from workers import attention
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from workers import attention, model_runner
 from workers.attention import build_attention_metadata
 from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.model_runner import ModelRunner
@@ -31,10 +31,11 @@ def triton_on_cpu(monkeypatch):
     attention.attention_backend.cache_clear()
 
 
-def make_runner(path) -> ModelRunner:
+def make_runner(path, max_num_seqs: int = 256) -> ModelRunner:
     config = EngineConfig(
         model=ModelConfig(path=str(path), max_model_len=128),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         parallel=ParallelConfig(device="cpu"),
     )
     runner = ModelRunner(config)
@@ -116,11 +117,15 @@ def test_padded_graph_batch_writes_and_returns_what_an_eager_step_does(tiny_chec
                                                        runner.device))  # prefill runs eagerly
 
 
-def test_runner_greedy_through_decode_graphs_matches_hf(tiny_checkpoint, triton_on_cpu):
+def test_runner_greedy_through_decode_graphs_matches_hf(tiny_checkpoint, triton_on_cpu, monkeypatch):
     path, hf_model = tiny_checkpoint("qwen3")
-    runner = make_runner(path)
-    runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_caches, graph_batch_sizes(4), 128 // BLOCK_SIZE,
-                                        BLOCK_SIZE, runner.device, eager_capture)
+    runner = make_runner(path, max_num_seqs=4)
+    # capture_cuda_graphs as on a GPU, with the eager stand-in for graph capture
+    monkeypatch.setattr(runner, "_uses_cuda_graphs", lambda: True)
+    monkeypatch.setattr(model_runner, "cuda_graph_capture", lambda device: eager_capture)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
+    runner.capture_cuda_graphs()
+    assert runner.decode_graphs.batch_sizes == [1, 2, 4]
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, hf_model.config.vocab_size, (n,), generator=generator).tolist() for n in (5, 12, 3)]
     max_new_tokens = 8

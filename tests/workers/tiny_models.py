@@ -42,6 +42,11 @@ TINY_CONFIGS = {
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**{**_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
+    # 3 KV heads split 2 + 1 over two ranks, and a vocabulary that does not split evenly either
+    "llama-uneven-tp": lambda: LlamaConfig(
+        **{**_COMMON, "vocab_size": 321, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
 
 

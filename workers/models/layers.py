@@ -28,6 +28,15 @@ from torch import nn
 from workers.attention import attention_backend
 
 
+class HeadShard(NamedTuple):
+    """The attention heads one rank holds: query heads [first_head, first_head + num_heads), and likewise KV heads."""
+
+    first_head: int
+    num_heads: int
+    first_kv_head: int
+    num_kv_heads: int
+
+
 class TensorParallel(NamedTuple):
     rank: int = 0
     size: int = 1
@@ -37,6 +46,29 @@ class TensorParallel(NamedTuple):
         if total % self.size:
             raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={self.size}")
         return total // self.size
+
+    def attention_heads(self, total_heads: int, total_kv_heads: int) -> HeadShard:
+        """This rank's heads: whole KV heads, each with the query heads that share it.
+
+        KV heads go to the ranks in contiguous runs as even as they can be (3 KV heads on 2 ranks: 2 and 1, which is
+        how SmolLM2-135M's 9 query / 3 KV heads run on 2 ranks). With fewer KV heads than ranks, each KV head is
+        replicated on size / total_kv_heads ranks and the query heads are split evenly.
+        """
+        if total_heads % total_kv_heads:
+            raise ValueError(f"num_attention_heads={total_heads} is not a multiple of "
+                             f"num_key_value_heads={total_kv_heads}")
+        group = total_heads // total_kv_heads
+        if total_kv_heads >= self.size:
+            base, extra = divmod(total_kv_heads, self.size)
+            num_kv_heads = base + (1 if self.rank < extra else 0)
+            first_kv_head = self.rank * base + min(self.rank, extra)
+            return HeadShard(first_kv_head * group, num_kv_heads * group, first_kv_head, num_kv_heads)
+        if self.size % total_kv_heads:
+            raise ValueError(f"tensor_parallel_size={self.size} is neither at most nor a multiple of "
+                             f"num_key_value_heads={total_kv_heads}")
+        num_heads = self.split(total_heads, "num_attention_heads")
+        first_head = self.rank * num_heads
+        return HeadShard(first_head, num_heads, first_head // group, 1)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -105,20 +137,17 @@ class QKVLinear(nn.Module):
     ):
         super().__init__()
         self.head_dim = head_dim
-        self.num_heads = tp.split(total_heads, "num_attention_heads")
-        if total_kv_heads >= tp.size:
-            self.num_kv_heads = tp.split(total_kv_heads, "num_key_value_heads")
-            first_kv_head = tp.rank * self.num_kv_heads
-        else:  # fewer KV heads than ranks: each KV head is replicated on size / total_kv_heads ranks
-            self.num_kv_heads = 1
-            first_kv_head = tp.rank * total_kv_heads // tp.size
+        self.heads = tp.attention_heads(total_heads, total_kv_heads)
+        self.num_heads = self.heads.num_heads
+        self.num_kv_heads = self.heads.num_kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         # shard id -> (first row in the fused parameter, first row in the checkpoint tensor, rows)
+        first_kv_row = self.heads.first_kv_head * head_dim
         self._shards = {
-            "q": (0, tp.rank * self.q_size, self.q_size),
-            "k": (self.q_size, first_kv_head * head_dim, self.kv_size),
-            "v": (self.q_size + self.kv_size, first_kv_head * head_dim, self.kv_size),
+            "q": (0, self.heads.first_head * head_dim, self.q_size),
+            "k": (self.q_size, first_kv_row, self.kv_size),
+            "v": (self.q_size + self.kv_size, first_kv_row, self.kv_size),
         }
         self.weight = new_parameter(self.q_size + 2 * self.kv_size, hidden_size)
         self.bias = new_parameter(self.q_size + 2 * self.kv_size) if bias else None
@@ -162,12 +191,26 @@ class GateUpLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """A linear layer whose input columns are split across ranks; partial outputs are summed by an all-reduce."""
+    """A linear layer whose input columns are split across ranks; partial outputs are summed by an all-reduce.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel):
+    The split is even unless `input_columns` (first column, count) gives this rank's columns, as o_proj does to
+    follow its rank's attention heads.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TensorParallel,
+        input_columns: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.tp = tp
-        self.rank_input_size = tp.split(input_size, "row-parallel input size")
+        if input_columns is None:
+            rank_input_size = tp.split(input_size, "row-parallel input size")
+            input_columns = (tp.rank * rank_input_size, rank_input_size)
+        self.first_input_column, self.rank_input_size = input_columns
         self.weight = new_parameter(output_size, self.rank_input_size)
         self.bias = new_parameter(output_size) if bias else None
 
@@ -178,7 +221,7 @@ class RowParallelLinear(nn.Module):
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
         if param_name == "bias":
             return copy_checked(self.bias.data, full, "row-parallel bias")
-        columns = full.narrow(1, self.tp.rank * self.rank_input_size, self.rank_input_size)
+        columns = full.narrow(1, self.first_input_column, self.rank_input_size)
         return copy_checked(self.weight.data, columns, "row-parallel weight")
 
 
@@ -238,7 +281,7 @@ class LMHead(VocabEmbedding):
         if self.tp.size > 1:
             shards = [torch.empty_like(logits) for _ in range(self.tp.size)]
             dist.all_gather(shards, logits)
-            logits = torch.cat(shards, dim=-1)[:, : self.vocab_size]
+            logits = torch.cat(shards, dim=-1)[:, : self.vocab_size].contiguous()  # drops the padding rows' logits
         return logits.float()
 
 

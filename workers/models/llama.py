@@ -58,7 +58,8 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden_size, out_bias, tp)
+        rank_columns = (self.qkv_proj.heads.first_head * head_dim, self.num_heads * head_dim)  # this rank's heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden_size, out_bias, tp, rank_columns)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
