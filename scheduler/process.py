@@ -94,10 +94,11 @@ class SchedulerLoop:
                 return
             self.handle(self.frontend_decoder.decode(raw))
 
-    def publish(self, outputs: list[RequestOutput], force_stats: bool = False) -> None:
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """Send this step's outputs, with stats when a request finished or STATS_INTERVAL_S has passed."""
         now = time.monotonic()
         stats = None
-        if force_stats or now - self.last_stats_time >= STATS_INTERVAL_S or any(o.finish_reason for o in outputs):
+        if now - self.last_stats_time >= STATS_INTERVAL_S or any(o.finish_reason for o in outputs):
             stats = msgspec.structs.replace(
                 self.scheduler.stats(), num_steps=self.steps_since_report,
                 step_time_s=self.step_time_since_report, model_time_s=self.model_time_since_report)
@@ -135,19 +136,17 @@ class SchedulerLoop:
             step_start = time.perf_counter()
             plan = sched.schedule()
             if plan is None:
+                self.publish([])  # keeps stats flowing while idle or while nothing fits
                 if sched.has_unfinished_requests():
-                    self.publish([])  # keep stats flowing; nothing fits right now
                     self.drain_frontend(10)
-                else:
-                    self.publish([], force_stats=time.monotonic() - self.last_stats_time >= STATS_INTERVAL_S)
                 continue
             self.to_workers.send(encode(plan))
             result = self.wait_for_result(plan.step_id)
-            outputs = sched.update(plan, result)
+            self.publish(sched.update(plan, result))
+            # counted after publishing, so the overhead figure includes encoding and sending the outputs
             self.steps_since_report += 1
             self.step_time_since_report += time.perf_counter() - step_start
             self.model_time_since_report += result.model_time_s
-            self.publish(outputs)
 
     def close(self) -> None:
         try:

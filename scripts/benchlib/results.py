@@ -5,18 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+# environment variables that change what a benchmark measures; recorded in front of the command when set
+RELEVANT_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")
+
 
 def make_results_dir(root: str | Path, name: str) -> Path:
-    """A new folder `<root>/<UTC timestamp>-<name>` with `command.txt` (the command that produced it) written."""
+    """A new folder `<root>/<UTC timestamp>-<name>` with `command.txt` (the command that produced it, with the
+    thread and device environment variables that were set) written."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = Path(root) / f"{stamp}-{name}"
     folder.mkdir(parents=True, exist_ok=False)
-    (folder / "command.txt").write_text(shlex.join([sys.executable, *sys.argv]) + "\n")
+    env = [f"{var}={shlex.quote(os.environ[var])}" for var in RELEVANT_ENV if var in os.environ]
+    (folder / "command.txt").write_text(" ".join([*env, shlex.join([sys.executable, *sys.argv])]) + "\n")
     return folder
 
 

@@ -73,3 +73,9 @@ def test_results_folder_records_the_command(tmp_path):
     assert "python" in (folder / "command.txt").read_text()
     args = argparse.Namespace(rate=float("inf"), span=LengthRange(1, 2), n=3)
     assert json.loads(json.dumps(args_as_json(args), allow_nan=False)) == {"rate": "inf", "span": "1:2", "n": 3}
+
+
+def test_results_folder_records_thread_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    folder = make_results_dir(tmp_path, "env")
+    assert (folder / "command.txt").read_text().startswith("OMP_NUM_THREADS=1 ")

@@ -50,9 +50,15 @@ def references(model, prompts: list[list[int]]) -> list[list[tuple[int, float]]]
 
 
 @pytest.fixture(scope="module")
-def smollm2_case(smollm2_tokenizer, tiny_checkpoints):
+def smollm2_hf(tiny_checkpoints):
+    """The transformers SmolLM2 model, loaded once per module (loading the GGUF takes seconds)."""
+    return load_reference_model("smollm2", tiny_checkpoints)
+
+
+@pytest.fixture(scope="module")
+def smollm2_case(smollm2_tokenizer, smollm2_hf):
     prompts = [smollm2_tokenizer.encode(t) for t in TEXTS]
-    return prompts, references(load_reference_model("smollm2", tiny_checkpoints), prompts)
+    return prompts, references(smollm2_hf, prompts)
 
 
 def complete_ids(url: str, prompt: list[int], **extra) -> list[int]:
@@ -64,14 +70,18 @@ def complete_ids(url: str, prompt: list[int], **extra) -> list[int]:
 
 
 @pytest.mark.parametrize("family", ["smollm2", "llama", "qwen2", "qwen3"])
-def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints, smollm2_tokenizer, tmp_path):
+def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints, smollm2_tokenizer, tmp_path,
+                                                       request):
     prompts = [smollm2_tokenizer.encode(t) for t in TEXTS]
     model_arg = str(smollm2_dir() / SMOLLM2_GGUF) if family == "smollm2" else str(tiny_checkpoints(family))
     with Server(model_arg, "--served-model-name", "m", "--dtype", "float32", "--max-model-len", "1024",
                 "--kv-cache-memory-bytes", "256MiB", log_path=tmp_path / "server.log") as server:
         with ThreadPoolExecutor(len(prompts)) as pool:
             ours = list(pool.map(lambda p: complete_ids(server.url, p), prompts))
-    expected = references(load_reference_model(family, tiny_checkpoints), prompts)
+    if family == "smollm2":
+        expected = request.getfixturevalue("smollm2_case")[1]  # computed once for this module
+    else:
+        expected = references(load_reference_model(family, tiny_checkpoints), prompts)
     compared = [assert_greedy_match(o, r) for o, r in zip(ours, expected)]
     assert all(len(o) == NEW_TOKENS for o in ours)
     assert sum(compared) >= len(prompts) * NEW_TOKENS // 2, f"too few tokens compared: {compared}"
@@ -88,7 +98,6 @@ def run_offline(prompts, **engine_args) -> tuple[list[list[int]], "LLM"]:
 
 SCHEDULER_CASES = {
     "chunked-prefill-small-budget": dict(max_num_batched_tokens=16, enable_prefix_caching=False),
-    "no-chunked-prefill": dict(enable_chunked_prefill=False, enable_prefix_caching=False),
     "tiny-kv-pool-preempts": dict(num_kv_blocks=12, block_size=16, enable_prefix_caching=False),
     "priority-policy": dict(scheduling_policy="priority"),
     "sjf-policy": dict(scheduling_policy="sjf"),
@@ -105,12 +114,12 @@ def test_scheduler_configurations_match_transformers(case, smollm2_case):
         assert len(o) == NEW_TOKENS
 
 
-def test_prefix_caching_hits_and_matches_transformers(smollm2_tokenizer, tiny_checkpoints):
+def test_prefix_caching_hits_and_matches_transformers(smollm2_tokenizer, smollm2_hf):
     shared = ("You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. "
               "The user is a student preparing for an exam in European geography and history. ") * 3
     prompts = [smollm2_tokenizer.encode(shared + q) for q in
                ("What is the capital of Spain?", "Name a river in Germany.", "When did the Berlin wall fall?")]
-    expected = references(load_reference_model("smollm2", tiny_checkpoints), prompts)
+    expected = references(smollm2_hf, prompts)
     from tokenmill import LLM, SamplingParams
 
     with LLM(str(smollm2_dir() / SMOLLM2_GGUF), dtype="float32", max_model_len=1024) as llm:
