@@ -287,7 +287,8 @@ async def benchmark(args: argparse.Namespace, base_url: str, folder: Path) -> di
         summary = summarize_run(results, duration)
         print(summary_table(f"Serving benchmark: {label}", summary))
         runs.append({"max_concurrency": concurrency, "summary": summary, "samples": latency_samples(results),
-                     "input_lens": [r.prompt_tokens for r in results], "output_lens": [r.output_tokens for r in results]})
+                     "input_lens": [r.prompt_tokens for r in results],
+                     "output_lens": [r.output_tokens for r in results]})
 
     plot_latency_cdfs([(f"c={run['max_concurrency']}", run["samples"]) for run in runs], folder / "latency_cdf.png")
     if len(levels) > 1:

@@ -21,14 +21,13 @@ import os
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from benchlib.hf_baseline import BaselineRun, load_hf_model, run_static_batches
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import format_table, summarize
-from benchlib.step_timing import DecodeWindow, StepRecorder
+from benchlib.step_timing import DecodeWindow, StepRecorder, WindowTooShort
 from benchlib.workload import BenchRequest, LengthRange, build_workload
 from roofline import MachinePeaks, ModelCost, decode_bound, measure_machine, plot_roofline
 
@@ -74,16 +73,29 @@ def run_tokenmill(llm, requests: list[BenchRequest]) -> dict:
     }
 
 
-def run_decode_probe(llm, tokenizer, batch_size: int, input_len: int, output_len: int, seed: int) -> DecodeWindow:
-    """Decode `batch_size` equal-length requests together and time the steps where all of them decode."""
-    requests = build_workload(tokenizer, batch_size, LengthRange(input_len, input_len),
-                              LengthRange(output_len, output_len), seed)
-    recorder = StepRecorder()
-    llm.step_listener = recorder
-    results = llm.generate([r.prompt_ids for r in requests], [sampling_params(r) for r in requests],
-                           use_tqdm=False)
-    llm.step_listener = None
-    return recorder.decode_window({f"{result.request_id}-0" for result in results})
+def run_decode_probe(llm, tokenizer, batch_size: int, input_len: int, output_len: int,
+                     seed: int) -> tuple[DecodeWindow, int]:
+    """Decode `batch_size` equal-length requests together and time the steps where all of them decode; returns the
+    timing and the output length it took.
+
+    The scheduler reports stats every half second, so on fast hardware a short probe may hold no report to time:
+    then it is run again with four times the output length, as far as the model's context allows."""
+    while True:
+        requests = build_workload(tokenizer, batch_size, LengthRange(input_len, input_len),
+                                  LengthRange(output_len, output_len), seed)
+        recorder = StepRecorder()
+        llm.step_listener = recorder
+        results = llm.generate([r.prompt_ids for r in requests], [sampling_params(r) for r in requests],
+                               use_tqdm=False)
+        llm.step_listener = None
+        try:
+            return recorder.decode_window({f"{result.request_id}-0" for result in results}), output_len
+        except WindowTooShort:
+            longer = min(4 * output_len, llm.engine_info.max_model_len - input_len)
+            if longer <= output_len:
+                raise
+            print(f"decode probe: {output_len} tokens were too few to time, trying {longer}", file=sys.stderr)
+            output_len, seed = longer, seed + 1
 
 
 def run_baseline(config, dtype: str, requests: list[BenchRequest], batch_size: int, pad_id: int) -> BaselineRun:
@@ -192,15 +204,15 @@ def main(argv: list[str] | None = None) -> int:
         llm.generate([r.prompt_ids for r in warmup], [sampling_params(r) for r in warmup], use_tqdm=False)
         engine = run_tokenmill(llm, requests)
         probe_input = args.probe_input_len or round(args.input_len.mean)
-        probe = run_decode_probe(llm, tokenizer, args.max_num_seqs, probe_input, args.probe_output_len,
-                                 args.seed + 20_000)
+        probe, probe_output = run_decode_probe(llm, tokenizer, args.max_num_seqs, probe_input,
+                                               args.probe_output_len, args.seed + 20_000)
         config, info = llm.config, llm.engine_info
 
     hf_config = load_hf_config(config.model)
     dtype_bytes = getattr(torch, info.dtype).itemsize
     cost = ModelCost.from_hf_config(hf_config, info.weight_bytes, dtype_bytes)
-    # in the probe's window, sequences hold from probe_input + 1 to probe_input + probe_output_len tokens
-    bound = decode_bound(cost, machine, probe.batch_size, probe_input + (args.probe_output_len + 1) / 2)
+    # in the probe's window, sequences hold from probe_input + 1 to probe_input + probe_output tokens
+    bound = decode_bound(cost, machine, probe.batch_size, probe_input + (probe_output + 1) / 2)
 
     baseline = None
     if not args.skip_baseline:

@@ -277,14 +277,7 @@ class LLM:
         bar = tqdm(total=num_prompts, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while unfinished:
-                msg = self._receive()
-                if not isinstance(msg, StepOutputs):
-                    continue
-                if msg.stats is not None:
-                    self._stats.add(msg.stats)
-                if self.step_listener is not None:
-                    self.step_listener(msg)
-                for out in msg.outputs:
+                for out in self._step_outputs():
                     if out.request_id not in unfinished:
                         continue
                     result, completion, detok, params = choices[out.request_id]

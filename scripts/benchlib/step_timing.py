@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from tokenmill.messages import SchedulerStats, StepOutputs
 
 
+class WindowTooShort(ValueError):
+    """The decode window held too few steps or stats reports to time: decode more tokens."""
+
+
 @dataclass
 class StepRecord:
     arrival_s: float
@@ -90,11 +94,11 @@ class StepRecorder:
         if any(set(r.request_ids) != request_ids for r in window):
             raise ValueError("a step in the decode window did not decode every request once")
         if len(window) < 2:
-            raise ValueError("the decode window is too short to time; ask for more output tokens")
+            raise WindowTooShort("the decode window is too short to time; ask for more output tokens")
         reports = [r.stats for r in window if r.stats is not None][1:]
         stats_steps = sum(s.num_steps for s in reports)
         if stats_steps == 0:
-            raise ValueError("no scheduler stats arrived inside the decode window; ask for more output tokens")
+            raise WindowTooShort("no scheduler stats arrived inside the decode window; ask for more output tokens")
         wall = (window[-1].arrival_s - self.records[start_index].arrival_s) / len(window)
         return DecodeWindow(len(request_ids), len(window), wall, stats_steps,
                             sum(s.step_time_s for s in reports) / stats_steps,
