@@ -4,7 +4,8 @@ One decode step at batch B reads every weight once, reads each sequence's KV cac
 2 * (matmul parameters) FLOPs per token plus attention (4 * layers * query width * context per token). Its time is at
 least max(bytes / bandwidth, FLOPs / FLOP/s), so B tokens per step bound decode throughput at
 B / that time. Both machine figures are measured here, in the same run as the benchmark that uses them:
-a large square fp32 matmul for FLOP/s and a copy far larger than the last-level cache for bandwidth (read + write).
+a large square fp32 matmul for FLOP/s (MKL's or oneDNN's, whichever is faster here) and a copy far larger than the
+last-level cache for bandwidth (read + write).
 
     python scripts/roofline.py [--model ""] [--batch-sizes 1,8,32,128] [--context-len 400]
 """
@@ -25,7 +26,7 @@ COPY_BYTES = 1 << 30  # 1 GiB each way: well beyond any last-level cache
 
 @dataclass
 class MachinePeaks:
-    matmul_flops: float  # FLOP/s of a large fp32 matmul
+    matmul_flops: float  # FLOP/s of a large fp32 matmul (the faster library)
     copy_bandwidth: float  # bytes/s, counting the read and the write
     threads: int
 
@@ -80,10 +81,18 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def measure_matmul_flops(size: int = MATMUL_SIZE, repeats: int = 5) -> float:
+    """The faster of torch's two CPU matmuls: `torch.mm` (MKL or OpenBLAS) and oneDNN's linear on a packed weight,
+    which the engine's CPU layers use (`workers/models/packed_linear.py`); on AMD CPUs oneDNN is about twice MKL."""
+    from workers.models.packed_linear import can_pack, linear, packed
+
     a = torch.randn(size, size, dtype=torch.float32)
     b = torch.randn(size, size, dtype=torch.float32)
     out = torch.empty(size, size, dtype=torch.float32)
-    return 2 * size**3 / _best_time(lambda: torch.mm(a, b, out=out), repeats)
+    best = _best_time(lambda: torch.mm(a, b, out=out), repeats)
+    if can_pack(b):
+        b_packed = packed(b)
+        best = min(best, _best_time(lambda: linear(a, b_packed), repeats))
+    return 2 * size**3 / best
 
 
 def measure_copy_bandwidth(num_bytes: int = COPY_BYTES, repeats: int = 5) -> float:

@@ -4,13 +4,13 @@ Cache layout (shared with the Triton kernels in `kernels/`): per layer a K cache
 `[num_blocks, block_size, num_kv_heads, head_dim]`. Token t of a step lives in flat slot
 `slot_mapping[t] = block_id * block_size + offset`.
 
-Padding is read, then masked: decode batches gather whole blocks (and block-table padding points at block 0), so
+Padding is read, then masked: decode chunks gather whole blocks (and block-table padding points at block 0), so
 every slot of a block that appears in a block table, and all of block 0, must hold finite values, since a masked
 NaN still poisons SDPA (0 * nan = nan). The model runner guarantees it by zeroing each block the first time it is
 handed out; after that a slot holds zeros or stale but finite keys and values.
 
 `AttentionMetadata` is built once per step by the model runner and shared by every layer; whatever can be
-precomputed for the whole step (decode masks, per-sequence causal masks) is built there, not per layer.
+precomputed for the whole step (decode chunks and masks, per-sequence causal masks) is built there, not per layer.
 
 The device switch lives in `attention_backend`, the one place that decides which implementation runs: on CPU the
 torch code below (SDPA through the block tables), on CUDA the Triton kernels from `kernels/`
@@ -31,13 +31,30 @@ import torch
 import torch.nn.functional as F
 
 
+# Decode attention gathers the K and V of a few sequences at a time, about this many bytes a layer, so the copy is
+# still in the core's cache when SDPA reads it. Gathering the whole batch at once (15 MB a layer for 32 sequences of
+# 320 tokens of the default model) sends the copy to memory and back, and made decode attention 2-3x slower.
+DECODE_GATHER_BYTES = 2 * 2**20
+
+
+@dataclass
+class DecodeChunk:
+    """Consecutive decode sequences [start, end) of a `DecodeGroup`, attended in one batched SDPA call."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [end - start, num_blocks] int64: as many columns as the chunk's longest sequence needs
+    num_keys: int  # the chunk's longest sequence
+    key_mask: torch.Tensor | None  # [end - start, 1, 1, num_keys] bool, True where the key is in the sequence;
+    # None when every sequence of the chunk has num_keys keys
+
+
 @dataclass
 class DecodeGroup:
-    """The sequences of a step that have exactly one query token, attended in one batched SDPA call."""
+    """The sequences of a step that have exactly one query token, attended in chunks of a few sequences."""
 
     token_indices: torch.Tensor | None  # [Bd] int64 rows of the flat batch; None when the whole batch is decode
-    block_tables: torch.Tensor  # [Bd, num_blocks] int64, only as many columns as the longest sequence needs
-    key_mask: torch.Tensor  # [Bd, 1, 1, num_blocks * block_size] bool: True where the key is in the sequence
+    chunks: list[DecodeChunk]
 
 
 @dataclass
@@ -71,6 +88,23 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+def _decode_chunk_bounds(padded_lens: np.ndarray, max_tokens: int | None) -> list[tuple[int, int]]:
+    """Split consecutive sequences into [start, end) runs whose count times longest padded length fits `max_tokens`.
+
+    A sequence longer than the budget gets a chunk of its own.
+    """
+    if max_tokens is None:
+        return [(0, len(padded_lens))]
+    bounds, start, longest = [], 0, 0
+    for i, length in enumerate(padded_lens.tolist()):
+        longest = max(longest, length)
+        if i > start and (i + 1 - start) * longest > max_tokens:
+            bounds.append((start, i))
+            start, longest = i, length
+    bounds.append((start, len(padded_lens)))
+    return bounds
+
+
 def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     """Positions `[T]` of a flat batch: sequence b's query i sits at seq_lens[b] - query_lens[b] + i."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
@@ -86,8 +120,12 @@ def build_attention_metadata(
     block_tables: np.ndarray,
     block_size: int,
     device: torch.device,
+    decode_chunk_tokens: int | None = None,
 ) -> AttentionMetadata:
-    """Build a step's metadata from host arrays: query_lens[B], seq_lens[B] and block_tables[B, max_blocks]."""
+    """Build a step's metadata from host arrays: query_lens[B], seq_lens[B] and block_tables[B, max_blocks].
+
+    `decode_chunk_tokens` bounds the (padded) keys of one decode chunk; None puts every decode sequence in one chunk.
+    """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     block_tables = np.asarray(block_tables, dtype=np.int64)
@@ -109,14 +147,20 @@ def build_attention_metadata(
     decode = None
     if builds_sdpa_groups and is_decode.any():
         decode_seqs = np.flatnonzero(is_decode)
-        decode_seq_lens = seq_lens[decode_seqs]
-        num_blocks = int(blocks_needed[decode_seqs].max())
-        key_positions = np.arange(num_blocks * block_size)
-        key_mask = key_positions[None, :] < decode_seq_lens[:, None]
+        chunks = []
+        for start, end in _decode_chunk_bounds(blocks_needed[decode_seqs] * block_size, decode_chunk_tokens):
+            chunk_seqs = decode_seqs[start:end]
+            chunk_lens = seq_lens[chunk_seqs]
+            num_keys = int(chunk_lens.max())
+            key_mask = None
+            if (chunk_lens != num_keys).any():
+                key_mask = to_device((np.arange(num_keys)[None, :] < chunk_lens[:, None])[:, None, None, :], torch.bool)
+            num_blocks = int(blocks_needed[chunk_seqs].max())
+            chunks.append(DecodeChunk(start, end, to_device(block_tables[chunk_seqs, :num_blocks], torch.int64),
+                                      num_keys, key_mask))
         decode = DecodeGroup(
             token_indices=None if is_decode_only else to_device(query_start_loc[decode_seqs], torch.int64),
-            block_tables=to_device(block_tables[decode_seqs, :num_blocks], torch.int64),
-            key_mask=to_device(key_mask[:, None, None, :], torch.bool),
+            chunks=chunks,
         )
 
     prefills = []
@@ -176,16 +220,21 @@ def _gather_sequence(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
 def _attend_decode(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
-    """Single-token queries `[Bd, Hq, D]` of many sequences in one masked SDPA over their padded caches."""
+    """Single-token queries `[Bd, Hq, D]`: per chunk of sequences, gather their blocks and run one masked SDPA."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     # Grouped-query attention without repeating K/V: the G query heads sharing a KV head act as G query rows.
     grouped_query = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    flat_blocks = group.block_tables.reshape(-1)
-    keys = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=group.key_mask, scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    out = torch.empty_like(grouped_query)
+    for chunk in group.chunks:
+        shape = (chunk.end - chunk.start, -1, num_kv_heads, head_dim)
+        flat_blocks = chunk.block_tables.view(-1)
+        keys = k_cache.index_select(0, flat_blocks).view(shape)[:, : chunk.num_keys].transpose(1, 2)
+        values = v_cache.index_select(0, flat_blocks).view(shape)[:, : chunk.num_keys].transpose(1, 2)
+        out[chunk.start : chunk.end] = F.scaled_dot_product_attention(
+            grouped_query[chunk.start : chunk.end], keys, values, attn_mask=chunk.key_mask, scale=scale
+        )
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def paged_attention_torch(

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
-from workers.attention import AttentionMetadata, build_attention_metadata, token_positions
+from workers.attention import DECODE_GATHER_BYTES, AttentionMetadata, build_attention_metadata, token_positions
 from workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
 from workers.model_loader import iter_weights, load_hf_config, resolve_dtype
-from workers.models.layers import TensorParallel
+from workers.models.layers import TensorParallel, pack_linear_weights
 from workers.models.registry import architecture_of, model_class
 from workers.sampler import RequestSamplingState, sample
 
@@ -124,6 +124,8 @@ class ModelRunner:
         self.model = model.eval()
         unique = {p.data_ptr(): p for p in model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+        if self.device.type == "cpu":
+            pack_linear_weights(model)
         self.eos_token_ids = self._read_eos_token_ids()
         log.info(
             "loaded %s (%s, %.1f MiB of weights on %s) in %.1f s",
@@ -160,6 +162,10 @@ class ModelRunner:
         model = self.model
         per_layer = self.block_size * model.num_kv_heads * model.head_dim * self.dtype.itemsize
         return 2 * model.num_layers * per_layer
+
+    def decode_chunk_tokens(self) -> int:
+        """Keys per decode-attention chunk on the torch path: `DECODE_GATHER_BYTES` of one layer's K and V."""
+        return max(1, DECODE_GATHER_BYTES * self.model.num_layers * self.block_size // self.kv_block_bytes())
 
     def max_model_len(self) -> int:
         return self.config.model.max_model_len or int(self.hf_config.max_position_embeddings)
@@ -400,7 +406,8 @@ class ModelRunner:
         return _StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
             positions=torch.from_numpy(token_positions(query_lens, seq_lens)).to(device),
-            attn=build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, device),
+            attn=build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, device,
+                                          self.decode_chunk_tokens()),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long).to(device),
             sampled_requests=sampled_requests,
         )

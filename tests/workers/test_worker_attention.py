@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.attention import build_attention_metadata, write_kv_and_attend, write_kv_torch
+from workers.attention import _decode_chunk_bounds, build_attention_metadata, write_kv_and_attend, write_kv_torch
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -26,7 +26,7 @@ def dense_reference(query, keys, values, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
 
 
-def run_case(query_lens, seq_lens, seed=0, garbage=float("nan")):
+def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_tokens=None):
     """Fill the cache for every sequence's history, then one step of new tokens; compare with dense attention.
 
     Unused cache slots hold `garbage`, as a torch.empty cache may.
@@ -59,7 +59,8 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan")):
         new_keys.append(keys[cached:])
         new_values.append(values[cached:])
 
-    meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), block_tables, BLOCK_SIZE, CPU)
+    meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), block_tables, BLOCK_SIZE, CPU,
+                                    decode_chunk_tokens)
     scale = HEAD_DIM**-0.5
     out = write_kv_and_attend(
         torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache), meta, scale
@@ -82,6 +83,36 @@ def test_paged_attention_matches_dense(query_lens, seq_lens):
     assert meta.is_decode_only == all(q == 1 for q in query_lens)
     assert torch.isfinite(out).all(), "garbage (NaN) cache slots leaked into the output"
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "query_lens, seq_lens",
+    [
+        ([1] * 7, [3, 16, 17, 5, 40, 9, 9]),  # decode only
+        ([1, 6, 1, 1, 3, 1, 1], [17, 6, 2, 30, 12, 40, 8]),  # decode rows between prefills
+    ],
+)
+@pytest.mark.parametrize("decode_chunk_tokens", [1, 16, 48])
+def test_decode_chunks_match_dense(query_lens, seq_lens, decode_chunk_tokens):
+    out, expected, meta = run_case(query_lens, seq_lens, seed=1, decode_chunk_tokens=decode_chunk_tokens)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    chunks = meta.decode.chunks
+    assert len(chunks) > 1
+    decode_lens = [n for q, n in zip(query_lens, seq_lens) if q == 1]
+    assert [c.start for c in chunks] == [0] + [c.end for c in chunks[:-1]] and chunks[-1].end == len(decode_lens)
+    for chunk in chunks:
+        lens = decode_lens[chunk.start : chunk.end]
+        assert chunk.num_keys == max(lens)
+        assert (chunk.key_mask is None) == (len(set(lens)) == 1)
+
+
+def test_decode_chunk_bounds():
+    padded = np.array([16, 16, 32, 16, 64, 16])
+    assert _decode_chunk_bounds(padded, None) == [(0, 6)]
+    # each chunk: sequences x its longest padded length <= 64; a longer sequence alone
+    assert _decode_chunk_bounds(padded, 64) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert _decode_chunk_bounds(padded, 32) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+    assert _decode_chunk_bounds(padded, 1) == [(i, i + 1) for i in range(6)]
 
 
 def test_metadata_slots_positions_and_groups():

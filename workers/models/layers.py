@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention import attention_backend
+from workers.models.packed_linear import can_pack, linear, packed
 
 
 class HeadShard(NamedTuple):
@@ -154,7 +155,7 @@ class QKVLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (views of one matmul output)."""
-        qkv = F.linear(x, self.weight, self.bias)
+        qkv = linear(x, self.weight, self.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = x.shape[0]
         return (
@@ -180,7 +181,7 @@ class GateUpLinear(nn.Module):
         self.bias = new_parameter(2 * self.rank_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.weight, self.bias).chunk(2, dim=-1)
+        gate, up = linear(x, self.weight, self.bias).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
@@ -215,7 +216,7 @@ class RowParallelLinear(nn.Module):
         self.bias = new_parameter(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias  # the bias is added once, after the sum
 
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
@@ -275,14 +276,31 @@ class LMHead(VocabEmbedding):
         tied_to: VocabEmbedding | None = None,
     ):
         super().__init__(vocab_size, hidden_size, tp, weight=tied_to.weight if tied_to is not None else None)
+        self.tied = tied_to is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp.size > 1:
             shards = [torch.empty_like(logits) for _ in range(self.tp.size)]
             dist.all_gather(shards, logits)
             logits = torch.cat(shards, dim=-1)[:, : self.vocab_size].contiguous()  # drops the padding rows' logits
         return logits.float()
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Reorder every matmul weight of `model` for oneDNN where it runs on CPU (`packed_linear`); returns how many.
+
+    Call it once the weights are loaded: a packed weight can no longer be loaded into or read.
+    """
+    count = 0
+    for module in model.modules():
+        packable = isinstance(module, (QKVLinear, GateUpLinear, RowParallelLinear)) or (
+            isinstance(module, LMHead) and not module.tied
+        )
+        if packable and can_pack(module.weight):
+            module.weight = packed(module.weight)
+            count += 1
+    return count
 
 
 # ---------------------------------------------------------------- rotary position embeddings

@@ -1,0 +1,42 @@
+"""Linear layers on CPU through oneDNN, each weight reordered once, after loading, into oneDNN's blocked layout.
+
+torch's `F.linear` on CPU calls MKL's sgemm, which repacks the weight matrix for its kernel on every call. At decode
+batch sizes (tens of rows) that repacking costs about as much as the multiply, and on AMD CPUs MKL also takes a
+generic code path. oneDNN's linear on a weight reordered once (what torch inductor's CPU freezing does) avoids
+both; on the default model a batch-32 decode step's matmuls take less than half as long (docs/benchmarks.md).
+
+A packed weight is an opaque `mkldnn` tensor: it keeps its logical shape, dtype and element count, but has no
+storage to read, so packing happens last, after the weights are loaded and counted. A tied LM head stays dense and
+shared with the embedding (oneDNN reorders it on each call, still faster than MKL) rather than cost a second copy of
+the vocabulary table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The row count the reorder is tuned for; any number of rows works with the packed weight.
+ROWS_HINT = 32
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can run this weight's matmuls here: a CPU tensor in float32, or bfloat16 where it is native."""
+    if weight.device.type != "cpu" or weight.is_mkldnn or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def packed(weight: torch.Tensor) -> nn.Parameter:
+    """`weight` [out, in] reordered for oneDNN, as a parameter that `linear` accepts in place of the dense one."""
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT), requires_grad=False)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` through oneDNN wherever it can run (a packed weight, or a dense one it reorders per call)."""
+    if weight.is_mkldnn or can_pack(weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
