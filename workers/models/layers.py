@@ -287,20 +287,17 @@ class LMHead(VocabEmbedding):
         return logits.float()
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Reorder every matmul weight of `model` for oneDNN where it runs on CPU (`packed_linear`); returns how many.
+def pack_linear_weights(model: nn.Module) -> None:
+    """Reorder every matmul weight of `model` for oneDNN where it runs on CPU (`packed_linear`).
 
     Call it once the weights are loaded: a packed weight can no longer be loaded into or read.
     """
-    count = 0
     for module in model.modules():
         packable = isinstance(module, (QKVLinear, GateUpLinear, RowParallelLinear)) or (
             isinstance(module, LMHead) and not module.tied
         )
         if packable and can_pack(module.weight):
             module.weight = packed(module.weight)
-            count += 1
-    return count
 
 
 # ---------------------------------------------------------------- rotary position embeddings
