@@ -1,8 +1,9 @@
 """Where a decode step's time goes: the worker's `ModelRunner` at batch B, in this process, under torch.profiler.
 
 It prefills B random prompts of --context-len tokens, times --steps decode steps (one token per request per step,
-no scheduler or messaging), prints the profiler's top operators by self CPU time, and, with
---compare-transformers, times one transformers forward of the same batch over the same context for reference.
+no scheduler or messaging), prints the profiler's top operators by self CPU time (the compiled CPU kernels as
+`cpu_ops::*`), and, with --compare-transformers, times one transformers forward of the same batch over the same
+context for reference. `TOKENMILL_CPU_KERNELS=0` profiles the plain torch path instead.
 
     python scripts/profile_decode.py --batch-size 32 --context-len 320 --threads 2 --compare-transformers
 """
@@ -61,6 +62,25 @@ class DecodeDriver:
         return elapsed
 
 
+def label_cpu_kernels() -> None:
+    """Make the compiled CPU kernels (ctypes calls, which the profiler cannot see) show up as `cpu_ops::<name>`."""
+    from workers import attention
+    from workers.cpu_backend import CpuKernelBackend
+
+    if not isinstance(attention.attention_backend("cpu"), CpuKernelBackend):
+        return
+
+    def labelled(name: str, fn):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(f"cpu_ops::{name}"):
+                return fn(*args, **kwargs)
+
+        return staticmethod(call)
+
+    for attr in ("rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel", "write_kv", "attend"):
+        setattr(CpuKernelBackend, attr, labelled(attr, getattr(CpuKernelBackend, attr)))
+
+
 def transformers_step_time(config, batch_size: int, context_len: int, repeats: int = 3) -> float:
     """Best time of one transformers decode forward at the same batch and context (DynamicCache, no padding)."""
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -100,6 +120,7 @@ def main() -> None:
 
     driver = DecodeDriver(runner, prompts, 2 * args.steps, block_size)
     step_ms = summarize([driver.step() for _ in range(args.steps)], 1e3)  # timed without the profiler
+    label_cpu_kernels()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             driver.step()

@@ -12,17 +12,20 @@ handed out; after that a slot holds zeros or stale but finite keys and values.
 `AttentionMetadata` is built once per step by the model runner and shared by every layer; whatever can be
 precomputed for the whole step (decode chunks and masks, per-sequence causal masks) is built there, not per layer.
 
-The device switch lives in `attention_backend`, the one place that decides which implementation runs: on CPU the
-torch code below (SDPA through the block tables), on CUDA the Triton kernels from `kernels/`
-(`workers/triton_backend.py`: KV write, decode and prefill paged attention, and the fused RMSNorm and rotary kernels
-that the layers in `workers/models/layers.py` call through the same backend). The Triton kernels read only the
-block-table entries their sequences' lengths cover and mask the rest, so they need none of the SDPA masks built here
-(`builds_sdpa_groups`).
+The device switch lives in `attention_backend`, the one place that decides which implementation runs: on CUDA the
+Triton kernels from `kernels/` (`workers/triton_backend.py`: KV write, decode and prefill paged attention, and the
+fused RMSNorm and rotary kernels that the layers in `workers/models/layers.py` call through the same backend); on CPU
+the compiled kernels of `kernels/cpu_ops.cpp` (`workers/cpu_backend.py`: decode attention straight from the blocks,
+KV write, RMSNorm, rotary, SiLU-and-mul) with prompts through SDPA, or, where those cannot be built, the torch code
+below for everything (SDPA through the block tables). Kernels read only the block-table entries their sequences'
+lengths cover, so they need none of the decode chunks and masks built here (`builds_decode_chunks`); SDPA on prompts
+needs the per-sequence groups (`builds_prefill_groups`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -143,9 +146,9 @@ def build_attention_metadata(
     blocks_needed = -(-seq_lens // block_size)
     is_decode = query_lens == 1
     is_decode_only = bool(is_decode.all())
-    builds_sdpa_groups = attention_backend(device.type).builds_sdpa_groups
+    backend = attention_backend(device.type)
     decode = None
-    if builds_sdpa_groups and is_decode.any():
+    if backend.builds_decode_chunks and is_decode.any():
         decode_seqs = np.flatnonzero(is_decode)
         chunks = []
         for start, end in _decode_chunk_bounds(blocks_needed[decode_seqs] * block_size, decode_chunk_tokens):
@@ -164,7 +167,7 @@ def build_attention_metadata(
         )
 
     prefills = []
-    for seq in np.flatnonzero(~is_decode) if builds_sdpa_groups else ():
+    for seq in np.flatnonzero(~is_decode) if backend.builds_prefill_groups else ():
         q_len, seq_len = int(query_lens[seq]), int(seq_lens[seq])
         causal_mask = None
         if q_len != seq_len:
@@ -237,6 +240,32 @@ def _attend_decode(
     return out.view(num_seqs, num_heads, head_dim)
 
 
+def attend_prefills_sdpa(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefills: list[PrefillSequence],
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Into `output`'s rows of each multi-token sequence, its causal attention: one SDPA call per sequence."""
+    for seq in prefills:
+        # 4-d [1, heads, len, D]: torch's CPU SDPA takes a far slower path for 3-d GQA inputs with a mask.
+        seq_query = query[seq.query_start : seq.query_end].transpose(0, 1)[None]
+        keys = _gather_sequence(k_cache, seq.block_ids, seq.seq_len)[None]
+        values = _gather_sequence(v_cache, seq.block_ids, seq.seq_len)[None]
+        seq_out = F.scaled_dot_product_attention(
+            seq_query,
+            keys,
+            values,
+            attn_mask=seq.causal_mask,
+            is_causal=seq.causal_mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        output[seq.query_start : seq.query_end] = seq_out[0].transpose(0, 1)
+
+
 def paged_attention_torch(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -256,21 +285,7 @@ def paged_attention_torch(
     if decode is not None:
         decode_query = query.index_select(0, decode.token_indices)
         output.index_copy_(0, decode.token_indices, _attend_decode(decode_query, k_cache, v_cache, decode, scale))
-    for seq in metadata.prefills:
-        # 4-d [1, heads, len, D]: torch's CPU SDPA takes a far slower path for 3-d GQA inputs with a mask.
-        seq_query = query[seq.query_start : seq.query_end].transpose(0, 1)[None]
-        keys = _gather_sequence(k_cache, seq.block_ids, seq.seq_len)[None]
-        values = _gather_sequence(v_cache, seq.block_ids, seq.seq_len)[None]
-        seq_out = F.scaled_dot_product_attention(
-            seq_query,
-            keys,
-            values,
-            attn_mask=seq.causal_mask,
-            is_causal=seq.causal_mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        output[seq.query_start : seq.query_end] = seq_out[0].transpose(0, 1)
+    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output)
     return output
 
 
@@ -278,13 +293,17 @@ def paged_attention_torch(
 
 
 class AttentionBackend(Protocol):
-    # whether `build_attention_metadata` must prepare `decode` and `prefills` (the torch path's SDPA groups and masks)
-    builds_sdpa_groups: bool
+    # whether `build_attention_metadata` must prepare `decode` (chunks and masks for batched decode SDPA) and
+    # `prefills` (a group per multi-token sequence for SDPA)
+    builds_decode_chunks: bool
+    builds_prefill_groups: bool
     # Fused kernels for the layers, or None where the layers' own torch code runs:
     # rms_norm_kernel(x [T, H], weight, eps, residual | None) -> (normed, new residual), as `kernels.rms_norm`;
-    # rotary_kernel(q [T, Hq, D], k [T, Hkv, D], positions [T], cos_sin_table) -> (q, k) rotated in place.
+    # rotary_kernel(q [T, Hq, D], k [T, Hkv, D], positions [T], cos_sin_table) -> (q, k) rotated in place;
+    # silu_and_mul_kernel(x [T, 2 * I]) -> silu(x[:, :I]) * x[:, I:].
     rms_norm_kernel: Callable | None
     rotary_kernel: Callable | None
+    silu_and_mul_kernel: Callable | None
 
     def write_kv(
         self,
@@ -306,11 +325,13 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Pure torch: gathers through the block tables and calls SDPA; RMSNorm and rotary stay the layers' torch code."""
+    """Pure torch: gathers through the block tables and calls SDPA; the layers keep their own torch code."""
 
-    builds_sdpa_groups = True
+    builds_decode_chunks = True
+    builds_prefill_groups = True
     rms_norm_kernel = None
     rotary_kernel = None
+    silu_and_mul_kernel = None
     write_kv = staticmethod(write_kv_torch)
     attend = staticmethod(paged_attention_torch)
 
@@ -321,11 +342,19 @@ TRITON_DEVICE_TYPES = frozenset({"cuda"})
 
 @functools.cache
 def attention_backend(device_type: str) -> AttentionBackend:
-    """The implementation for a device type: the Triton kernels on CUDA, torch everywhere else."""
+    """The implementation for a device type: the Triton kernels on CUDA; on CPU the compiled CPU kernels where they
+    build (`kernels/cpu_ops.py`) unless `TOKENMILL_CPU_KERNELS=0`, else torch."""
     if device_type in TRITON_DEVICE_TYPES:
         from workers.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if device_type == "cpu" and os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0":
+        from kernels import cpu_ops
+
+        if cpu_ops.library() is not None:
+            from workers.cpu_backend import CpuKernelBackend
+
+            return CpuKernelBackend()
     return TorchAttentionBackend()
 
 

@@ -45,8 +45,10 @@ def paged_attention_triton(
 class TritonAttentionBackend:
     """KV write, paged attention, RMSNorm and rotary as Triton kernels."""
 
-    builds_sdpa_groups = False
+    builds_decode_chunks = False
+    builds_prefill_groups = False
     rms_norm_kernel = staticmethod(rms_norm)
     rotary_kernel = staticmethod(rotate_in_place)
+    silu_and_mul_kernel = None
     write_kv = staticmethod(write_kv)
     attend = staticmethod(paged_attention_triton)

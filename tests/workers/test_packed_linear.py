@@ -39,8 +39,8 @@ def test_only_cpu_float32_and_native_bfloat16_are_packed():
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen3", True)])
-def test_runner_packs_every_matmul_but_a_tied_lm_head(tiny_checkpoint, arch, tied):
-    path, _ = tiny_checkpoint(arch)
+def test_runner_packs_every_matmul_and_a_copy_of_a_tied_lm_head(tiny_checkpoint, arch, tied):
+    path, hf_model = tiny_checkpoint(arch)
     model = make_runner(path).model
     linears = [m for m in model.modules() if isinstance(m, (QKVLinear, GateUpLinear, RowParallelLinear))]
     assert linears and all(m.weight.is_mkldnn for m in linears)
@@ -50,3 +50,7 @@ def test_runner_packs_every_matmul_but_a_tied_lm_head(tiny_checkpoint, arch, tie
     assert not model.model.embed_tokens.weight.is_mkldnn  # the lookup table stays dense
     if tied:
         assert head.weight is model.model.embed_tokens.weight
+        assert head.packed_tied_weight.is_mkldnn
+        hidden = torch.randn(5, hf_model.config.hidden_size)
+        torch.testing.assert_close(head(hidden), hidden @ hf_model.get_output_embeddings().weight.T,
+                                   atol=1e-5, rtol=1e-5)

@@ -56,8 +56,9 @@ def eager_capture(forward):
     return replay, output
 
 
-def test_cpu_runs_torch_unless_asked():
-    assert isinstance(attention.attention_backend("cpu"), attention.TorchAttentionBackend)
+def test_cpu_runs_the_cpu_kernels_or_torch_unless_asked(use_cpu_backend):
+    use_cpu_backend("kernels")  # the default where the kernels build
+    use_cpu_backend("torch")  # TOKENMILL_CPU_KERNELS=0
     assert isinstance(attention.attention_backend("cuda"), TritonAttentionBackend)
 
 

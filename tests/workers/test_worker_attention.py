@@ -78,7 +78,9 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_to
         ([1, 6, 1, 3, 1], [17, 6, 2, 12, 40]),  # mixed decode and prefill
     ],
 )
-def test_paged_attention_matches_dense(query_lens, seq_lens):
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_paged_attention_matches_dense(use_cpu_backend, backend, query_lens, seq_lens):
+    use_cpu_backend(backend)
     out, expected, meta = run_case(query_lens, seq_lens)
     assert meta.is_decode_only == all(q == 1 for q in query_lens)
     assert torch.isfinite(out).all(), "garbage (NaN) cache slots leaked into the output"
@@ -93,7 +95,8 @@ def test_paged_attention_matches_dense(query_lens, seq_lens):
     ],
 )
 @pytest.mark.parametrize("decode_chunk_tokens", [1, 16, 48])
-def test_decode_chunks_match_dense(query_lens, seq_lens, decode_chunk_tokens):
+def test_decode_chunks_match_dense(use_cpu_backend, query_lens, seq_lens, decode_chunk_tokens):
+    use_cpu_backend("torch")  # decode chunks are the torch path's
     out, expected, meta = run_case(query_lens, seq_lens, seed=1, decode_chunk_tokens=decode_chunk_tokens)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
     chunks = meta.decode.chunks
@@ -115,7 +118,8 @@ def test_decode_chunk_bounds():
     assert _decode_chunk_bounds(padded, 1) == [(i, i + 1) for i in range(6)]
 
 
-def test_metadata_slots_positions_and_groups():
+def test_metadata_slots_positions_and_groups(use_cpu_backend):
+    use_cpu_backend("torch")
     block_tables = np.array([[7, 2, 0], [5, 0, 0], [9, 3, 4]])
     meta = build_attention_metadata(np.array([2, 1, 3]), np.array([6, 3, 11]), block_tables, BLOCK_SIZE, CPU)
     # seq 0: positions 4, 5 -> block 2; seq 1: position 2 -> block 5; seq 2: positions 8, 9, 10 -> block 4
@@ -126,6 +130,29 @@ def test_metadata_slots_positions_and_groups():
     assert meta.decode.token_indices.tolist() == [2]
     assert [(p.query_start, p.query_end, p.seq_len) for p in meta.prefills] == [(0, 2, 6), (3, 6, 11)]
     assert meta.prefills[1].block_ids.tolist() == [9, 3, 4]
+
+
+def test_kernel_metadata_keeps_prompt_groups_and_skips_decode_chunks(use_cpu_backend):
+    use_cpu_backend("kernels")
+    block_tables = np.array([[7, 2, 0], [5, 0, 0], [9, 3, 4]])
+    meta = build_attention_metadata(np.array([2, 1, 3]), np.array([6, 3, 11]), block_tables, BLOCK_SIZE, CPU, 1)
+    assert meta.decode is None
+    assert [(p.query_start, p.query_end, p.seq_len) for p in meta.prefills] == [(0, 2, 6), (3, 6, 11)]
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_write_kv_through_the_backend_skips_nothing_and_touches_nothing_else(use_cpu_backend, backend):
+    write_kv = use_cpu_backend(backend).write_kv
+    k_cache = torch.zeros(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(3, 2 * NUM_KV_HEADS * HEAD_DIM)  # key and value as views of one fused row, as the model has
+    key = qkv[:, : NUM_KV_HEADS * HEAD_DIM].view(3, NUM_KV_HEADS, HEAD_DIM)
+    value = qkv[:, NUM_KV_HEADS * HEAD_DIM :].view(3, NUM_KV_HEADS, HEAD_DIM)
+    write_kv(key, value, k_cache, v_cache, torch.tensor([13, 2, 7]))
+    flat_k, flat_v = k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM), v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    torch.testing.assert_close(flat_k[[13, 2, 7]], key, rtol=0, atol=0)
+    torch.testing.assert_close(flat_v[[13, 2, 7]], value, rtol=0, atol=0)
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 3 and int((flat_v.abs().sum((1, 2)) > 0).sum()) == 3
 
 
 def test_write_kv_fills_exactly_the_slots():

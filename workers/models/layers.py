@@ -6,8 +6,9 @@ row-split layers (o_proj, down_proj) keep their per-rank input columns and all-r
 and the LM head are vocab-parallel (each rank holds a slice of the vocabulary's rows: lookups are all-reduced,
 logits all-gathered). With size 1 every slice is the whole tensor and no collective runs.
 
-RMSNorm and the rotary embedding run their torch code below unless the device's backend (`attention_backend`, the
-one CPU/CUDA switch) offers a fused kernel, as it does on CUDA.
+RMSNorm, the rotary embedding and SiLU-and-mul run their torch code below unless the device's backend
+(`attention_backend`, the one CPU/CUDA switch) offers a fused kernel: Triton on CUDA, the compiled CPU kernels on
+CPU.
 
 Every layer with parameters has `load(param_name, full_tensor, shard_id)`, which copies its rank's slice of a
 checkpoint tensor into the parameter (shape-checked) and returns how many elements it wrote, so the model can
@@ -181,7 +182,11 @@ class GateUpLinear(nn.Module):
         self.bias = new_parameter(2 * self.rank_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.weight, self.bias).chunk(2, dim=-1)
+        gate_up = linear(x, self.weight, self.bias)
+        kernel = attention_backend(x.device.type).silu_and_mul_kernel
+        if kernel is not None:
+            return kernel(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
@@ -277,9 +282,10 @@ class LMHead(VocabEmbedding):
     ):
         super().__init__(vocab_size, hidden_size, tp, weight=tied_to.weight if tied_to is not None else None)
         self.tied = tied_to is not None
+        self.packed_tied_weight: nn.Parameter | None = None  # a oneDNN copy of a tied weight (`pack_linear_weights`)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.packed_tied_weight if self.packed_tied_weight is not None else self.weight)
         if self.tp.size > 1:
             shards = [torch.empty_like(logits) for _ in range(self.tp.size)]
             dist.all_gather(shards, logits)
@@ -290,13 +296,15 @@ class LMHead(VocabEmbedding):
 def pack_linear_weights(model: nn.Module) -> None:
     """Reorder every matmul weight of `model` for oneDNN where it runs on CPU (`packed_linear`).
 
-    Call it once the weights are loaded: a packed weight can no longer be loaded into or read.
+    Call it once the weights are loaded: a packed weight can no longer be loaded into or read. A tied LM head gets a
+    packed copy and leaves the shared weight dense for the embedding's lookups, as vLLM's CPU backend does.
     """
     for module in model.modules():
-        packable = isinstance(module, (QKVLinear, GateUpLinear, RowParallelLinear)) or (
-            isinstance(module, LMHead) and not module.tied
-        )
-        if packable and can_pack(module.weight):
+        if not can_pack(getattr(module, "weight", None)):
+            continue
+        if isinstance(module, LMHead) and module.tied:
+            module.packed_tied_weight = packed(module.weight)
+        elif isinstance(module, (QKVLinear, GateUpLinear, RowParallelLinear, LMHead)):
             module.weight = packed(module.weight)
 
 
@@ -380,11 +388,9 @@ class RotaryEmbedding(nn.Module):
         It is first needed by the start-up profiling step, before any CUDA graph is captured.
         """
         if self._cos_sin_table is None:
-            from kernels.rotary import rotary_cos_sin_cache
-
-            inv_freq = self.inv_freq.float().cpu()
-            table = rotary_cos_sin_cache(2 * inv_freq.shape[0], self.max_position_embeddings, inv_freq=inv_freq)
-            self._cos_sin_table = table.to(self.inv_freq.device)
+            positions = torch.arange(self.max_position_embeddings, device=self.inv_freq.device)
+            cos, sin = self.cos_sin(positions, torch.float32)
+            self._cos_sin_table = torch.cat([cos[:, 0], sin[:, 0]], dim=-1).contiguous()
         return self._cos_sin_table
 
 

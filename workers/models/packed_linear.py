@@ -6,9 +6,9 @@ generic code path. oneDNN's linear on a weight reordered once (what torch induct
 both; on the default model a batch-32 decode step's matmuls take less than half as long (docs/benchmarks.md).
 
 A packed weight is an opaque `mkldnn` tensor: it keeps its logical shape, dtype and element count, but has no
-storage to read, so packing happens last, after the weights are loaded and counted. A tied LM head stays dense and
-shared with the embedding (oneDNN reorders it on each call, still faster than MKL) rather than cost a second copy of
-the vocabulary table.
+storage to read, so packing happens last, after the weights are loaded and counted. A tied LM head gets a packed
+copy while the embedding keeps the dense table for its row lookups: one more vocabulary table in memory (113 MB on
+the default model) for a quarter off the LM head's time (28 -> 21 ms per batch-32 step, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torch import nn
 ROWS_HINT = 32
 
 
-def can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor | None) -> bool:
     """Whether oneDNN can run this weight's matmuls here: a CPU tensor in float32, or bfloat16 where it is native."""
-    if weight.device.type != "cpu" or weight.is_mkldnn or not torch.backends.mkldnn.is_available():
+    if weight is None or weight.device.type != "cpu" or weight.is_mkldnn or not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.float32:
         return True

@@ -1,0 +1,425 @@
+// CPU kernels for the worker's per-layer hot path: paged decode attention straight from the KV blocks, the KV
+// write, RMSNorm with the residual add fused, rotary embedding in place, and SiLU(gate) * up.
+//
+// Built on first use by kernels/cpu_ops.py (g++ -O3 -march=native -fopenmp) and loaded with ctypes: a plain C ABI on
+// raw pointers, so no torch headers and a one-second compile. Threads come from OpenMP; torch's CPU build links the
+// same libgomp.so.1, which is already loaded when this library is, so both share one thread pool and
+// torch.set_num_threads applies here too.
+//
+// Every kernel takes float32, bfloat16 or float16 tensors (dtype code 0, 1, 2) and computes in float32. Shapes and
+// strides are checked by the Python wrappers, not here.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline _Float16 from_float<_Float16>(float x) { return static_cast<_Float16>(x); }
+template <>
+inline bf16 from_float<bf16>(float x) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((bits >> 16) | 0x40u)};  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(bits >> 16)};
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the row max, SiLU on -|x|): Cephes' expf polynomial, within 2 ulp of
+// the exact value, in plain float arithmetic so that the loops calling it vectorize (glibc's expf would not,
+// without -ffast-math). Below -87 it returns exp(-87) ~ 1.6e-38 rather than a denormal or zero.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;  // by value: std::max returns a reference, which keeps GCC from vectorizing
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * (r * r) + r + 1.0f;
+  const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
+  float two_to_n;
+  std::memcpy(&two_to_n, &exponent, sizeof two_to_n);
+  return y * two_to_n;
+}
+
+// 16 floats as one vector (GCC vector extensions: AVX-512 registers where the CPU has them, pairs of AVX2 ones or
+// SSE quads where it does not).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+template <typename T>
+inline f32x16 load16(const T* p) {
+  f32x16 v;
+  for (int lane = 0; lane < 16; ++lane) v[lane] = to_float(p[lane]);
+  return v;
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i]: a transpose and add in four halving rounds, 15 adds and
+// 30 two-source shuffles for 16 dot products instead of a horizontal reduction (4 shuffles, 4 adds) for each.
+inline f32x16 sum_lanes16(f32x16 v[16]) {
+  const i32x16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32x16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i32x16 lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i32x16 lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  for (int width = 16, round = 0; width > 1; width /= 2, ++round) {
+    const i32x16 lo = round == 0 ? lo8 : round == 1 ? lo4 : round == 2 ? lo2 : lo1;
+    const i32x16 hi = lo + (8 >> round);
+    for (int j = 0; j < width / 2; ++j) {
+      v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo) + __builtin_shuffle(v[2 * j], v[2 * j + 1], hi);
+    }
+  }
+  return v[0];
+}
+
+// s[i] = q . key_i for 16 keys `token_stride` elements apart; q is HEAD_DIM floats.
+template <typename T, int HEAD_DIM>
+inline void dot16(const float* q, const T* keys, int64_t token_stride, float* s) {
+  constexpr int chunks = HEAD_DIM / 16;
+  f32x16 qv[chunks], partial[16];
+  for (int c = 0; c < chunks; ++c) qv[c] = load16(q + 16 * c);
+  for (int i = 0; i < 16; ++i) {
+    const T* key = keys + i * token_stride;
+    f32x16 sum = qv[0] * load16(key);
+    for (int c = 1; c < chunks; ++c) sum += qv[c] * load16(key + 16 * c);
+    partial[i] = sum;
+  }
+  const f32x16 dots = sum_lanes16(partial);
+  std::memcpy(s, &dots, sizeof dots);
+}
+
+// Prefetch part `part` of `parts` of the `count` tokens of a block (rows `token_stride` elements apart, `row_bytes`
+// of each wanted). The next blocks of a sequence are wherever its block table says, so the hardware prefetcher cannot
+// see them coming; a slice per query head, spread over a block's compute, overlaps the loads with the arithmetic
+// instead of queueing them up in one burst.
+template <typename T>
+inline void prefetch_slice(const T* block, int64_t count, int64_t part, int64_t parts, int64_t token_stride,
+                           int64_t row_bytes) {
+  for (int64_t i = part * count / parts; i < (part + 1) * count / parts; ++i) {
+    const char* row = reinterpret_cast<const char*>(block + i * token_stride);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 1);
+  }
+}
+
+constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead, in blocks, a pass prefetches
+
+// One query token per sequence (the sequences whose query_start_loc span is 1; the others are left untouched),
+// over its seq_lens[b] cached tokens. A work item is one sequence and a range of its kv heads (all of them unless
+// there are too few sequences to keep the threads busy): it reads the range's K and then its V once, block by block
+// in table order, prefetching PREFETCH_BLOCKS ahead, for all query heads sharing each kv head. Scores of all query
+// heads are kept (seq_len floats each), softmaxed, then used to sum V one block at a time, so a block's values are
+// read from memory once and from L1 for the other query heads.
+// HEAD_DIM > 0 fixes the head size at compile time, which keeps a head's accumulator in registers and scores 16 keys
+// at a time (`dot16`); HEAD_DIM == 0 is the general case.
+template <typename T, int HEAD_DIM>
+void decode_attention(T* out, const T* query, int64_t query_token_stride, const T* k_cache, const T* v_cache,
+                      int64_t block_size, int64_t num_kv_heads, int64_t num_heads, int64_t runtime_head_dim,
+                      const int32_t* block_tables, int64_t block_table_stride, const int32_t* query_start_loc,
+                      const int32_t* seq_lens, int64_t num_seqs, float scale) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t cache_token_stride = num_kv_heads * head_dim;
+  const int64_t cache_block_stride = block_size * cache_token_stride;
+  const int64_t head_splits = num_seqs >= 2 * omp_get_max_threads() ? 1 : num_kv_heads;
+  const int64_t heads_per_item = num_kv_heads / head_splits;
+#pragma omp parallel
+  {
+    std::vector<float> q, acc, scores, inv_sums;
+    // Round-robin items, so a thread knows its next item and can prefetch that item's first blocks.
+    const int64_t num_items = num_seqs * head_splits, item_stride = omp_get_num_threads();
+#pragma omp for schedule(static, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t seq = item / head_splits, first_head = item % head_splits * heads_per_item;
+      const int64_t token = query_start_loc[seq];
+      if (query_start_loc[seq + 1] - token != 1) continue;
+      const int64_t seq_len = seq_lens[seq];
+      if (seq_len <= 0) continue;  // cannot happen (the token itself is cached); keeps s[0] below in bounds
+      const int64_t rows = heads_per_item * group;  // query heads of this item, each a row of scores
+      const int64_t row_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));
+      const int32_t* table = block_tables + seq * block_table_stride;
+      const T* q_in = query + token * query_token_stride + first_head * group * head_dim;
+      q.resize(rows * head_dim);
+      for (int64_t i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
+      scores.resize(rows * seq_len);
+      inv_sums.resize(rows);
+
+      auto block_start = [&](const T* cache, int64_t start) {
+        return cache + table[start / block_size] * cache_block_stride + first_head * head_dim;
+      };
+      // Block `block` of the pass order (the K blocks, the V blocks, then the K blocks of this thread's next item)
+      // and its token count; count 0 past the end.
+      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+      auto pass_block = [&](int64_t block, int64_t* count) -> const T* {
+        *count = 0;
+        if (block < 2 * num_blocks) {
+          const bool is_key = block < num_blocks;
+          const int64_t start = (is_key ? block : block - num_blocks) * block_size;
+          *count = std::min(block_size, seq_len - start);
+          return block_start(is_key ? k_cache : v_cache, start);
+        }
+        const int64_t next = item + item_stride, next_block = block - 2 * num_blocks;
+        if (next >= num_items) return nullptr;
+        const int64_t next_seq = next / head_splits, next_first_head = next % head_splits * heads_per_item;
+        const int64_t start = next_block * block_size;
+        if (query_start_loc[next_seq + 1] - query_start_loc[next_seq] != 1 || start >= seq_lens[next_seq]) {
+          return nullptr;
+        }
+        *count = std::min<int64_t>(block_size, seq_lens[next_seq] - start);
+        return k_cache + block_tables[next_seq * block_table_stride + next_block] * cache_block_stride +
+               next_first_head * head_dim;
+      };
+      for (int64_t start = 0; start < seq_len; start += block_size) {
+        const T* keys = block_start(k_cache, start);
+        const int64_t count = std::min(block_size, seq_len - start);
+        int64_t ahead_count;
+        const T* ahead = pass_block(start / block_size + PREFETCH_BLOCKS, &ahead_count);
+        for (int64_t row = 0; row < rows; ++row) {
+          prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
+          const float* __restrict__ qr = q.data() + row * head_dim;
+          const T* head_keys = keys + row / group * head_dim;
+          float* __restrict__ s = scores.data() + row * seq_len + start;
+          int64_t i = 0;
+          if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+            for (; i + 16 <= count; i += 16) {
+              dot16<T, HEAD_DIM>(qr, head_keys + i * cache_token_stride, cache_token_stride, s + i);
+            }
+          }
+          for (; i < count; ++i) {
+            const T* __restrict__ key = head_keys + i * cache_token_stride;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(key[d]);
+            s[i] = dot;
+          }
+        }
+      }
+
+      for (int64_t row = 0; row < rows; ++row) {
+        float* s = scores.data() + row * seq_len;
+        float max_score = s[0];
+#pragma omp simd reduction(max : max_score)
+        for (int64_t t = 0; t < seq_len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < seq_len; ++t) {
+          s[t] = exp_nonpositive(s[t] - max_score);
+          sum += s[t];
+        }
+        inv_sums[row] = 1.0f / sum;
+      }
+
+      acc.assign(rows * head_dim, 0.0f);
+      for (int64_t start = 0; start < seq_len; start += block_size) {
+        const T* values = block_start(v_cache, start);
+        const int64_t count = std::min(block_size, seq_len - start);
+        int64_t ahead_count;
+        const T* ahead = pass_block(num_blocks + start / block_size + PREFETCH_BLOCKS, &ahead_count);
+        for (int64_t row = 0; row < rows; ++row) {
+          prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
+          const float* __restrict__ p = scores.data() + row * seq_len + start;
+          const T* head_values = values + row / group * head_dim;
+          float* __restrict__ a = acc.data() + row * head_dim;
+          for (int64_t i = 0; i < count; ++i) {
+            const T* __restrict__ value = head_values + i * cache_token_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p[i] * to_float(value[d]);
+          }
+        }
+      }
+      T* o = out + (token * num_heads + first_head * group) * head_dim;
+      for (int64_t row = 0; row < rows; ++row) {
+        for (int64_t d = 0; d < head_dim; ++d) {
+          o[row * head_dim + d] = from_float<T>(acc[row * head_dim + d] * inv_sums[row]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_any(T* out, const T* query, int64_t query_token_stride, const T* k_cache, const T* v_cache,
+                          int64_t block_size, int64_t num_kv_heads, int64_t num_heads, int64_t head_dim,
+                          const int32_t* block_tables, int64_t block_table_stride, const int32_t* query_start_loc,
+                          const int32_t* seq_lens, int64_t num_seqs, float scale) {
+  auto run = [&](auto fixed_head_dim) {
+    decode_attention<T, decltype(fixed_head_dim)::value>(out, query, query_token_stride, k_cache, v_cache,
+                                                          block_size, num_kv_heads, num_heads, head_dim,
+                                                          block_tables, block_table_stride, query_start_loc,
+                                                          seq_lens, num_seqs, scale);
+  };
+  if (head_dim == 64) return run(std::integral_constant<int, 64>{});
+  if (head_dim == 128) return run(std::integral_constant<int, 128>{});
+  run(std::integral_constant<int, 0>{});
+}
+
+// Copy token t's key and value rows ([num_kv_heads * head_dim], contiguous) to flat slot slots[t]; slot < 0 skips.
+template <typename T>
+void write_kv(const T* key, int64_t key_token_stride, const T* value, int64_t value_token_stride, T* k_cache,
+              T* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row_size) {
+#pragma omp parallel for if (num_tokens > 64)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(k_cache + slots[t] * row_size, key + t * key_token_stride, row_size * sizeof(T));
+    std::memcpy(v_cache + slots[t] * row_size, value + t * value_token_stride, row_size * sizeof(T));
+  }
+}
+
+// Hugging Face's RMSNorm, row by row: h = x (+ residual, rounded to T, stored to residual_out when given);
+// out = weight * T(h * rsqrt(mean(h^2) + eps)).
+template <typename T>
+void rms_norm(T* out, int64_t out_stride, T* residual_out, int64_t residual_out_stride, const T* x,
+              int64_t x_stride, const T* residual, int64_t residual_stride, const T* weight, int64_t num_rows,
+              int64_t hidden, float eps) {
+#pragma omp parallel
+  {
+    std::vector<float> h(hidden);
+#pragma omp for
+    for (int64_t row = 0; row < num_rows; ++row) {
+      const T* x_row = x + row * x_stride;
+      if (residual != nullptr) {
+        const T* r_row = residual + row * residual_stride;
+        T* sum_row = residual_out + row * residual_out_stride;
+        for (int64_t i = 0; i < hidden; ++i) {
+          sum_row[i] = from_float<T>(to_float(x_row[i]) + to_float(r_row[i]));
+          h[i] = to_float(sum_row[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) h[i] = to_float(x_row[i]);
+      }
+      float sum_squares = 0.0f;
+#pragma omp simd reduction(+ : sum_squares)
+      for (int64_t i = 0; i < hidden; ++i) sum_squares += h[i] * h[i];
+      const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(hidden) + eps);
+      T* out_row = out + row * out_stride;
+      for (int64_t i = 0; i < hidden; ++i) {
+        out_row[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(h[i] * inv_rms)));
+      }
+    }
+  }
+}
+
+// NeoX (rotate-half) rotary embedding in place on q [T, num_q_heads, head_dim] and k [T, num_k_heads, head_dim]
+// (heads contiguous within a token), by position lookup in table [max_position, rot_dim]: cos half, then sin half.
+// Dimensions past rot_dim pass through. As Hugging Face: cos and sin rounded to T, x * cos + rotate_half(x) * sin.
+template <typename T>
+void rotary(T* q, int64_t q_token_stride, int64_t num_q_heads, T* k, int64_t k_token_stride, int64_t num_k_heads,
+            int64_t head_dim, const int64_t* positions, const float* table, int64_t rot_dim, int64_t num_tokens) {
+  const int64_t half = rot_dim / 2;
+#pragma omp parallel for if (num_tokens > 16)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* cos_half = table + positions[t] * rot_dim;
+    const float* sin_half = cos_half + half;
+    for (int64_t which = 0; which < 2; ++which) {
+      T* base = which == 0 ? q + t * q_token_stride : k + t * k_token_stride;
+      const int64_t heads = which == 0 ? num_q_heads : num_k_heads;
+      for (int64_t head = 0; head < heads; ++head) {
+        T* x = base + head * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = to_float(from_float<T>(cos_half[i])), s = to_float(from_float<T>(sin_half[i]));
+          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+          const float a1 = to_float(from_float<T>(x1 * c)), b1 = to_float(from_float<T>(-x2 * s));
+          const float a2 = to_float(from_float<T>(x2 * c)), b2 = to_float(from_float<T>(x1 * s));
+          x[i] = from_float<T>(a1 + b1);
+          x[i + half] = from_float<T>(a2 + b2);
+        }
+      }
+    }
+  }
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, width + i] for x [T, 2 * width] (gate, then up).
+template <typename T>
+void silu_and_mul(T* out, const T* x, int64_t x_stride, int64_t num_rows, int64_t width) {
+#pragma omp parallel for if (num_rows > 4)
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const T* gate = x + row * x_stride;
+    const T* up = gate + width;
+    T* out_row = out + row * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = to_float(gate[i]);
+      const float e = exp_nonpositive(-std::fabs(g));  // exp(-|g|) never overflows
+      const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+      out_row[i] = from_float<T>(to_float(from_float<T>(g * sigmoid)) * to_float(up[i]));
+    }
+  }
+}
+
+}  // namespace
+
+#define TM_DISPATCH(dtype, call)                                        \
+  switch (dtype) {                                                      \
+    case 0: { using T = float; call; return 0; }                        \
+    case 1: { using T = bf16; call; return 0; }                         \
+    case 2: { using T = _Float16; call; return 0; }                     \
+    default: return -1;                                                 \
+  }
+
+extern "C" {
+
+int tm_omp_max_threads() { return omp_get_max_threads(); }
+
+int tm_decode_attention(int dtype, void* out, const void* query, int64_t query_token_stride, const void* k_cache,
+                        const void* v_cache, int64_t block_size, int64_t num_kv_heads, int64_t num_heads,
+                        int64_t head_dim, const int32_t* block_tables, int64_t block_table_stride,
+                        const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs, float scale) {
+  TM_DISPATCH(dtype, decode_attention_any<T>(static_cast<T*>(out), static_cast<const T*>(query), query_token_stride,
+                                         static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_size,
+                                         num_kv_heads, num_heads, head_dim, block_tables, block_table_stride,
+                                         query_start_loc, seq_lens, num_seqs, scale))
+}
+
+int tm_write_kv(int dtype, const void* key, int64_t key_token_stride, const void* value, int64_t value_token_stride,
+                void* k_cache, void* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row_size) {
+  TM_DISPATCH(dtype, write_kv<T>(static_cast<const T*>(key), key_token_stride, static_cast<const T*>(value),
+                                 value_token_stride, static_cast<T*>(k_cache), static_cast<T*>(v_cache), slots,
+                                 num_tokens, row_size))
+}
+
+int tm_rms_norm(int dtype, void* out, int64_t out_stride, void* residual_out, int64_t residual_out_stride,
+                const void* x, int64_t x_stride, const void* residual, int64_t residual_stride, const void* weight,
+                int64_t num_rows, int64_t hidden, float eps) {
+  TM_DISPATCH(dtype, rms_norm<T>(static_cast<T*>(out), out_stride, static_cast<T*>(residual_out),
+                                 residual_out_stride, static_cast<const T*>(x), x_stride,
+                                 static_cast<const T*>(residual), residual_stride, static_cast<const T*>(weight),
+                                 num_rows, hidden, eps))
+}
+
+int tm_rotary(int dtype, void* q, int64_t q_token_stride, int64_t num_q_heads, void* k, int64_t k_token_stride,
+              int64_t num_k_heads, int64_t head_dim, const int64_t* positions, const float* table, int64_t rot_dim,
+              int64_t num_tokens) {
+  TM_DISPATCH(dtype, rotary<T>(static_cast<T*>(q), q_token_stride, num_q_heads, static_cast<T*>(k), k_token_stride,
+                               num_k_heads, head_dim, positions, table, rot_dim, num_tokens))
+}
+
+int tm_silu_and_mul(int dtype, void* out, const void* x, int64_t x_stride, int64_t num_rows, int64_t width) {
+  TM_DISPATCH(dtype, silu_and_mul<T>(static_cast<T*>(out), static_cast<const T*>(x), x_stride, num_rows, width))
+}
+
+}  // extern "C"

@@ -1,0 +1,198 @@
+"""The CPU kernels of `cpu_ops.cpp`: built once per machine, loaded with ctypes, wrapped for torch tensors.
+
+`library()` compiles the source with the system C++ compiler (`$CXX`, default g++; about two seconds) into
+`$TOKENMILL_CACHE_DIR` (default `~/.cache/tokenmill`), keyed by the source, the flags and the CPU, and returns None
+when it cannot (no compiler, a failed build): the worker then keeps its torch code, so a machine without a compiler
+is slower, never broken. `TOKENMILL_CPU_KERNELS=0` makes the worker use the torch code without trying.
+
+The wrappers take and return torch tensors. What they replace is the worker's own torch code
+(`workers/attention.py`, `workers/models/layers.py`), which the tests compare them with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "tm_omp_max_threads": [],
+    "tm_decode_attention": [_I32, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
+                            _I64, ctypes.c_float],
+    "tm_write_kv": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
+    "tm_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float],
+    "tm_rotary": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64],
+    "tm_silu_and_mul": [_I32, _PTR, _PTR, _I64, _I64, _I64],
+}
+
+
+def cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR", default))
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on, so a cache shared between machines never serves a foreign build."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile `cpu_ops.cpp` unless this exact build is cached; returns the shared library's path.
+
+    Raises `RuntimeError` with the compiler's message when the build fails.
+    """
+    compiler = compiler or os.environ.get("CXX", "g++")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"cpu_ops-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent workers each build, and every reader sees a whole file.
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    except FileNotFoundError as exc:
+        raise RuntimeError(f"no C++ compiler {compiler!r} to build {SOURCE.name}") from exc
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (logged once) where they cannot be built."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as exc:
+        log.warning("CPU kernels unavailable, using the slower torch code instead: %s", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+    return lib
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in DTYPE_CODES
+
+
+def _call(name: str, dtype: torch.dtype, *args) -> None:
+    if getattr(library(), name)(DTYPE_CODES[dtype], *args) != 0:
+        raise ValueError(f"{name}: unsupported dtype {dtype}")
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`[T, heads, D]` whose heads and dims are packed within a token (a slice of a fused qkv row qualifies)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Into `out [T, Hq, D]` (contiguous), the attention of every sequence with a single query token over its
+    `seq_lens[b]` cached tokens; rows of multi-token sequences are left as they are.
+
+    query `[T, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]` already holding this step's K/V; block_tables
+    `[B, max_blocks]`, query_start_loc `[B + 1]` and seq_lens `[B]` int32.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
+    assert query.dtype == out.dtype == k_cache.dtype == v_cache.dtype and num_heads % num_kv_heads == 0
+    query = _heads_contiguous(query)
+    block_tables = _rows(block_tables)
+    _call("tm_decode_attention", query.dtype, out.data_ptr(), query.data_ptr(), query.stride(0), k_cache.data_ptr(),
+          v_cache.data_ptr(), block_size, num_kv_heads, num_heads, head_dim, block_tables.data_ptr(),
+          block_tables.stride(0), query_start_loc.contiguous().data_ptr(), seq_lens.contiguous().data_ptr(),
+          seq_lens.shape[0], scale)
+    return out
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Copy key/value `[T, Hkv, D]` into the caches at flat slots `slot_mapping [T]` (int64; -1 skips), in place."""
+    assert key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    key, value = _heads_contiguous(key), _heads_contiguous(value)
+    _call("tm_write_kv", key.dtype, key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+          k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), key.shape[0],
+          key.shape[1] * key.shape[2])
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) for `x [T, H]`, as `RMSNorm.forward`; with no residual the second is x."""
+    x = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    residual_out = x if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    residual_in = None if residual is None else _rows(residual)
+    _call("tm_rms_norm", x.dtype, out.data_ptr(), out.stride(0), residual_out.data_ptr(), residual_out.stride(0),
+          x.data_ptr(), x.stride(0), 0 if residual_in is None else residual_in.data_ptr(),
+          0 if residual_in is None else residual_in.stride(0), weight.contiguous().data_ptr(), x.shape[0],
+          x.shape[1], eps)
+    return out, residual_out
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` in place (NeoX style) by their positions' rows of the float32
+    `[max_position, rot_dim]` table (cos half, then sin half); returns them."""
+    assert q.dtype == k.dtype and cos_sin_table.dtype == torch.float32 and cos_sin_table.is_contiguous()
+    assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == q.shape[2], "rotate views in place"
+    positions = positions.to(torch.int64).contiguous()
+    _call("tm_rotary", q.dtype, q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+          q.shape[2], positions.data_ptr(), cos_sin_table.data_ptr(), cos_sin_table.shape[1], q.shape[0])
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `x [T, 2 * W]` holding gate then up; returns `[T, W]`."""
+    x = _rows(x)
+    width = x.shape[1] // 2
+    out = torch.empty((x.shape[0], width), dtype=x.dtype)
+    _call("tm_silu_and_mul", x.dtype, out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], width)
+    return out

@@ -1,0 +1,192 @@
+"""The compiled CPU kernels (`kernels/cpu_ops.cpp`) against the torch code they replace, and how they are built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from kernels.paged_attention import paged_attention_decode_ref
+from tests.kernels.kernels_testutil import make_paged_cache
+from workers.attention import write_kv_torch
+from workers.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    assert cpu_ops.library() is not None, "the CPU kernels did not build (see the warning in the log)"
+
+
+@pytest.fixture
+def threads():
+    """`threads(n)` sets torch's (and so the kernels') OpenMP thread count until the test ends."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# (query heads, kv heads, head dim): SmolLM2's GQA 3 at the specialized 64, MHA and GQA 8 at the specialized 128,
+# and the general path at 80 and 32.
+HEAD_SHAPES = [(9, 3, 64), (8, 8, 128), (16, 2, 128), (4, 2, 80), (6, 3, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", HEAD_SHAPES)
+@pytest.mark.parametrize("block_size", [16, 5, 32])
+def test_decode_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    seq_lens = [1, 15, 16, 17, 33, 100, 64]  # one token, partial, exact and multi-block, 16-key runs and tails
+    cache = make_paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
+    query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    out = torch.full_like(query, float("nan"))
+    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
+                             cache.seq_lens, head_dim**-0.5)
+    expected = paged_attention_decode_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
+                                          head_dim**-0.5)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])  # fewer sequences than 2 x threads splits items by kv head
+def test_decode_attention_any_thread_count_and_work_split(threads, num_threads, num_seqs):
+    threads(num_threads)
+    assert cpu_ops.library().tm_omp_max_threads() == num_threads  # one OpenMP runtime, shared with torch
+    seq_lens = [7 + 29 * i for i in range(num_seqs)]
+    cache = make_paged_cache(seq_lens, 3, 64, 16, torch.float32)
+    query = torch.randn(num_seqs, 9, 64)
+    out = torch.empty_like(query)
+    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables,
+                             torch.arange(num_seqs + 1, dtype=torch.int32), cache.seq_lens, 0.125)
+    expected = paged_attention_decode_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
+                                          0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_leaves_prompt_rows_and_reads_a_strided_query():
+    """A mixed batch: sequences of 3 and 2 query tokens around single-token ones; the query is a view of qkv."""
+    seq_lens = [20, 9, 40, 33]
+    query_lens = [1, 3, 1, 2]
+    cache = make_paged_cache(seq_lens, 2, 64, 16, torch.float32)
+    qkv = torch.randn(sum(query_lens), 8 * 64 + 2 * 2 * 64)
+    query = qkv[:, : 8 * 64].view(-1, 8, 64)
+    query_start_loc = torch.tensor([0, 1, 4, 5, 7], dtype=torch.int32)
+    out = torch.full((sum(query_lens), 8, 64), -7.0)
+    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
+                             cache.seq_lens, 0.125)
+    decode_rows, decode_seqs = [0, 4], [0, 2]
+    expected = paged_attention_decode_ref(query[decode_rows].contiguous(), cache.k_cache, cache.v_cache,
+                                          cache.block_tables[decode_seqs], cache.seq_lens[decode_seqs], 0.125)
+    torch.testing.assert_close(out[decode_rows], expected, atol=2e-5, rtol=2e-5)
+    assert (out[[1, 2, 3, 5, 6]] == -7.0).all(), "rows of multi-token sequences must be left alone"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_copies_rows_and_skips_padding_slots(dtype):
+    k_cache = torch.zeros(6, 4, 2, 64, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(4, 4 * 2 * 64).to(dtype)
+    key = qkv[:, : 2 * 64].view(4, 2, 64)
+    value = qkv[:, 2 * 64 : 4 * 64].view(4, 2, 64)
+    slots = torch.tensor([9, -1, 22, 3])
+    cpu_ops.write_kv(key, value, k_cache, v_cache, slots)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    kept = slots >= 0
+    write_kv_torch(key[kept], value[kept], expected_k, expected_v, slots[kept])
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_layer(dtype, with_residual):
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(576)).to(dtype)
+    x = (3 * torch.randn(32, 576)).to(dtype)
+    residual = torch.randn(32, 576).to(dtype) if with_residual else None
+    out, new_residual = cpu_ops.rms_norm(x, norm.weight, norm.eps, residual)
+    expected_residual = x + residual if with_residual else x
+    expected = norm.normalize(expected_residual)
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    if not with_residual:
+        assert new_residual is x  # as the layer: no residual in, x is the residual out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_qkv_views_matches_the_layer(dtype):
+    rotary = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 100000.0}, 2048)
+    num_tokens, heads, kv_heads = 12, 9, 3
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * 64).to(dtype)
+    q = qkv[:, : heads * 64].view(num_tokens, heads, 64)
+    k = qkv[:, heads * 64 : (heads + kv_heads) * 64].view(num_tokens, kv_heads, 64)
+    v_before = qkv[:, (heads + kv_heads) * 64 :].clone()
+    positions = torch.tensor([0, 1, 2, 7, 100, 2047, 5, 5, 9, 1000, 3, 64])
+    cos, sin = rotary.cos_sin(positions, dtype)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    out_q, out_k = cpu_ops.rotary(q, k, positions, rotary.cos_sin_table())
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(q.float(), expected_q.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(k.float(), expected_k.float(), atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * 64 :], v_before), "values must not move"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype):
+    x = (4 * torch.randn(32, 2 * 1536)).to(dtype)
+    x[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-8, -1e-8, 88.0, -90.0]).to(dtype)  # saturation and zero
+    expected = F.silu(x[:, :1536]) * x[:, 1536:]
+    out = cpu_ops.silu_and_mul(x)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    built = cpu_ops.build()
+    assert built.parent == tmp_path and built.exists()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("a cached build must not run the compiler")
+
+    monkeypatch.setattr(cpu_ops.subprocess, "run", no_compiler)
+    assert cpu_ops.build() == built
+    assert not list(tmp_path.glob("*.partial")), "no partial build may be left behind"
+
+
+def test_a_machine_without_a_compiler_falls_back_to_torch(tmp_path, monkeypatch, caplog):
+    from workers import attention
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpu_ops.build()
+    cpu_ops.library.cache_clear()
+    attention.attention_backend.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
+            assert cpu_ops.library() is None
+            assert isinstance(attention.attention_backend("cpu"), attention.TorchAttentionBackend)
+        assert "using the slower torch code" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_ops.library.cache_clear()
+        attention.attention_backend.cache_clear()
+    assert cpu_ops.library() is not None
+
+
+def test_a_failed_build_says_why(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_ops, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match="could not build broken.cpp: .*error"):
+        cpu_ops.build()
+    assert not list((tmp_path / "cache").glob("*")), "a failed build leaves nothing in the cache"

@@ -1,0 +1,42 @@
+"""The CPU side of `attention_backend` when the compiled kernels of `kernels/cpu_ops.cpp` are available.
+
+Decode tokens attend straight from the KV blocks in one kernel call per layer (no gather, no masks); multi-token
+sequences (prompts, chunks, prefix-cache hits) keep torch's SDPA, which is matmul-bound there and already fast. The
+KV write, the RMSNorm with its residual add, the rotary embedding and SiLU(gate) * up are one kernel call each
+instead of a chain of small torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_ops
+from workers.attention import AttentionMetadata, attend_prefills_sdpa
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`."""
+    output = torch.empty(query.shape, dtype=query.dtype)
+    if len(metadata.prefills) < metadata.seq_lens.shape[0]:  # some sequence decodes one token
+        cpu_ops.decode_attention(output, query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
+                                 metadata.seq_lens, scale)
+    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output)
+    return output
+
+
+class CpuKernelBackend:
+    """Decode attention, KV write, RMSNorm, rotary and SiLU-and-mul as compiled CPU kernels; prompts through SDPA."""
+
+    builds_decode_chunks = False
+    builds_prefill_groups = True
+    rms_norm_kernel = staticmethod(cpu_ops.rms_norm)
+    rotary_kernel = staticmethod(cpu_ops.rotary)
+    silu_and_mul_kernel = staticmethod(cpu_ops.silu_and_mul)
+    write_kv = staticmethod(cpu_ops.write_kv)
+    attend = staticmethod(paged_attention_cpu)
