@@ -99,12 +99,8 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(dtype: torch.dtype) -> bool:
-    return dtype in DTYPE_CODES
-
-
 def _call(name: str, dtype: torch.dtype, *args) -> None:
-    if getattr(library(), name)(DTYPE_CODES[dtype], *args) != 0:
+    if getattr(library(), name)(DTYPE_CODES.get(dtype, -1), *args) != 0:
         raise ValueError(f"{name}: unsupported dtype {dtype}")
 
 

@@ -190,3 +190,9 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="could not build broken.cpp: .*error"):
         cpu_ops.build()
     assert not list((tmp_path / "cache").glob("*")), "a failed build leaves nothing in the cache"
+
+
+def test_an_unsupported_dtype_is_refused_not_misread():
+    x = torch.randn(2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="unsupported dtype torch.float64"):
+        cpu_ops.silu_and_mul(x)
