@@ -331,24 +331,30 @@ template <typename T>
 void rotary(T* q, int64_t q_token_stride, int64_t num_q_heads, T* k, int64_t k_token_stride, int64_t num_k_heads,
             int64_t head_dim, const int64_t* positions, const float* table, int64_t rot_dim, int64_t num_tokens) {
   const int64_t half = rot_dim / 2;
-#pragma omp parallel for if (num_tokens > 16)
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const float* cos_half = table + positions[t] * rot_dim;
-    const float* sin_half = cos_half + half;
-    for (int64_t which = 0; which < 2; ++which) {
-      T* base = which == 0 ? q + t * q_token_stride : k + t * k_token_stride;
-      const int64_t heads = which == 0 ? num_q_heads : num_k_heads;
-      for (int64_t head = 0; head < heads; ++head) {
-        T* x = base + head * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = to_float(from_float<T>(cos_half[i])), s = to_float(from_float<T>(sin_half[i]));
-          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-          const float a1 = to_float(from_float<T>(x1 * c)), b1 = to_float(from_float<T>(-x2 * s));
-          const float a2 = to_float(from_float<T>(x2 * c)), b2 = to_float(from_float<T>(x1 * s));
-          x[i] = from_float<T>(a1 + b1);
-          x[i + half] = from_float<T>(a2 + b2);
-        }
+#pragma omp parallel if (num_tokens > 16)
+  {
+    std::vector<float> cos_t(half), sin_t(half);  // this token's angles, rounded to T once for all its heads
+#pragma omp for
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const float* angles = table + positions[t] * rot_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        cos_t[i] = to_float(from_float<T>(angles[i]));
+        sin_t[i] = to_float(from_float<T>(angles[half + i]));
       }
+      auto rotate_heads = [&](T* base, int64_t heads) {
+        for (int64_t head = 0; head < heads; ++head) {
+          T* x = base + head * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+            const float a1 = to_float(from_float<T>(x1 * cos_t[i])), b1 = to_float(from_float<T>(-x2 * sin_t[i]));
+            const float a2 = to_float(from_float<T>(x2 * cos_t[i])), b2 = to_float(from_float<T>(x1 * sin_t[i]));
+            x[i] = from_float<T>(a1 + b1);
+            x[i + half] = from_float<T>(a2 + b2);
+          }
+        }
+      };
+      rotate_heads(q + t * q_token_stride, num_q_heads);
+      rotate_heads(k + t * k_token_stride, num_k_heads);
     }
   }
 }
