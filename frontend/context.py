@@ -9,10 +9,10 @@ from typing import Any
 
 from aiohttp import web
 
-from frontend.errors import APIError
-from frontend.generation import AdmissionControl
-from frontend.metrics import FrontendMetrics
-from frontend.tokenizer import vocab_size
+from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.generation import AdmissionControl
+from tokenmill.frontend.metrics import FrontendMetrics
+from tokenmill.frontend.tokenizer import vocab_size
 from tokenmill.config import EngineConfig
 
 TASK_ENDPOINTS = {"generate": "/v1/completions and /v1/chat/completions", "embed": "/v1/embeddings"}

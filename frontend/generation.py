@@ -16,11 +16,11 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.errors import APIError
-from frontend.metrics import FrontendMetrics
-from frontend.protocol import PromptTokensDetails, UsageInfo, choice_sampling_params
-from frontend.engine_client import EngineDeadError
+from tokenmill.frontend.detokenizer import IncrementalDetokenizer
+from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.metrics import FrontendMetrics
+from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo, choice_sampling_params
+from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.messages import EngineRequest, SamplingParams
 
 log = logging.getLogger("tokenmill.frontend")

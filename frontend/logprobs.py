@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from frontend.protocol import ChatLogprobEntry, ChatLogprobs, CompletionLogProbs, TopLogprob
+from tokenmill.frontend.protocol import ChatLogprobEntry, ChatLogprobs, CompletionLogProbs, TopLogprob
 
 TokenLogprobs = tuple[float, list[int], list[float]]
 

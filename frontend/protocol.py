@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from frontend.errors import APIError, validation_error
+from tokenmill.frontend.errors import APIError, validation_error
 from tokenmill.messages import SamplingParams
 
 MAX_LOGPROBS = 20

@@ -17,12 +17,12 @@ from typing import Any
 
 from aiohttp import web
 
-from frontend import serving_misc
-from frontend.context import ServingContext
-from frontend.errors import APIError, error_response
-from frontend.serving_chat import create_chat_completion
-from frontend.serving_completions import create_completion
-from frontend.serving_embeddings import EmbeddingServing
+from tokenmill.frontend import serving_misc
+from tokenmill.frontend.context import ServingContext
+from tokenmill.frontend.errors import APIError, error_response
+from tokenmill.frontend.serving_chat import create_chat_completion
+from tokenmill.frontend.serving_completions import create_completion
+from tokenmill.frontend.serving_embeddings import EmbeddingServing
 from tokenmill.config import EngineConfig
 
 log = logging.getLogger("tokenmill.frontend")

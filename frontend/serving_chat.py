@@ -10,17 +10,17 @@ import jinja2
 import msgspec
 from aiohttp import web
 
-from frontend.context import ServingContext, new_request_id, read_body
-from frontend.errors import APIError
-from frontend.generation import (Choice, ChoiceDelta, ChoiceSummary, build_choices, merge_choice_streams,
+from tokenmill.frontend.context import ServingContext, new_request_id, read_body
+from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.generation import (Choice, ChoiceDelta, ChoiceSummary, build_choices, merge_choice_streams,
                                  stream_choice, usage_info)
-from frontend.logprobs import TokenTexts, chat_logprobs
-from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
+from tokenmill.frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage, chat_max_tokens,
                                decode_request, encode_json, now, resolve_max_tokens, to_sampling_params)
-from frontend.protocol import chat_logprobs as requested_chat_logprobs
-from frontend.sse import stream_deltas
-from frontend.tokenizer import encode_text, render_chat
+from tokenmill.frontend.protocol import chat_logprobs as requested_chat_logprobs
+from tokenmill.frontend.sse import stream_deltas
+from tokenmill.frontend.tokenizer import encode_text, render_chat
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

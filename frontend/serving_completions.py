@@ -7,15 +7,15 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from frontend.context import ServingContext, new_request_id, read_body
-from frontend.errors import APIError
-from frontend.generation import (Choice, ChoiceDelta, ChoiceSummary, build_choices, merge_choice_streams,
+from tokenmill.frontend.context import ServingContext, new_request_id, read_body
+from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.generation import (Choice, ChoiceDelta, ChoiceSummary, build_choices, merge_choice_streams,
                                  stream_choice, usage_info)
-from frontend.logprobs import TokenTexts, completion_logprobs
-from frontend.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, decode_request, encode_json,
+from tokenmill.frontend.logprobs import TokenTexts, completion_logprobs
+from tokenmill.frontend.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, decode_request, encode_json,
                                now, resolve_max_tokens, to_sampling_params)
-from frontend.sse import stream_deltas
-from frontend.tokenizer import encode_text
+from tokenmill.frontend.sse import stream_deltas
+from tokenmill.frontend.tokenizer import encode_text
 
 
 def prompt_inputs(ctx: ServingContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:

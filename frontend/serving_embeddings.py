@@ -18,12 +18,12 @@ from contextlib import aclosing
 import numpy as np
 from aiohttp import web
 
-from frontend.context import ServingContext, new_request_id, read_body
-from frontend.engine_client import EngineDeadError
-from frontend.errors import APIError
-from frontend.protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, decode_request,
+from tokenmill.frontend.context import ServingContext, new_request_id, read_body
+from tokenmill.frontend.engine_client import EngineDeadError
+from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, decode_request,
                                encode_json, now)
-from frontend.tokenizer import encode_text, encode_text_keep_last
+from tokenmill.frontend.tokenizer import encode_text, encode_text_keep_last
 from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per call
@@ -39,14 +39,14 @@ class EmbeddingServing:
 
     @functools.cached_property
     def pooling(self):
-        from workers.pooling import load_pooling_config
+        from tokenmill.workers.pooling import load_pooling_config
 
         model = self.ctx.config.model
         return load_pooling_config(model.path, model.architecture, model.pooling, model.normalize)
 
     @functools.cached_property
     def hidden_size(self) -> int:
-        from workers.model_loader import load_hf_config
+        from tokenmill.workers.model_loader import load_hf_config
 
         return int(load_hf_config(self.ctx.config.model).hidden_size)
 
@@ -126,7 +126,7 @@ class EmbeddingServing:
         return truncate_prompt_tokens
 
     def check_dimensions(self, dimensions: int) -> None:
-        from workers.pooling import check_dimensions
+        from tokenmill.workers.pooling import check_dimensions
 
         allow_any = self.ctx.config.model.allow_dimensions
         try:

@@ -6,12 +6,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
-from frontend.context import ServingContext, read_body
-from frontend.errors import APIError, error_response
-from frontend.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+from tokenmill.frontend.context import ServingContext, read_body
+from tokenmill.frontend.errors import APIError, error_response
+from tokenmill.frontend.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                TokenizeResponse, decode_request, encode_json, now)
-from frontend.serving_chat import chat_prompt_ids
-from frontend.tokenizer import encode_text
+from tokenmill.frontend.serving_chat import chat_prompt_ids
+from tokenmill.frontend.tokenizer import encode_text
 
 
 def json_response(body: bytes) -> web.Response:

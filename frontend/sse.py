@@ -14,8 +14,8 @@ from contextlib import aclosing
 import msgspec
 from aiohttp import web
 
-from frontend.errors import APIError
-from frontend.generation import ChoiceDelta
+from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.generation import ChoiceDelta
 
 log = logging.getLogger("tokenmill.frontend")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from scheduler.block_pool import ROOT_BLOCK_HASH, Block, BlockPool, hash_block
-from scheduler.request import Request
+from tokenmill.scheduler.block_pool import ROOT_BLOCK_HASH, Block, BlockPool, hash_block
+from tokenmill.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

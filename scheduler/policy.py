@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Iterable
 
-from scheduler.request import Request
+from tokenmill.scheduler.request import Request
 
 # SJF ageing: each second in the scheduler counts as this many tokens of work already done. A job with W more tokens
 # of work than a newcomer overtakes newcomers after W / rate seconds, whatever the arrival rate.

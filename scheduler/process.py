@@ -12,7 +12,7 @@ import time
 import msgspec
 import zmq
 
-from scheduler.scheduler import Scheduler
+from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, FrontendMessage, Ping, Pong, RequestOutput,
                                 Shutdown, StepOutputs, StepResult, WorkerError, WorkerMessage, WorkerReady, decoder,

@@ -16,9 +16,9 @@ import itertools
 import time
 from typing import Callable, Iterable
 
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.policy import SchedulingPolicy, make_policy
-from scheduler.request import Request, RequestStatus
+from tokenmill.scheduler.kv_cache_manager import KVCacheManager
+from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
+from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (EngineRequest, FinishReason, NewRequestData, RequestOutput, RunningRequestData,
                                 SchedulerStats, StepPlan, StepResult)

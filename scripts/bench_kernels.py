@@ -94,7 +94,7 @@ def paged_cache(batch: int, context_len: int, args, dtype: torch.dtype):
 
 
 def bench_decode(args, dtype: torch.dtype, peak: float | None) -> list[Result]:
-    from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+    from tokenmill.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
 
     results = []
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -115,11 +115,11 @@ def bench_decode(args, dtype: torch.dtype, peak: float | None) -> list[Result]:
 
 
 def bench_others(args, dtype: torch.dtype) -> list[Result]:
-    from kernels.kv_write import write_kv, write_kv_ref
-    from kernels.paged_attention import paged_attention_prefill, paged_attention_prefill_ref
-    from kernels.rms_norm import rms_norm, rms_norm_ref
-    from kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
-    from kernels.sampling import filter_logits
+    from tokenmill.kernels.kv_write import write_kv, write_kv_ref
+    from tokenmill.kernels.paged_attention import paged_attention_prefill, paged_attention_prefill_ref
+    from tokenmill.kernels.rms_norm import rms_norm, rms_norm_ref
+    from tokenmill.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
+    from tokenmill.kernels.sampling import filter_logits
 
     results = []
     tokens, hidden = args.tokens, args.num_q_heads * args.head_dim

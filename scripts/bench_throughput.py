@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from tokenmill import LLM
-    from workers.model_loader import load_hf_config
+    from tokenmill.workers.model_loader import load_hf_config
 
     args = parse_args(argv)
     if args.threads:

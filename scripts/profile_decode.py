@@ -22,7 +22,7 @@ from benchlib.stats import summarize
 def build_runner(model: str, dtype: str, num_blocks: int, block_size: int):
     from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
     from tokenmill.model_source import resolve_config
-    from workers.model_runner import ModelRunner
+    from tokenmill.workers.model_runner import ModelRunner
 
     config = resolve_config(EngineConfig(model=ModelConfig(model=model, dtype=dtype),
                                          cache=CacheConfig(num_kv_blocks=num_blocks, block_size=block_size)))
@@ -64,8 +64,8 @@ class DecodeDriver:
 
 def label_cpu_kernels() -> None:
     """Make the compiled CPU kernels (ctypes calls, which the profiler cannot see) show up as `cpu_ops::<name>`."""
-    from workers import attention
-    from workers.cpu_backend import CpuKernelBackend
+    from tokenmill.workers import attention
+    from tokenmill.workers.cpu_backend import CpuKernelBackend
 
     if not isinstance(attention.attention_backend("cpu"), CpuKernelBackend):
         return

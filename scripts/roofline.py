@@ -83,7 +83,7 @@ def _best_time(fn, repeats: int) -> float:
 def measure_matmul_flops(size: int = MATMUL_SIZE, repeats: int = 5) -> float:
     """The faster of torch's two CPU matmuls: `torch.mm` (MKL or OpenBLAS) and oneDNN's linear on a packed weight,
     which the engine's CPU layers use (`workers/models/packed_linear.py`); on AMD CPUs oneDNN is about twice MKL."""
-    from workers.models.packed_linear import can_pack, linear, packed
+    from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 
     a = torch.randn(size, size, dtype=torch.float32)
     b = torch.randn(size, size, dtype=torch.float32)
@@ -149,8 +149,8 @@ def model_cost_for(model: str, dtype: str) -> ModelCost:
     """The cost of `model` (as tokenmill names it) in `dtype`, without starting an engine."""
     from tokenmill.config import EngineConfig, ModelConfig
     from tokenmill.model_source import resolve_config
-    from workers.model_loader import load_hf_config, resolve_dtype
-    from workers.models.registry import model_class
+    from tokenmill.workers.model_loader import load_hf_config, resolve_dtype
+    from tokenmill.workers.models.registry import model_class
 
     config = resolve_config(EngineConfig(model=ModelConfig(model=model, dtype=dtype)))
     hf_config = load_hf_config(config.model)

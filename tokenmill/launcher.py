@@ -15,10 +15,10 @@ import socket
 import tempfile
 import time
 
-from scheduler.process import run_scheduler_process
+from tokenmill.scheduler.process import run_scheduler_process
 from tokenmill.config import EngineConfig, replace
 from tokenmill.messages import EngineReady
-from workers.process import run_worker_process
+from tokenmill.workers.process import run_worker_process
 
 log = logging.getLogger("tokenmill.launcher")
 

@@ -115,7 +115,7 @@ def _engine_config(model: str, kwargs: dict) -> EngineConfig:
 
 class LLM:
     def __init__(self, model: str = "", **engine_args) -> None:
-        from frontend.tokenizer import load_tokenizer
+        from tokenmill.frontend.tokenizer import load_tokenizer
         from tokenmill.model_source import resolve_config
 
         self.processes = EngineProcesses(resolve_config(_engine_config(model, engine_args)))
@@ -178,7 +178,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[GenerationResult]:
         """Generate for every prompt (text, or token ids); results come back in prompt order."""
-        from frontend.detokenizer import IncrementalDetokenizer
+        from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -218,7 +218,7 @@ class LLM:
         `truncate_prompt_tokens` keeps each prompt's last N tokens (text keeps its special tokens)."""
         import numpy as np
 
-        from frontend.tokenizer import encode_text_keep_last
+        from tokenmill.frontend.tokenizer import encode_text_keep_last
 
         if self.config.model.task != "embed":
             raise ValueError(f"embed() needs an embedding model; {self.config.model.served_model_name} serves "

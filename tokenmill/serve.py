@@ -13,7 +13,7 @@ import signal
 
 from aiohttp import web
 
-from frontend.engine_client import AsyncEngineClient, EngineDeadError
+from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from tokenmill.config import EngineConfig
 from tokenmill.launcher import EngineProcesses, log_capacity
 
@@ -23,8 +23,8 @@ DEATH_GRACE_S = 1.0  # lets in-flight requests receive their error before the se
 
 
 async def serve(config: EngineConfig) -> int:
-    from frontend.server import build_app
-    from frontend.tokenizer import load_tokenizer
+    from tokenmill.frontend.server import build_app
+    from tokenmill.frontend.tokenizer import load_tokenizer
 
     processes = EngineProcesses(config)
     config = processes.config

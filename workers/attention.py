@@ -345,14 +345,14 @@ def attention_backend(device_type: str) -> AttentionBackend:
     """The implementation for a device type: the Triton kernels on CUDA; on CPU the compiled CPU kernels where they
     build (`kernels/cpu_ops.py`) unless `TOKENMILL_CPU_KERNELS=0`, else torch."""
     if device_type in TRITON_DEVICE_TYPES:
-        from workers.triton_backend import TritonAttentionBackend
+        from tokenmill.workers.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if device_type == "cpu" and os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0":
-        from kernels import cpu_ops
+        from tokenmill.kernels import cpu_ops
 
         if cpu_ops.library() is not None:
-            from workers.cpu_backend import CpuKernelBackend
+            from tokenmill.workers.cpu_backend import CpuKernelBackend
 
             return CpuKernelBackend()
     return TorchAttentionBackend()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ops
-from workers.attention import AttentionMetadata, attend_prefills_sdpa
+from tokenmill.kernels import cpu_ops
+from tokenmill.workers.attention import AttentionMetadata, attend_prefills_sdpa
 
 
 def paged_attention_cpu(

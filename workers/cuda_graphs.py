@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from workers.attention import AttentionMetadata
+from tokenmill.workers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
-from workers.attention import build_attention_metadata, token_positions
-from workers.model_runner import ModelRunner
-from workers.models.registry import is_encoder, model_class
-from workers.pooling import PoolingConfig, load_pooling_config, pool
+from tokenmill.workers.attention import build_attention_metadata, token_positions
+from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.models.registry import is_encoder, model_class
+from tokenmill.workers.pooling import PoolingConfig, load_pooling_config, pool
 
 log = logging.getLogger(__name__)
 

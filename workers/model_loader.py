@@ -36,7 +36,7 @@ def load_hf_config(model_cfg: ModelConfig):
     """
     from transformers import AutoConfig
 
-    from workers.models.registry import architecture_of
+    from tokenmill.workers.models.registry import architecture_of
 
     if model_cfg.gguf_file:
         hf_config = AutoConfig.from_pretrained(model_cfg.path, gguf_file=model_cfg.gguf_file)

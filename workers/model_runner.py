@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
-from workers.attention import DECODE_GATHER_BYTES, AttentionMetadata, build_attention_metadata, token_positions
-from workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
-from workers.model_loader import iter_weights, load_hf_config, resolve_dtype
-from workers.models.layers import TensorParallel, pack_linear_weights
-from workers.models.registry import architecture_of, model_class
-from workers.sampler import RequestSamplingState, sample
+from tokenmill.workers.attention import DECODE_GATHER_BYTES, AttentionMetadata, build_attention_metadata, token_positions
+from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
+from tokenmill.workers.model_loader import iter_weights, load_hf_config, resolve_dtype
+from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
+from tokenmill.workers.models.registry import architecture_of, model_class
+from tokenmill.workers.sampler import RequestSamplingState, sample
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ def run_worker_process(config_bytes: bytes, rank: int) -> None:
     results = make_socket(ctx, zmq.PUSH, config.ipc_address("results"), bind=False)
     try:
         if config.model.task == "embed":
-            from workers.embedding_runner import EmbeddingRunner as Runner
+            from tokenmill.workers.embedding_runner import EmbeddingRunner as Runner
         else:
-            from workers.model_runner import ModelRunner as Runner
+            from tokenmill.workers.model_runner import ModelRunner as Runner
 
         runner = Runner(config, rank=rank)
         runner.load_model()

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary
-from workers.attention import AttentionMetadata
+from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from tokenmill.kernels.rms_norm import rms_norm
+from tokenmill.kernels.rotary import apply_rotary
+from tokenmill.workers.attention import AttentionMetadata
 
 
 def rotate_in_place(

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from frontend.tokenizer import load_tokenizer
+from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.config import ModelConfig
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from frontend.engine_client import EngineDeadError
+from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.messages import EngineRequest, RequestOutput, SchedulerStats
 
 EOS_ID = 2

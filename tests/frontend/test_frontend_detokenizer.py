@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.detokenizer import IncrementalDetokenizer
+from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.messages import SamplingParams
 
 PROMPT = "Tell me something."

@@ -18,8 +18,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
-from frontend.server import build_app
-from frontend.tokenizer import load_tokenizer
+from tokenmill.frontend.server import build_app
+from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.config import EngineConfig, ModelConfig, replace
 from tokenmill.messages import EngineRequest, RequestOutput
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from frontend.errors import APIError
-from frontend.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_max_tokens,
+from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_max_tokens,
                                choice_sampling_params, decode_request, resolve_max_tokens, to_sampling_params)
 
 VOCAB = 1000

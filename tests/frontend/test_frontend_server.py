@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
-from frontend.server import build_app
+from tokenmill.frontend.server import build_app
 from frontend_fakes import EOS_ID, FakeEngine
 from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, replace
 from tokenmill.messages import SchedulerStats

@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from frontend.context import ServingContext
-from frontend.errors import APIError
-from frontend.protocol import ChatMessage
-from frontend.serving_chat import chat_prompt_ids
-from frontend.tokenizer import load_tokenizer, read_chat_template, render_chat
+from tokenmill.frontend.context import ServingContext
+from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.protocol import ChatMessage
+from tokenmill.frontend.serving_chat import chat_prompt_ids
+from tokenmill.frontend.tokenizer import load_tokenizer, read_chat_template, render_chat
 from frontend_fakes import FakeEngine
 from tokenmill.config import EngineConfig, replace
 

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import kv_write, paged_attention, rms_norm, rotary
+from tokenmill.kernels import kv_write, paged_attention, rms_norm, rotary
 
 TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_write import write_kv_ref
+from tokenmill.kernels.kv_write import write_kv_ref
 
 
 @dataclass

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.paged_attention import paged_attention_decode_ref
+from tokenmill.kernels import cpu_ops
+from tokenmill.kernels.paged_attention import paged_attention_decode_ref
 from tests.kernels.kernels_testutil import make_paged_cache
-from workers.attention import write_kv_torch
-from workers.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from tokenmill.workers.attention import write_kv_torch
+from tokenmill.workers.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -162,7 +162,7 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
 
 
 def test_a_machine_without_a_compiler_falls_back_to_torch(tmp_path, monkeypatch, caplog):
-    from workers import attention
+    from tokenmill.workers import attention
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
@@ -171,7 +171,7 @@ def test_a_machine_without_a_compiler_falls_back_to_torch(tmp_path, monkeypatch,
     cpu_ops.library.cache_clear()
     attention.attention_backend.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
+        with caplog.at_level(logging.WARNING, logger="tokenmill.kernels.cpu_ops"):
             assert cpu_ops.library() is None
             assert isinstance(attention.attention_backend("cpu"), attention.TorchAttentionBackend)
         assert "using the slower torch code" in caplog.text

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import kv_write
-from kernels.kv_write import write_kv, write_kv_ref
+from tokenmill.kernels import kv_write
+from tokenmill.kernels.kv_write import write_kv, write_kv_ref
 
 
 def make_slots(num_tokens: int, num_blocks: int, block_size: int) -> torch.Tensor:

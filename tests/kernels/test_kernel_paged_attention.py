@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention
-from kernels.paged_attention import (
+from tokenmill.kernels import paged_attention
+from tokenmill.kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_ref,
     paged_attention_prefill,

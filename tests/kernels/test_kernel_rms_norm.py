@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import rms_norm as rms_norm_module
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from tokenmill.kernels import rms_norm as rms_norm_module
+from tokenmill.kernels.rms_norm import rms_norm, rms_norm_ref
 
 TOLERANCES = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kernels import rotary
-from kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
+from tokenmill.kernels import rotary
+from tokenmill.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
 
 TOLERANCES = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import filter_logits, filter_logits_ref
+from tokenmill.kernels.sampling import filter_logits, filter_logits_ref
 
 VOCAB = 50
 

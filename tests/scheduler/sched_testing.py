@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
-from scheduler.scheduler import Scheduler
+from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.messages import EngineRequest, NewRequestData, RequestOutput, SamplingParams, StepPlan, StepResult
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler.block_pool import ROOT_BLOCK_HASH, BlockPool, hash_block
+from tokenmill.scheduler.block_pool import ROOT_BLOCK_HASH, BlockPool, hash_block
 
 
 def test_allocation_takes_least_recently_freed_blocks_first():

@@ -2,8 +2,8 @@
 
 from sched_testing import make_request
 
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
+from tokenmill.scheduler.kv_cache_manager import KVCacheManager
+from tokenmill.scheduler.request import Request
 
 BLOCK = 4
 

@@ -4,7 +4,7 @@ prefix-cache reuse, embeddings and stats."""
 import pytest
 from sched_testing import EOS, FakeWorker, make_config, make_request, run_to_completion, scheduled_tokens, step
 
-from scheduler.scheduler import Scheduler
+from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.messages import StepResult
 
 

@@ -5,8 +5,8 @@ import pytest
 from sched_testing import EOS, FakeClock, FakeWorker, make_config, make_request, run_to_completion, \
     scheduled_tokens, step
 
-from scheduler.policy import SjfPolicy, make_policy
-from scheduler.scheduler import Scheduler
+from tokenmill.scheduler.policy import SjfPolicy, make_policy
+from tokenmill.scheduler.scheduler import Scheduler
 
 
 def make_scheduler(policy: str, num_blocks: int = 64, clock=None, policy_object=None, **config):

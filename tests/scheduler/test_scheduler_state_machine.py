@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from sched_testing import EOS, FakeWorker, make_config, make_request, scheduled_tokens
 
-from scheduler.kv_cache_manager import cdiv
-from scheduler.request import RequestStatus
-from scheduler.scheduler import Scheduler
+from tokenmill.scheduler.kv_cache_manager import cdiv
+from tokenmill.scheduler.request import RequestStatus
+from tokenmill.scheduler.scheduler import Scheduler
 
 SHARED_PREFIXES = [list(range(10, 30)), list(range(40, 60)), [5] * 20]
 STOP_TOKEN = 3

@@ -27,7 +27,7 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture
 def use_cpu_backend(monkeypatch):
     """`use_cpu_backend("kernels" | "torch")` makes `attention_backend("cpu")` that backend until the test ends."""
-    from workers import attention
+    from tokenmill.workers import attention
 
     expected = {"kernels": "CpuKernelBackend", "torch": "TorchAttentionBackend"}
 

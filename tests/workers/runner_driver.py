@@ -26,7 +26,7 @@ from tokenmill.messages import (
     encode,
 )
 
-from workers.attention import build_attention_metadata
+from tokenmill.workers.attention import build_attention_metadata
 
 _plan_decoder = decoder(WorkerCommand)
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from workers.models.bert import BertEmbeddingModel
-from workers.pooling import (
+from tokenmill.workers.models.bert import BertEmbeddingModel
+from tokenmill.workers.pooling import (
     PoolingConfig,
     check_dimensions,
     load_pooling_config,

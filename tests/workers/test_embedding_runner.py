@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenmill.messages import NewRequestData, SamplingParams, StepPlan, StepResult, WorkerCommand, decoder, encode
-from workers.embedding_runner import EmbeddingRunner
+from tokenmill.workers.embedding_runner import EmbeddingRunner
 
 TEXTS = [
     "Hi",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from workers.model_runner import ModelRunner
+from tokenmill.workers.model_runner import ModelRunner
 
 GIB = 1 << 30
 

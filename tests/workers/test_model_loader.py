@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenmill.config import ModelConfig
-from workers.model_loader import (
+from tokenmill.workers.model_loader import (
     gguf_name_to_hf,
     iter_weights,
     load_hf_config,

@@ -11,7 +11,7 @@ from tests.reference import assert_greedy_match, hf_greedy_reference
 from tests.workers.runner_driver import run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
-from workers.model_runner import ModelRunner
+from tokenmill.workers.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.models.layers import GateUpLinear, LMHead, QKVLinear, RowParallelLinear
-from workers.models.packed_linear import can_pack, linear, packed
+from tokenmill.workers.models.layers import GateUpLinear, LMHead, QKVLinear, RowParallelLinear
+from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 
 from tests.workers.test_model_runner import make_runner
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill.messages import SamplingParams
-from workers.sampler import RequestSamplingState, filter_top_k_top_p_min_p, process_logits, sample
+from tokenmill.workers.sampler import RequestSamplingState, filter_top_k_top_p_min_p, process_logits, sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NEG_INF = float("-inf")

@@ -10,8 +10,8 @@ import torch
 from tests.reference import assert_greedy_match, hf_greedy_reference
 from tests.workers.runner_driver import run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from workers.model_loader import iter_weights
-from workers.model_runner import ModelRunner
+from tokenmill.workers.model_loader import iter_weights
+from tokenmill.workers.model_runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from tests.workers.runner_driver import logits_in_chunks
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from workers.model_runner import ModelRunner
+from tokenmill.workers.model_runner import ModelRunner
 
 CHUNKS = [0, 9, 21, 22, 23]
 KV_BUDGET_BYTES = 1 << 20

@@ -11,11 +11,11 @@ import torch
 from tests.reference import assert_greedy_match, hf_greedy_reference
 from tests.workers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from workers import attention, model_runner
-from workers.attention import build_attention_metadata
-from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from workers.model_runner import ModelRunner
-from workers.triton_backend import TritonAttentionBackend
+from tokenmill.workers import attention, model_runner
+from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.triton_backend import TritonAttentionBackend
 
 CHUNKS = [0, 9, 21, 22, 23]  # two prefill chunks, then two single-token (decode-only) steps
 BLOCK_SIZE = 4

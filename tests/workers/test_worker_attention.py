@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.attention import _decode_chunk_bounds, build_attention_metadata, write_kv_and_attend, write_kv_torch
+from tokenmill.workers.attention import _decode_chunk_bounds, build_attention_metadata, write_kv_and_attend, write_kv_torch
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import attention_backend
-from workers.models.packed_linear import can_pack, linear, packed
+from tokenmill.workers.attention import attention_backend
+from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 
 
 class HeadShard(NamedTuple):

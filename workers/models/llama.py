@@ -16,8 +16,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from workers.attention import AttentionMetadata, write_kv_and_attend
-from workers.models.layers import (
+from tokenmill.workers.attention import AttentionMetadata, write_kv_and_attend
+from tokenmill.workers.models.layers import (
     GateUpLinear,
     LMHead,
     QKVLinear,

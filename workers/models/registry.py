@@ -8,15 +8,15 @@ from torch import nn
 
 # HF architecture name -> (module, class)
 _MODEL_CLASSES: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("workers.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("workers.models.llama", "MistralForCausalLM"),
-    "Qwen2ForCausalLM": ("workers.models.llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("workers.models.llama", "Qwen3ForCausalLM"),
+    "LlamaForCausalLM": ("tokenmill.workers.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("tokenmill.workers.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("tokenmill.workers.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("tokenmill.workers.models.llama", "Qwen3ForCausalLM"),
     # encoders, served as embedding models only (task heads in the checkpoint are skipped at load)
-    "BertModel": ("workers.models.bert", "BertEmbeddingModel"),
-    "BertForMaskedLM": ("workers.models.bert", "BertEmbeddingModel"),
-    "RobertaModel": ("workers.models.bert", "BertEmbeddingModel"),
-    "XLMRobertaModel": ("workers.models.bert", "BertEmbeddingModel"),
+    "BertModel": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
+    "BertForMaskedLM": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
+    "RobertaModel": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
+    "XLMRobertaModel": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
 }
 ENCODER_ARCHITECTURES = frozenset(name for name, (module, _) in _MODEL_CLASSES.items() if module.endswith(".bert"))
 
