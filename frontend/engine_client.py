@@ -119,10 +119,6 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; the last one has `finish_reason` set.
 

@@ -13,20 +13,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.metrics import FrontendMetrics
-from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo, choice_sampling_params
+from tokenmill.frontend.outputs import ChoiceDelta, choice_sampling_params, next_delta
+from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo
 from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.messages import EngineRequest, SamplingParams
 
 log = logging.getLogger("tokenmill.frontend")
-
-TokenLogprobs = tuple[float, list[int], list[float]]
-
 
 @dataclass
 class Choice:
@@ -40,38 +38,6 @@ class Choice:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     started: bool = False  # the engine has produced output for it
-
-
-@dataclass
-class ChoiceDelta:
-    """What one engine step added to one choice."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class ChoiceSummary:
-    """A whole choice, folded from its deltas (for non-streaming responses)."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def add(self, delta: ChoiceDelta) -> None:
-        self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
-        if delta.logprobs:
-            self.logprobs.extend(delta.logprobs)
-        if delta.finish_reason is not None:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
@@ -132,7 +98,6 @@ async def stream_choice(engine: Any, choice: Choice, metrics: FrontendMetrics,
     """Yield the choice's deltas; the last has finish_reason. Raises APIError: 400 for a request the engine rejects,
     503 when the engine has died."""
     request = choice.request
-    params = request.sampling
     arrival = choice.received_at
     last_output_time = arrival
     engine_done = False
@@ -159,20 +124,12 @@ async def stream_choice(engine: Any, choice: Choice, metrics: FrontendMetrics,
                 engine_done = out.finish_reason is not None
                 if out.finish_reason == "error":
                     raise APIError(500, "The engine failed while generating this request.")
-                update = choice.detokenizer.update(out.new_token_ids, engine_done, out.stop_token_id)
-                finish_reason: str | None = None
-                stop_reason: int | str | None = None
-                if update.stop_string is not None:
-                    finish_reason, stop_reason = "stop", update.stop_string
-                elif engine_done:
-                    finish_reason = out.finish_reason
-                    if out.stop_token_id is not None and out.stop_token_id in params.stop_token_ids:
-                        stop_reason = out.stop_token_id  # EOS reports null, as vLLM does
+                delta = next_delta(choice.index, choice.detokenizer, out)
+                finish_reason = delta.finish_reason
                 if finish_reason is not None:
                     metrics.e2e_request_latency.observe(now - arrival)
                     metrics.record_finished(finish_reason)
-                yield ChoiceDelta(choice.index, update.text, list(out.new_token_ids), out.logprobs,
-                                  finish_reason, stop_reason)
+                yield delta
                 if finish_reason is not None:
                     return
         engine_done = True

@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenmill.frontend.outputs import TokenLogprobs
 from tokenmill.frontend.protocol import ChatLogprobEntry, ChatLogprobs, CompletionLogProbs, TopLogprob
-
-TokenLogprobs = tuple[float, list[int], list[float]]
 
 
 class TokenTexts:

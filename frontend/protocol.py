@@ -201,13 +201,6 @@ def to_sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: i
     )
 
 
-def choice_sampling_params(params: SamplingParams, choice_index: int) -> SamplingParams:
-    """The params of the i-th of n choices: a seeded request gets seed + i, so choices differ but stay reproducible."""
-    if params.seed is None or choice_index == 0:
-        return params
-    return msgspec.structs.replace(params, seed=params.seed + choice_index)
-
-
 def chat_logprobs(request: ChatCompletionRequest) -> int | None:
     """How many top logprobs the engine must return per token for a chat request (None: no logprobs)."""
     if request.top_logprobs is not None and not request.logprobs:

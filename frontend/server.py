@@ -1,17 +1,15 @@
-"""The aiohttp application: routes, middlewares (errors, API key, CORS) and a standalone runner.
+"""The aiohttp application: routes and middlewares (errors, API key, CORS).
 
-`build_app(config, engine, tokenizer)` wires the OpenAI endpoints to an engine client; `run_server` serves it on
-`config.server.host:port` with uvloop until SIGINT/SIGTERM, then shuts down gracefully. Handlers run with
-`handler_cancellation`, so a client that disconnects cancels its handler and its engine requests are aborted.
+`build_app(config, engine, tokenizer)` wires the OpenAI endpoints to an engine client; `tokenmill/serve.py` serves
+it. Handlers run with `handler_cancellation`, so a client that disconnects cancels its handler and its engine
+requests are aborted.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hmac
 import logging
-import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,7 +27,6 @@ log = logging.getLogger("tokenmill.frontend")
 
 CONTEXT_KEY = web.AppKey("serving_context", ServingContext)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-SHUTDOWN_TIMEOUT_S = 10.0
 
 
 @web.middleware
@@ -141,40 +138,3 @@ def build_app(config: EngineConfig, engine: Any, tokenizer: Any) -> web.Applicat
 async def wrong_task_embeddings(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     ctx.require_task("embed", request)
     raise AssertionError("unreachable: only generation instances route here")
-
-
-async def serve_app(config: EngineConfig, engine: Any, tokenizer: Any, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set, then stop accepting, let in-flight requests finish (up to a timeout), close."""
-    access_log = None if config.server.disable_log_requests else logging.getLogger("aiohttp.access")
-    runner = web.AppRunner(build_app(config, engine, tokenizer), handle_signals=False, access_log=access_log,
-                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, config.server.host, config.server.port).start()
-        log.info("serving %s on http://%s:%d", config.model.served_model_name, config.server.host, config.server.port)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-
-
-def run_server(config: EngineConfig, engine: Any, tokenizer: Any) -> None:
-    """Blocking: serve with uvloop until SIGINT/SIGTERM. An engine client with `start()` is started (and awaited
-    ready in the background) inside the serving loop; `tokenmill serve` does its own orchestration instead."""
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        if hasattr(engine, "start"):  # an AsyncEngineClient lives in the loop that serves it
-            engine.start()
-            ready = asyncio.create_task(engine.wait_ready())  # /health turns 200 once it is done
-            ready.add_done_callback(lambda task: task.cancelled() or task.exception())
-        await serve_app(config, engine, tokenizer, stop)
-
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main())
-    else:
-        uvloop.run(main())

@@ -12,8 +12,8 @@ from aiohttp import web
 
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import (Choice, ChoiceDelta, ChoiceSummary, build_choices, merge_choice_streams,
-                                 stream_choice, usage_info)
+from tokenmill.frontend.generation import Choice, build_choices, merge_choice_streams, stream_choice, usage_info
+from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
 from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
 from tokenmill.frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage, chat_max_tokens,
@@ -80,7 +80,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     if request.stream:
         return await stream_deltas(http_request, deltas, renderer.chunk, preamble=renderer.role_chunks,
                                    epilogue=renderer.usage_chunk)
-    summaries = [ChoiceSummary(c.index) for c in choices]
+    summaries = [CompletionOutput(c.index) for c in choices]
     async with aclosing(deltas):
         async for delta in deltas:
             summaries[delta.index].add(delta)
@@ -135,7 +135,7 @@ class ChatRenderer:
         chunk.usage = usage_info(self.choices)
         return encode_json(chunk)
 
-    def full_response(self, summaries: list[ChoiceSummary]) -> bytes:
+    def full_response(self, summaries: list[CompletionOutput]) -> bytes:
         choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text),
                               logprobs=self._logprobs(s.token_ids, s.logprobs), finish_reason=s.finish_reason,
                               stop_reason=s.stop_reason) for s in summaries]

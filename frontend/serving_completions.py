@@ -9,8 +9,8 @@ from aiohttp import web
 
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import (Choice, ChoiceDelta, ChoiceSummary, build_choices, merge_choice_streams,
-                                 stream_choice, usage_info)
+from tokenmill.frontend.generation import Choice, build_choices, merge_choice_streams, stream_choice, usage_info
+from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
 from tokenmill.frontend.logprobs import TokenTexts, completion_logprobs
 from tokenmill.frontend.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, decode_request, encode_json,
                                now, resolve_max_tokens, to_sampling_params)
@@ -65,7 +65,7 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     renderer = CompletionRenderer(ctx, request, request_id, choices, echoes)
     if request.stream:
         return await stream_deltas(http_request, deltas, renderer.chunk, epilogue=renderer.usage_chunk)
-    summaries = [ChoiceSummary(c.index) for c in choices]
+    summaries = [CompletionOutput(c.index) for c in choices]
     async with aclosing(deltas):
         async for delta in deltas:
             summaries[delta.index].add(delta)
@@ -125,7 +125,7 @@ class CompletionRenderer:
         return encode_json(CompletionResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
                                               choices=[], usage=usage_info(self.choices)))
 
-    def full_response(self, summaries: list[ChoiceSummary]) -> bytes:
+    def full_response(self, summaries: list[CompletionOutput]) -> bytes:
         choices = [CompletionChoice(index=s.index, text=self.echoes[s.index] + s.text,
                                     logprobs=self._logprobs(s.index, s.token_ids, s.logprobs),
                                     finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in summaries]

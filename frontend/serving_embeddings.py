@@ -25,6 +25,7 @@ from tokenmill.frontend.protocol import (EmbeddingData, EmbeddingRequest, Embedd
                                encode_json, now)
 from tokenmill.frontend.tokenizer import encode_text, encode_text_keep_last
 from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams
+from tokenmill.pooling_config import PoolingConfig, check_dimensions, load_pooling_config
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per call
 EMBEDDING_DTYPE = np.dtype("<f4")
@@ -38,17 +39,9 @@ class EmbeddingServing:
         self.ctx = ctx
 
     @functools.cached_property
-    def pooling(self):
-        from tokenmill.workers.pooling import load_pooling_config
-
+    def pooling(self) -> PoolingConfig:
         model = self.ctx.config.model
         return load_pooling_config(model.path, model.architecture, model.pooling, model.normalize)
-
-    @functools.cached_property
-    def hidden_size(self) -> int:
-        from tokenmill.workers.model_loader import load_hf_config
-
-        return int(load_hf_config(self.ctx.config.model).hidden_size)
 
     async def create_embedding(self, http_request: web.Request) -> web.Response:
         received_at = time.monotonic()
@@ -126,14 +119,13 @@ class EmbeddingServing:
         return truncate_prompt_tokens
 
     def check_dimensions(self, dimensions: int) -> None:
-        from tokenmill.workers.pooling import check_dimensions
-
+        hidden_size = self.ctx.config.model.hidden_size
         allow_any = self.ctx.config.model.allow_dimensions
         try:
-            check_dimensions(dimensions, self.hidden_size, self.pooling, allow_any)
+            check_dimensions(dimensions, hidden_size, self.pooling, allow_any)
         except ValueError as exc:
             message = str(exc)
-            if not allow_any and dimensions <= self.hidden_size:  # refused for the model, not for the number
+            if not allow_any and dimensions <= hidden_size:  # refused for the model, not for the number
                 message += " (start the server with --allow-dimensions to truncate anyway)"
             raise APIError(400, message, "dimensions") from None
 

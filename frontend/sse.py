@@ -15,7 +15,7 @@ import msgspec
 from aiohttp import web
 
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import ChoiceDelta
+from tokenmill.frontend.outputs import ChoiceDelta
 
 log = logging.getLogger("tokenmill.frontend")
 

@@ -2,16 +2,26 @@
 
 `load_tokenizer` reads an HF tokenizer directory, or the tokenizer embedded in a GGUF file; `ModelConfig.tokenizer`
 names another source and `ModelConfig.chat_template` replaces the template (a file path or a literal Jinja template).
+
+The frontend process never imports torch, and transformers' `AutoTokenizer` does (through the model configs), as
+does its GGUF reader. So the class that `tokenizer_config.json` names is taken from transformers directly (the
+tokenizers-backed fast class, as `AutoTokenizer` would pick), and a GGUF file's tokenizer is converted once by
+transformers in a short-lived child process (`python -m tokenmill.frontend.gguf_tokenizer`) into a private
+temporary directory, then loaded from there the same way.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import tempfile
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from tokenmill.config import ModelConfig
+
+GGUF_CONVERSION_TIMEOUT_S = 600.0
 
 
 def read_chat_template(value: str) -> str:
@@ -24,12 +34,43 @@ def read_chat_template(value: str) -> str:
     raise ValueError(f"chat template {value!r} is neither a Jinja template nor a readable file")
 
 
+def tokenizer_class(directory: str) -> type:
+    """The tokenizer class `directory/tokenizer_config.json` names, else transformers' generic fast tokenizer."""
+    import transformers
+
+    name = None
+    config_file = os.path.join(directory, "tokenizer_config.json")
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    for candidate in (name, name.removesuffix("Fast") if name else None):
+        cls = getattr(transformers, candidate, None) if candidate else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerFast):
+            return cls
+    return transformers.PreTrainedTokenizerFast
+
+
+def convert_gguf_tokenizer(gguf_path: str, out_dir: str) -> None:
+    """Write the GGUF file's tokenizer (vocabulary, merges, special tokens, chat template) as an HF tokenizer
+    directory, in a child process so that transformers' GGUF reader (and torch) stays out of this one."""
+    command = [sys.executable, "-m", "tokenmill.frontend.gguf_tokenizer", gguf_path, out_dir]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=GGUF_CONVERSION_TIMEOUT_S)
+    if done.returncode != 0:
+        raise ValueError(f"could not read the tokenizer of {gguf_path}: {done.stderr.strip().splitlines()[-1:]}")
+
+
 def _from_source(source: str, gguf_file: str | None = None) -> Any:
     if gguf_file is None and source.endswith(".gguf") and os.path.isfile(source):
         source, gguf_file = os.path.split(os.path.abspath(source))
     if gguf_file is not None:
-        return AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-    return AutoTokenizer.from_pretrained(source)
+        with tempfile.TemporaryDirectory(prefix="tokenmill-tokenizer-") as converted:
+            convert_gguf_tokenizer(os.path.join(source, gguf_file), converted)
+            return tokenizer_class(converted).from_pretrained(converted)
+    if not os.path.isdir(source):  # a hub id: fetch the tokenizer files first (honours HF_ENDPOINT)
+        from huggingface_hub import snapshot_download
+
+        source = snapshot_download(source, allow_patterns=["*.json", "*.jinja", "*.model", "*.txt"])
+    return tokenizer_class(source).from_pretrained(source)
 
 
 def load_tokenizer(model: ModelConfig) -> Any:

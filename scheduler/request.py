@@ -70,10 +70,6 @@ class Request:
         return self.task == "embed"
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
-    @property
     def remaining_work(self) -> int:
         """Expected tokens still to process: KV not yet computed plus outputs not yet generated."""
         to_compute = self.num_tokens - self.num_computed_tokens

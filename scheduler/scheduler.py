@@ -269,10 +269,10 @@ class Scheduler:
                 continue
             answered.add(request_id)
             req.all_token_ids.append(token_id)
-            finish_reason, stop_token_id = self._stop_reason(req, token_id)
+            finish_reason, stop_token_id, stop_reason = self._stop_reason(req, token_id)
             outputs.append(RequestOutput(
                 request_id, [token_id], finish_reason, stop_token_id, req.num_prompt_tokens,
-                max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs else None))
+                max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs else None, stop_reason=stop_reason))
             if finish_reason is not None:
                 self._finish(req, finish_reason)
 
@@ -294,17 +294,18 @@ class Scheduler:
         self._drop_finished_from_queues()
         return outputs
 
-    def _stop_reason(self, req: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
-        """Why the request stops after `token_id` was appended: stop ids / EOS, then max_tokens, then max_model_len."""
+    def _stop_reason(self, req: Request, token_id: int) -> tuple[FinishReason | None, int | None, int | None]:
+        """(finish reason, the token that stopped it, stop_reason) after `token_id` was appended: EOS, then stop
+        ids (stop_reason names a stop id, never EOS, as vLLM), then max_tokens, then max_model_len."""
         sampling = req.sampling
         if req.num_output_tokens >= sampling.min_tokens:
-            if token_id in sampling.stop_token_ids:
-                return "stop", token_id
             if not sampling.ignore_eos and token_id in self.eos_token_ids:
-                return "stop", token_id
+                return "stop", token_id, None
+            if token_id in sampling.stop_token_ids:
+                return "stop", token_id, token_id
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
+            return "length", None, None
+        return None, None, None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark finished, free its blocks now, tell the workers to forget it. The caller drops it from the queues."""

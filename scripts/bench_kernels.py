@@ -119,7 +119,6 @@ def bench_others(args, dtype: torch.dtype) -> list[Result]:
     from tokenmill.kernels.paged_attention import paged_attention_prefill, paged_attention_prefill_ref
     from tokenmill.kernels.rms_norm import rms_norm, rms_norm_ref
     from tokenmill.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
-    from tokenmill.kernels.sampling import filter_logits
 
     results = []
     tokens, hidden = args.tokens, args.num_q_heads * args.head_dim
@@ -171,18 +170,6 @@ def bench_others(args, dtype: torch.dtype) -> list[Result]:
         lambda: apply_rotary_ref(q, key, positions, cos_sin),
     )
 
-    # filter_logits is torch already; its baseline is the bare sort it is built on.
-    logits = torch.randn(args.sampling_batch, args.vocab_size, device="cuda")
-    top_k = torch.full((args.sampling_batch,), 50, dtype=torch.int32, device="cuda")
-    top_p = torch.full((args.sampling_batch,), 0.9, device="cuda")
-    min_p = torch.full((args.sampling_batch,), 0.05, device="cuda")
-    compare(
-        "filter_logits (vs sort)",
-        f"B={args.sampling_batch} V={args.vocab_size}",
-        lambda: filter_logits(logits, top_k, top_p, min_p),
-        lambda: logits.sort(dim=-1, descending=True),
-        check=False,
-    )
     return results
 
 
@@ -209,8 +196,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens for prefill/write/norm/rotary")
-    parser.add_argument("--sampling-batch", type=int, default=64)
-    parser.add_argument("--vocab-size", type=int, default=128256)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--peak-tbps", type=float, default=None, help="override the device's peak HBM TB/s")
     parser.add_argument("--json", default=None, help="also write the results to this file")

@@ -11,6 +11,7 @@ context for reference. `TOKENMILL_CPU_KERNELS=0` profiles the plain torch path i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -64,10 +65,10 @@ class DecodeDriver:
 
 def label_cpu_kernels() -> None:
     """Make the compiled CPU kernels (ctypes calls, which the profiler cannot see) show up as `cpu_ops::<name>`."""
-    from tokenmill.workers import attention
+    from tokenmill.workers import backends
     from tokenmill.workers.cpu_backend import CpuKernelBackend
 
-    if not isinstance(attention.attention_backend("cpu"), CpuKernelBackend):
+    if not isinstance(backends.attention_backend("cpu"), CpuKernelBackend):
         return
 
     def labelled(name: str, fn):
@@ -75,11 +76,15 @@ def label_cpu_kernels() -> None:
             with torch.profiler.record_function(f"cpu_ops::{name}"):
                 return fn(*args, **kwargs)
 
-        return staticmethod(call)
+        return call
 
-    for attr in ("rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel", "write_kv", "attend"):
-        setattr(CpuKernelBackend, attr, labelled(attr, getattr(CpuKernelBackend, attr)))
-
+    for attr in ("write_kv", "attend"):
+        setattr(CpuKernelBackend, attr, staticmethod(labelled(attr, getattr(CpuKernelBackend, attr))))
+    kernels = backends.device_kernels("cpu")
+    ops = dataclasses.replace(kernels.ops, **{name: labelled(name, getattr(kernels.ops, name))
+                                              for name in ("rms_norm", "rotary", "silu_and_mul")})
+    labelled_kernels = backends.DeviceKernels(kernels.attention, ops)
+    backends.device_kernels = lambda device_type: labelled_kernels  # this script runs on the CPU only
 
 def transformers_step_time(config, batch_size: int, context_len: int, repeats: int = 3) -> float:
     """Best time of one transformers decode forward at the same batch and context (DynamicCache, no padding)."""

@@ -1,5 +1,11 @@
 """tokenmill: an LLM serving engine in the vLLM mould."""
 
+from pathlib import Path as _Path
+
+from tokenmill._source_tree import install_if_source_checkout as _install_if_source_checkout
+
+_install_if_source_checkout(_Path(__file__).resolve().parent)
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

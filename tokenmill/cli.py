@@ -72,6 +72,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $TOKENMILL_API_KEY)")
     h.add_argument("--allowed-origins", default="[]", help='CORS origins as a JSON list, e.g. \'["*"]\'')
     h.add_argument("--max-request-body-bytes", type=parse_bytes, default=ServerConfig().max_request_body_bytes)
+    h.add_argument("--enable-log-requests", action="store_true", help="log one access line per HTTP request")
+    h.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
+                   help="no access log (the default; accepted for vLLM's command lines)")
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -82,7 +85,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     origins = json.loads(args.allowed_origins) if hasattr(args, "allowed_origins") else []
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
-                          max_request_body_bytes=args.max_request_body_bytes) if hasattr(args, "host") else ServerConfig()
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          enable_log_requests=args.enable_log_requests) if hasattr(args, "host") else ServerConfig()
     return EngineConfig(
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
@@ -101,13 +105,17 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="An LLM serving engine with an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible)")
     add_engine_args(serve)
     add_server_args(serve)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from tokenmill.model_source import ModelSourceError, resolve_config
     from tokenmill.processes import setup_logging

@@ -22,6 +22,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer: str | None = None
     served_model_name: str = ""
     architecture: str = ""
+    hidden_size: int = 0  # resolved from the model's config (the embedding size of an embedding model)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = 0  # 0: take it from the model
     task: Literal["auto", "generate", "embed"] = "auto"
@@ -62,7 +63,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None
     allowed_origins: list[str] = []
     max_request_body_bytes: int = 32 << 20
-    disable_log_requests: bool = True
+    enable_log_requests: bool = False  # the HTTP access log, one line per request
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

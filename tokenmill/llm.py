@@ -18,6 +18,8 @@ import msgspec
 import zmq
 from tqdm import tqdm
 
+from tokenmill.frontend.detokenizer import IncrementalDetokenizer
+from tokenmill.frontend.outputs import CompletionOutput, choice_sampling_params, next_delta
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
 from tokenmill.launcher import EngineProcesses
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
@@ -25,16 +27,6 @@ from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, Reques
 from tokenmill.processes import make_socket
 
 READY_TIMEOUT_S = 600.0
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 @dataclass
@@ -49,7 +41,7 @@ class GenerationResult:
 
     @property
     def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs)
+        return all(o.finished for o in self.outputs)
 
 
 @dataclass
@@ -178,8 +170,6 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[GenerationResult]:
         """Generate for every prompt (text, or token ids); results come back in prompt order."""
-        from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
@@ -187,23 +177,20 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         results: list[GenerationResult] = []
-        choices: dict[str, tuple[GenerationResult, CompletionOutput, IncrementalDetokenizer, SamplingParams]] = {}
+        choices: dict[str, tuple[GenerationResult, CompletionOutput, IncrementalDetokenizer]] = {}
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             result = GenerationResult(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", text, ids)
             results.append(result)
-            max_tokens = params.max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, self.config.model.max_model_len - len(ids))
+            if params.max_tokens is None:
+                params = msgspec.structs.replace(params, max_tokens=max(1, self.config.model.max_model_len - len(ids)))
             for index in range(params.n):
-                seed = None if params.seed is None else params.seed + index
-                choice_params = msgspec.structs.replace(params, n=1, seed=seed, max_tokens=max_tokens)
+                choice_params = choice_sampling_params(params, index)
                 request_id = f"{result.request_id}-{index}"
-                completion = CompletionOutput(index, "", [], None)
+                completion = CompletionOutput(index)
                 result.outputs.append(completion)
-                choices[request_id] = (result, completion, IncrementalDetokenizer(self.tokenizer, ids, choice_params),
-                                       choice_params)
+                choices[request_id] = (result, completion, IncrementalDetokenizer(self.tokenizer, ids, choice_params))
                 self._to_scheduler.send(encode(EngineRequest(
                     request_id=request_id, prompt_token_ids=ids, sampling=choice_params, arrival_time=time.time(),
                     priority=priority[i] if priority else 0)))
@@ -280,8 +267,11 @@ class LLM:
                 for out in self._step_outputs():
                     if out.request_id not in unfinished:
                         continue
-                    result, completion, detok, params = choices[out.request_id]
-                    if self._apply(out, completion, detok):
+                    result, completion, detok = choices[out.request_id]
+                    if out.error is not None:
+                        raise ValueError(out.error)
+                    completion.add(next_delta(completion.index, detok, out))
+                    if completion.finished:
                         unfinished.discard(out.request_id)
                         if completion.finish_reason == "stop" and out.finish_reason is None:
                             self._to_scheduler.send(encode(AbortRequest([out.request_id])))  # a stop string ended it
@@ -293,22 +283,3 @@ class LLM:
             raise
         finally:
             bar.close()
-
-    @staticmethod
-    def _apply(out: RequestOutput, completion: CompletionOutput, detok) -> bool:
-        """Fold one step's output into a choice; True when the choice is finished."""
-        if out.error is not None:
-            raise ValueError(out.error)
-        completion.token_ids.extend(out.new_token_ids)
-        if out.logprobs:
-            completion.logprobs = (completion.logprobs or []) + list(out.logprobs)
-        update = detok.update(out.new_token_ids, out.finish_reason is not None, out.stop_token_id)
-        completion.text = detok.output_text
-        if update.stop_string is not None:
-            completion.finish_reason, completion.stop_reason = "stop", update.stop_string
-            return True
-        if out.finish_reason is not None:
-            completion.finish_reason = out.finish_reason
-            completion.stop_reason = out.stop_token_id if out.stop_token_id not in detok.eos_token_ids else None
-            return True
-        return False

@@ -85,6 +85,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
     embedding: bytes | None = None  # float32, raw
     error: str | None = None
+    stop_reason: int | None = None  # the `stop_token_ids` entry that finished it; None for EOS (as vLLM)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -108,7 +109,6 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
 class Pong(msgspec.Struct, tag=True, array_like=True):
     nonce: int
-    workers_alive: bool = True
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):

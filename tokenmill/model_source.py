@@ -13,6 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from tokenmill.config import EngineConfig, ModelConfig, replace
 
@@ -84,31 +85,41 @@ def locate_model(model: str, task: str = "auto") -> tuple[Path, str | None, str]
     raise ModelSourceError(f"Model path {model} does not exist.")
 
 
-def _read_architecture(path: Path, gguf_file: str | None) -> tuple[str, int]:
-    """(HF architecture name, max position embeddings) without loading weights."""
+class ModelShape(NamedTuple):
+    architecture: str  # the HF architecture name
+    max_position_embeddings: int
+    hidden_size: int
+
+
+def _read_model_shape(path: Path, gguf_file: str | None) -> ModelShape:
+    """What the model is, from its config or GGUF metadata, without loading weights."""
     if gguf_file is not None:
         from gguf import GGUFReader
 
         reader = GGUFReader(str(path / gguf_file))
+
+        def number(key: str, default: int) -> int:
+            field = reader.fields.get(key)
+            return int(field.parts[field.data[0]][0]) if field is not None else default
+
         arch_field = reader.fields["general.architecture"]
         arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-        ctx_field = reader.fields.get(f"{arch}.context_length")
-        ctx = int(ctx_field.parts[ctx_field.data[0]][0]) if ctx_field is not None else 2048
         if arch not in GGUF_ARCHITECTURES:
             raise ModelSourceError(f"GGUF architecture '{arch}' is not supported (supported: {sorted(GGUF_ARCHITECTURES)}).")
-        return GGUF_ARCHITECTURES[arch], ctx
+        return ModelShape(GGUF_ARCHITECTURES[arch], number(f"{arch}.context_length", 2048),
+                          number(f"{arch}.embedding_length", 0))
     config = json.loads((path / "config.json").read_text())
     archs = config.get("architectures") or []
     if not archs:
         raise ModelSourceError(f"{path / 'config.json'} names no architecture.")
-    return archs[0], int(config.get("max_position_embeddings", 2048))
+    return ModelShape(archs[0], int(config.get("max_position_embeddings", 2048)), int(config.get("hidden_size", 0)))
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """Return `config` with the model located and its architecture, task and max_model_len filled in."""
     mc: ModelConfig = config.model
     path, gguf_file, name = locate_model(mc.model, mc.task)
-    architecture, model_max_len = _read_architecture(path, gguf_file)
+    architecture, model_max_len, hidden_size = _read_model_shape(path, gguf_file)
     if mc.max_model_len and mc.max_model_len > model_max_len:
         raise ModelSourceError(
             f"--max-model-len {mc.max_model_len} is larger than the model's maximum context of {model_max_len} tokens.")
@@ -117,7 +128,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         task = "embed" if architecture in ENCODER_ARCHITECTURES else "generate"
     if task == "generate" and architecture in ENCODER_ARCHITECTURES:
         raise ModelSourceError(f"{architecture} is an encoder and can only serve embeddings (--task embed).")
-    model = replace(mc, path=str(path), gguf_file=gguf_file, architecture=architecture, task=task,
+    model = replace(mc, path=str(path), gguf_file=gguf_file, architecture=architecture, hidden_size=hidden_size, task=task,
                     max_model_len=mc.max_model_len or model_max_len,
                     served_model_name=mc.served_model_name or name)
     scheduler = config.scheduler

@@ -20,6 +20,7 @@ from tokenmill.launcher import EngineProcesses, log_capacity
 log = logging.getLogger("tokenmill.serve")
 
 DEATH_GRACE_S = 1.0  # lets in-flight requests receive their error before the server goes away
+SHUTDOWN_TIMEOUT_S = 10.0  # in-flight requests get this long to finish after SIGINT/SIGTERM
 
 
 async def serve(config: EngineConfig) -> int:
@@ -47,7 +48,9 @@ async def serve(config: EngineConfig) -> int:
             return 0
         log_capacity(config, ready_task.result())
         tokenizer = await tokenizer_task
-        runner = web.AppRunner(build_app(config, client, tokenizer), handle_signals=False)
+        access_log = logging.getLogger("aiohttp.access") if config.server.enable_log_requests else None
+        runner = web.AppRunner(build_app(config, client, tokenizer), handle_signals=False, access_log=access_log,
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         await web.TCPSite(runner, config.server.host, config.server.port).start()
         log.info("serving %s on http://%s:%d", config.model.served_model_name, config.server.host, config.server.port)

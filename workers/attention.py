@@ -12,22 +12,18 @@ handed out; after that a slot holds zeros or stale but finite keys and values.
 `AttentionMetadata` is built once per step by the model runner and shared by every layer; whatever can be
 precomputed for the whole step (decode chunks and masks, per-sequence causal masks) is built there, not per layer.
 
-The device switch lives in `attention_backend`, the one place that decides which implementation runs: on CUDA the
-Triton kernels from `kernels/` (`workers/triton_backend.py`: KV write, decode and prefill paged attention, and the
-fused RMSNorm and rotary kernels that the layers in `workers/models/layers.py` call through the same backend); on CPU
-the compiled kernels of `kernels/cpu_ops.cpp` (`workers/cpu_backend.py`: decode attention straight from the blocks,
-KV write, RMSNorm, rotary, SiLU-and-mul) with prompts through SDPA, or, where those cannot be built, the torch code
-below for everything (SDPA through the block tables). Kernels read only the block-table entries their sequences'
-lengths cover, so they need none of the decode chunks and masks built here (`builds_decode_chunks`); SDPA on prompts
-needs the per-sequence groups (`builds_prefill_groups`).
+Which implementation runs is decided in one place, `workers/backends.py`, which depends on the backends here and in
+`workers/cpu_backend.py` and `workers/triton_backend.py`, never the other way round. A step's metadata is built for
+one backend (`build_attention_metadata(..., backend)`) and carries it, so every layer of that step uses the same
+one. The torch code below is the reference and the fallback: SDPA through the block tables. Kernels read only the
+block-table entries their sequences' lengths cover, so they need none of the decode chunks and masks built here
+(`builds_decode_chunks`); SDPA on prompts needs the per-sequence groups (`builds_prefill_groups`).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -85,6 +81,7 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeGroup | None  # the single-token sequences, batched
     prefills: list[PrefillSequence]  # the multi-token sequences, one SDPA call each
+    backend: AttentionBackend  # the implementation this metadata was built for
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +120,7 @@ def build_attention_metadata(
     block_tables: np.ndarray,
     block_size: int,
     device: torch.device,
+    backend: AttentionBackend,
     decode_chunk_tokens: int | None = None,
 ) -> AttentionMetadata:
     """Build a step's metadata from host arrays: query_lens[B], seq_lens[B] and block_tables[B, max_blocks].
@@ -146,7 +144,6 @@ def build_attention_metadata(
     blocks_needed = -(-seq_lens // block_size)
     is_decode = query_lens == 1
     is_decode_only = bool(is_decode.all())
-    backend = attention_backend(device.type)
     decode = None
     if backend.builds_decode_chunks and is_decode.any():
         decode_seqs = np.flatnonzero(is_decode)
@@ -194,6 +191,7 @@ def build_attention_metadata(
         block_size=block_size,
         decode=decode,
         prefills=prefills,
+        backend=backend,
     )
 
 
@@ -289,7 +287,7 @@ def paged_attention_torch(
     return output
 
 
-# ---------------------------------------------------------------- backend selection: the one CPU/CUDA switch
+# ---------------------------------------------------------------- the backend interface
 
 
 class AttentionBackend(Protocol):
@@ -297,13 +295,6 @@ class AttentionBackend(Protocol):
     # `prefills` (a group per multi-token sequence for SDPA)
     builds_decode_chunks: bool
     builds_prefill_groups: bool
-    # Fused kernels for the layers, or None where the layers' own torch code runs:
-    # rms_norm_kernel(x [T, H], weight, eps, residual | None) -> (normed, new residual), as `kernels.rms_norm`;
-    # rotary_kernel(q [T, Hq, D], k [T, Hkv, D], positions [T], cos_sin_table) -> (q, k) rotated in place;
-    # silu_and_mul_kernel(x [T, 2 * I]) -> silu(x[:, :I]) * x[:, I:].
-    rms_norm_kernel: Callable | None
-    rotary_kernel: Callable | None
-    silu_and_mul_kernel: Callable | None
 
     def write_kv(
         self,
@@ -325,37 +316,12 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Pure torch: gathers through the block tables and calls SDPA; the layers keep their own torch code."""
+    """Pure torch: gathers through the block tables and calls SDPA."""
 
     builds_decode_chunks = True
     builds_prefill_groups = True
-    rms_norm_kernel = None
-    rotary_kernel = None
-    silu_and_mul_kernel = None
     write_kv = staticmethod(write_kv_torch)
     attend = staticmethod(paged_attention_torch)
-
-
-# Device types that run the Triton kernels. Tests add "cpu" (with TRITON_INTERPRET=1) to run the kernel path on CPU.
-TRITON_DEVICE_TYPES = frozenset({"cuda"})
-
-
-@functools.cache
-def attention_backend(device_type: str) -> AttentionBackend:
-    """The implementation for a device type: the Triton kernels on CUDA; on CPU the compiled CPU kernels where they
-    build (`kernels/cpu_ops.py`) unless `TOKENMILL_CPU_KERNELS=0`, else torch."""
-    if device_type in TRITON_DEVICE_TYPES:
-        from tokenmill.workers.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    if device_type == "cpu" and os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0":
-        from tokenmill.kernels import cpu_ops
-
-        if cpu_ops.library() is not None:
-            from tokenmill.workers.cpu_backend import CpuKernelBackend
-
-            return CpuKernelBackend()
-    return TorchAttentionBackend()
 
 
 def write_kv_and_attend(
@@ -368,6 +334,5 @@ def write_kv_and_attend(
 ) -> torch.Tensor:
     """One layer's paged attention: store this step's key/value `[T, Hkv, D]`, then attend; returns `[T, Hq, D]`."""
     k_cache, v_cache = kv_cache
-    backend = attention_backend(query.device.type)
-    backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-    return backend.attend(query, k_cache, v_cache, metadata, scale)
+    metadata.backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+    return metadata.backend.attend(query, k_cache, v_cache, metadata, scale)

@@ -1,4 +1,4 @@
-"""The CPU side of `attention_backend` when the compiled kernels of `kernels/cpu_ops.cpp` are available.
+"""The CPU attention backend and layer ops (`workers/backends.py` picks them) when the compiled kernels of `kernels/cpu_ops.cpp` are available.
 
 Decode tokens attend straight from the KV blocks in one kernel call per layer (no gather, no masks); multi-token
 sequences (prompts, chunks, prefix-cache hits) keep torch's SDPA, which is matmul-bound there and already fast. The
@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.kernels import cpu_ops
 from tokenmill.workers.attention import AttentionMetadata, attend_prefills_sdpa
+from tokenmill.workers.ops import LayerOps
 
 
 def paged_attention_cpu(
@@ -31,12 +32,12 @@ def paged_attention_cpu(
 
 
 class CpuKernelBackend:
-    """Decode attention, KV write, RMSNorm, rotary and SiLU-and-mul as compiled CPU kernels; prompts through SDPA."""
+    """Decode attention and the KV write as compiled CPU kernels; prompts through SDPA."""
 
     builds_decode_chunks = False
     builds_prefill_groups = True
-    rms_norm_kernel = staticmethod(cpu_ops.rms_norm)
-    rotary_kernel = staticmethod(cpu_ops.rotary)
-    silu_and_mul_kernel = staticmethod(cpu_ops.silu_and_mul)
     write_kv = staticmethod(cpu_ops.write_kv)
     attend = staticmethod(paged_attention_cpu)
+
+
+CPU_KERNEL_OPS = LayerOps(rms_norm=cpu_ops.rms_norm, rotary=cpu_ops.rotary, silu_and_mul=cpu_ops.silu_and_mul)

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from tokenmill.workers.attention import AttentionMetadata
+from tokenmill.workers.backends import attention_backend
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class DecodeGraphs:
     ):
         self.batch_sizes = sorted(batch_sizes)
         self.block_size = block_size
+        self.attention = attention_backend(device.type)
         max_batch = self.batch_sizes[-1]
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -100,6 +102,7 @@ class DecodeGraphs:
             block_size=self.block_size,
             decode=None,
             prefills=[],
+            backend=self.attention,
         )
 
     def can_run(self, attn: AttentionMetadata) -> bool:

@@ -26,9 +26,11 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
 from tokenmill.workers.attention import build_attention_metadata, token_positions
+from tokenmill.workers.backends import attention_backend
 from tokenmill.workers.model_runner import ModelRunner
 from tokenmill.workers.models.registry import is_encoder, model_class
-from tokenmill.workers.pooling import PoolingConfig, load_pooling_config, pool
+from tokenmill.pooling_config import PoolingConfig, load_pooling_config
+from tokenmill.workers.pooling import pool
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +136,8 @@ class EmbeddingRunner(ModelRunner):
                              f"{self.config.scheduler.max_num_batched_tokens})")
         columns = np.arange(int(blocks_needed.max()))
         block_tables = np.where(columns[None, :] < blocks_needed[:, None], first_block[:, None] + columns[None, :], 0)
-        return build_attention_metadata(lengths, lengths, block_tables, self.block_size, self.device)
+        return build_attention_metadata(lengths, lengths, block_tables, self.block_size, self.device,
+                                        attention_backend(self.device.type))
 
 
 def _check_whole(new: NewRequestData) -> None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
 from tokenmill.workers.attention import DECODE_GATHER_BYTES, AttentionMetadata, build_attention_metadata, token_positions
+from tokenmill.workers.backends import attention_backend
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
 from tokenmill.workers.model_loader import iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
@@ -249,7 +250,8 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
         dummy_kv_bytes = num_blocks * self.kv_block_bytes()
         lens = np.array(seq_lens)
-        attn = build_attention_metadata(lens, lens, block_tables, self.block_size, self.device)
+        attn = build_attention_metadata(lens, lens, block_tables, self.block_size, self.device,
+                                        attention_backend(self.device.type))
         num_tokens = sum(seq_lens)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.from_numpy(token_positions(lens, lens)).to(self.device)
@@ -407,7 +409,7 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
             positions=torch.from_numpy(token_positions(query_lens, seq_lens)).to(device),
             attn=build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, device,
-                                          self.decode_chunk_tokens()),
+                                          attention_backend(device.type), self.decode_chunk_tokens()),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long).to(device),
             sampled_requests=sampled_requests,
         )

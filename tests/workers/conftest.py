@@ -27,16 +27,16 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture
 def use_cpu_backend(monkeypatch):
     """`use_cpu_backend("kernels" | "torch")` makes `attention_backend("cpu")` that backend until the test ends."""
-    from tokenmill.workers import attention
+    from tokenmill.workers import backends
 
     expected = {"kernels": "CpuKernelBackend", "torch": "TorchAttentionBackend"}
 
     def use(name: str):
         monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "1" if name == "kernels" else "0")
-        attention.attention_backend.cache_clear()
-        backend = attention.attention_backend("cpu")
+        backends.device_kernels.cache_clear()
+        backend = backends.attention_backend("cpu")
         assert type(backend).__name__ == expected[name], "the CPU kernels did not build (see the log)"
         return backend
 
     yield use
-    attention.attention_backend.cache_clear()
+    backends.device_kernels.cache_clear()

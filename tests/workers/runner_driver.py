@@ -27,6 +27,7 @@ from tokenmill.messages import (
 )
 
 from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.backends import attention_backend
 
 _plan_decoder = decoder(WorkerCommand)
 
@@ -41,7 +42,8 @@ def logits_in_chunks(model, input_ids: torch.Tensor, chunk_bounds: list[int], bl
     for start, end in zip(chunk_bounds, chunk_bounds[1:]):
         needed = -(-end // block_size)
         meta = build_attention_metadata(
-            np.array([end - start]), np.array([end]), blocks[None, :needed], block_size, torch.device("cpu")
+            np.array([end - start]), np.array([end]), blocks[None, :needed], block_size, torch.device("cpu"),
+            attention_backend("cpu"),
         )
         with torch.inference_mode():
             hidden = model(input_ids[start:end], torch.arange(start, end), meta, kv_caches)

@@ -11,7 +11,7 @@ import torch
 from tests.reference import assert_greedy_match, hf_greedy_reference
 from tests.workers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenmill.workers import attention, model_runner
+from tokenmill.workers import backends, model_runner
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tokenmill.workers.model_runner import ModelRunner
@@ -25,10 +25,10 @@ NUM_BLOCKS = 64
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
     """Make `attention_backend("cpu")` the Triton backend for the test's duration."""
-    monkeypatch.setattr(attention, "TRITON_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
-    attention.attention_backend.cache_clear()
+    monkeypatch.setattr(backends, "TRITON_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    backends.device_kernels.cache_clear()
     yield
-    attention.attention_backend.cache_clear()
+    backends.device_kernels.cache_clear()
 
 
 def make_runner(path, max_num_seqs: int = 256) -> ModelRunner:
@@ -59,13 +59,13 @@ def eager_capture(forward):
 def test_cpu_runs_the_cpu_kernels_or_torch_unless_asked(use_cpu_backend):
     use_cpu_backend("kernels")  # the default where the kernels build
     use_cpu_backend("torch")  # TOKENMILL_CPU_KERNELS=0
-    assert isinstance(attention.attention_backend("cuda"), TritonAttentionBackend)
+    assert isinstance(backends.attention_backend("cuda"), TritonAttentionBackend)
 
 
 def test_kernel_metadata_skips_the_sdpa_masks(triton_on_cpu):
-    assert isinstance(attention.attention_backend("cpu"), TritonAttentionBackend)
+    assert isinstance(backends.attention_backend("cpu"), TritonAttentionBackend)
     metadata = build_attention_metadata(np.array([3, 1]), np.array([5, 2]), np.array([[1, 2], [3, 0]]), 4,
-                                        torch.device("cpu"))
+                                        torch.device("cpu"), backends.attention_backend("cpu"))
     assert metadata.decode is None and metadata.prefills == []
     assert metadata.slot_mapping.tolist() == [6, 7, 8, 13]  # what the kernels do read is still there
 
@@ -76,11 +76,11 @@ def test_kernel_path_logits_match_torch_path_and_hf(tiny_checkpoint, triton_on_c
     runner = make_runner(path)
     input_ids = torch.randint(3, hf_model.config.vocab_size, (CHUNKS[-1],), generator=torch.Generator().manual_seed(5))
     kernel_logits = logits_in_chunks(runner.model, input_ids, CHUNKS, BLOCK_SIZE)
-    attention.attention_backend.cache_clear()
+    backends.device_kernels.cache_clear()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention, "TRITON_DEVICE_TYPES", frozenset({"cuda"}))
+        patch.setattr(backends, "TRITON_DEVICE_TYPES", frozenset({"cuda"}))
         torch_logits = logits_in_chunks(runner.model, input_ids, CHUNKS, BLOCK_SIZE)
-    attention.attention_backend.cache_clear()
+    backends.device_kernels.cache_clear()
     with torch.no_grad():
         hf_logits = hf_model(input_ids[None]).logits[0]
     torch.testing.assert_close(kernel_logits, torch_logits, atol=1e-4, rtol=1e-4)
@@ -98,7 +98,8 @@ def test_padded_graph_batch_writes_and_returns_what_an_eager_step_does(tiny_chec
     # three sequences decoding at positions 6, 9 and 13 (their earlier tokens are whatever the cache holds)
     seq_lens = np.array([7, 10, 14])
     block_tables = np.array([[5, 9, 0, 0], [1, 2, 3, 0], [40, 41, 42, 43]])
-    attn = build_attention_metadata(np.ones(3, dtype=np.int64), seq_lens, block_tables, BLOCK_SIZE, runner.device)
+    attn = build_attention_metadata(np.ones(3, dtype=np.int64), seq_lens, block_tables, BLOCK_SIZE, runner.device,
+                                    backends.attention_backend("cpu"))
     input_ids = torch.tensor([11, 22, 33])
     positions = torch.from_numpy(seq_lens - 1)
     assert graphs.can_run(attn) and graphs.padded_size(3) == 4
@@ -115,7 +116,7 @@ def test_padded_graph_batch_writes_and_returns_what_an_eager_step_does(tiny_chec
     for (k, v), (k_eager, v_eager) in zip(runner.kv_caches, eager_caches):  # the padding row wrote nothing
         assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
     assert not graphs.can_run(build_attention_metadata(np.array([2]), np.array([2]), np.array([[1]]), BLOCK_SIZE,
-                                                       runner.device))  # prefill runs eagerly
+                                                       runner.device, graphs.attention))  # prefill runs eagerly
 
 
 def test_runner_greedy_through_decode_graphs_matches_hf(tiny_checkpoint, triton_on_cpu, monkeypatch):

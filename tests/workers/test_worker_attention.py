@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenmill.workers.attention import _decode_chunk_bounds, build_attention_metadata, write_kv_and_attend, write_kv_torch
+from tokenmill.workers.backends import attention_backend
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -60,7 +61,7 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_to
         new_values.append(values[cached:])
 
     meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), block_tables, BLOCK_SIZE, CPU,
-                                    decode_chunk_tokens)
+                                    attention_backend("cpu"), decode_chunk_tokens)
     scale = HEAD_DIM**-0.5
     out = write_kv_and_attend(
         torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache), meta, scale
@@ -119,9 +120,9 @@ def test_decode_chunk_bounds():
 
 
 def test_metadata_slots_positions_and_groups(use_cpu_backend):
-    use_cpu_backend("torch")
+    backend = use_cpu_backend("torch")
     block_tables = np.array([[7, 2, 0], [5, 0, 0], [9, 3, 4]])
-    meta = build_attention_metadata(np.array([2, 1, 3]), np.array([6, 3, 11]), block_tables, BLOCK_SIZE, CPU)
+    meta = build_attention_metadata(np.array([2, 1, 3]), np.array([6, 3, 11]), block_tables, BLOCK_SIZE, CPU, backend)
     # seq 0: positions 4, 5 -> block 2; seq 1: position 2 -> block 5; seq 2: positions 8, 9, 10 -> block 4
     assert meta.slot_mapping.tolist() == [8, 9, 22, 16, 17, 18]
     assert meta.slot_mapping.dtype == torch.int64 and meta.block_tables.dtype == torch.int32
@@ -133,9 +134,9 @@ def test_metadata_slots_positions_and_groups(use_cpu_backend):
 
 
 def test_kernel_metadata_keeps_prompt_groups_and_skips_decode_chunks(use_cpu_backend):
-    use_cpu_backend("kernels")
+    backend = use_cpu_backend("kernels")
     block_tables = np.array([[7, 2, 0], [5, 0, 0], [9, 3, 4]])
-    meta = build_attention_metadata(np.array([2, 1, 3]), np.array([6, 3, 11]), block_tables, BLOCK_SIZE, CPU, 1)
+    meta = build_attention_metadata(np.array([2, 1, 3]), np.array([6, 3, 11]), block_tables, BLOCK_SIZE, CPU, backend, 1)
     assert meta.decode is None
     assert [(p.query_start, p.query_end, p.seq_len) for p in meta.prefills] == [(0, 2, 6), (3, 6, 11)]
 

@@ -6,8 +6,8 @@ row-split layers (o_proj, down_proj) keep their per-rank input columns and all-r
 and the LM head are vocab-parallel (each rank holds a slice of the vocabulary's rows: lookups are all-reduced,
 logits all-gathered). With size 1 every slice is the whole tensor and no collective runs.
 
-RMSNorm, the rotary embedding and SiLU-and-mul run their torch code below unless the device's backend
-(`attention_backend`, the one CPU/CUDA switch) offers a fused kernel: Triton on CUDA, the compiled CPU kernels on
+RMSNorm, the rotary embedding and SiLU-and-mul run their torch code below unless the device's `LayerOps`
+(`workers/ops.py`, picked by `workers/backends.py`) offer a fused kernel: Triton on CUDA, the compiled CPU kernels on
 CPU.
 
 Every layer with parameters has `load(param_name, full_tensor, shard_id)`, which copies its rank's slice of a
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.workers.attention import attention_backend
+from tokenmill.workers.backends import layer_ops
 from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 
 
@@ -123,7 +123,7 @@ class RMSNorm(ReplicatedLoad, nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); with no residual, x itself is the new residual."""
-        kernel = attention_backend(x.device.type).rms_norm_kernel
+        kernel = layer_ops(x.device.type).rms_norm
         if kernel is not None:
             return kernel(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -183,7 +183,7 @@ class GateUpLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.weight, self.bias)
-        kernel = attention_backend(x.device.type).silu_and_mul_kernel
+        kernel = layer_ops(x.device.type).silu_and_mul
         if kernel is not None:
             return kernel(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -371,7 +371,7 @@ class RotaryEmbedding(nn.Module):
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
         """The rotation of one step's positions: cos/sin for the torch code, or the kernel's table lookup."""
-        kernel = attention_backend(positions.device.type).rotary_kernel
+        kernel = layer_ops(positions.device.type).rotary
         if kernel is None:
             cos, sin = self.cos_sin(positions, dtype)
             return RotaryStep(cos=cos, sin=sin)
