@@ -7,7 +7,8 @@ the window ends in U+FFFD: a multi-byte character split across tokens is release
 
 Stop strings are searched in the new text plus the tail that could start one across a token boundary; the text is cut
 at the match (after it with `include_stop_str_in_output`). While a request runs, the last `len(longest stop) - 1`
-characters are held back so a partial stop string never reaches a streaming client.
+characters are held back so a partial stop string never reaches a streaming client. As vLLM, stop strings are not
+looked for until the output has more than `min_tokens` tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.include_stop_str = params.include_stop_str_in_output
         self.stop = [s for s in params.stop if s]
+        self.min_tokens = params.min_tokens
+        self.num_output_tokens = 0
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.eos_token_ids = eos_token_ids_of(tokenizer)
         self.token_ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])  # decoding context, then outputs
@@ -98,6 +101,7 @@ class IncrementalDetokenizer:
         if self.finished:
             return DetokenizerUpdate("", None)
         token_ids = list(new_token_ids)
+        self.num_output_tokens += len(token_ids)
         if (stop_token_id is not None and not self.include_stop_str and token_ids
                 and token_ids[-1] == stop_token_id):
             token_ids.pop()
@@ -106,7 +110,8 @@ class IncrementalDetokenizer:
             self._append_token(token_id)
         if finished:
             self._flush()
-        self.stop_string = self._find_stop(len(self.output_text) - length_before)
+        if self.num_output_tokens > self.min_tokens:
+            self.stop_string = self._find_stop(len(self.output_text) - length_before)
         self.finished = finished or self.stop_string is not None
         return DetokenizerUpdate(self._release(), self.stop_string)
 

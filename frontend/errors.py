@@ -41,6 +41,17 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
+RETRY_AFTER_S = 1
+
+
+def engine_rejection(message: str, kind: str | None, param: str | None = None) -> APIError:
+    """The error for a request the engine refused, its message verbatim: 429 with Retry-After when the engine is
+    overloaded (kind "overloaded"), else 400."""
+    if kind == "overloaded":
+        return APIError(429, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(400, message, param)
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}

@@ -16,8 +16,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.errors import APIError, engine_rejection
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.outputs import ChoiceDelta, choice_sampling_params, next_delta
 from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo
@@ -43,18 +45,22 @@ class Choice:
 def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
                   n: int, *, received_at: float, priority: int = 0, cache_salt: str | None = None) -> list[Choice]:
     """n choices per prompt, indexed prompt-major as OpenAI orders them; request ids are `{base_id}-{index}` and a
-    seeded request's i-th choice of a prompt gets seed + i."""
+    seeded request's i-th choice of a prompt gets seed + i.
+
+    Stop strings are matched here, by each choice's detokenizer, so the engine's copy of the params leaves them out:
+    the n requests of a prompt carry its logit_bias and stop ids (bounded by the request limits), not its stop list;
+    unseeded choices share one SamplingParams object."""
     choices: list[Choice] = []
     arrival = time.time()
     for prompt_index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
+        engine_params = msgspec.structs.replace(prompt_params, stop=[]) if prompt_params.stop else prompt_params
         for i in range(n):
-            choice_params = choice_sampling_params(prompt_params, i)
             index = prompt_index * n + i
             request = EngineRequest(request_id=f"{base_id}-{index}", prompt_token_ids=prompt_ids,
-                                    sampling=choice_params, arrival_time=arrival, priority=priority,
-                                    cache_salt=cache_salt)
+                                    sampling=choice_sampling_params(engine_params, i), arrival_time=arrival,
+                                    priority=priority, cache_salt=cache_salt)
             choices.append(Choice(index, prompt_index, request,
-                                  IncrementalDetokenizer(tokenizer, prompt_ids, choice_params), received_at))
+                                  IncrementalDetokenizer(tokenizer, prompt_ids, prompt_params), received_at))
     return choices
 
 
@@ -89,14 +95,14 @@ class AdmissionControl:
         stats = getattr(engine, "latest_stats", None)
         waiting = max(stats.num_waiting if stats is not None else 0, self.num_pending)
         if waiting + num_new > self.max_waiting:
-            raise APIError(429, f"The server is busy: {waiting} requests are waiting (limit "
-                                f"{self.max_waiting}). Retry later.", headers={"Retry-After": "1"})
+            raise engine_rejection(f"The server is busy: {waiting} requests are waiting (limit {self.max_waiting}). "
+                                   f"Retry later.", "overloaded")
 
 
 async def stream_choice(engine: Any, choice: Choice, metrics: FrontendMetrics,
                         admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
-    """Yield the choice's deltas; the last has finish_reason. Raises APIError: 400 for a request the engine rejects,
-    503 when the engine has died."""
+    """Yield the choice's deltas; the last has finish_reason. Raises APIError: 400 for a request the engine rejects
+    (429 with Retry-After when it is overloaded), 503 when the engine has died."""
     request = choice.request
     arrival = choice.received_at
     last_output_time = arrival
@@ -107,7 +113,7 @@ async def stream_choice(engine: Any, choice: Choice, metrics: FrontendMetrics,
             async for out in outputs:
                 if out.error is not None:
                     engine_done = True
-                    raise APIError(400, out.error)
+                    raise engine_rejection(out.error, out.error_kind)
                 now = time.monotonic()
                 if not choice.started:
                     choice.started = True

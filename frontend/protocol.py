@@ -1,7 +1,10 @@
 """OpenAI (and vLLM-extension) request and response schemas as msgspec Structs, and request -> SamplingParams.
 
 Requests are decoded with `decode_request(body, type)`: msgspec validates types and ranges while parsing and its
-error names the field, which becomes the error's `param`. Unknown fields are ignored, as OpenAI clients send many.
+error names the field, which becomes the error's `param`. Integers are bounded to 64 bits (they cross to the engine
+as msgpack). Unknown fields are ignored, as OpenAI clients send many; the OpenAI and vLLM fields tokenmill does not
+implement are declared (`Any`) so that `frontend/unsupported.py` can refuse a request that uses one. The limits that
+are flags (n, logprobs, stop, logit_bias, JSON depth) are checked by `frontend/limits.py`.
 Responses are encoded with `encode_json`; fields that must be absent rather than null default to `msgspec.UNSET`.
 """
 
@@ -16,11 +19,11 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from tokenmill.frontend.errors import APIError, validation_error
 from tokenmill.messages import SamplingParams
 
-MAX_LOGPROBS = 20
-MAX_N = 128
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-NonNegativeInt = Annotated[int, Meta(ge=0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
@@ -29,6 +32,8 @@ def decode_request(body: bytes, request_type: type) -> Any:
         return msgspec.json.decode(body, type=request_type)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise validation_error(exc) from None
+    except RecursionError:  # msgspec decodes nested JSON recursively, as deep as the interpreter's stack allows
+        raise APIError(400, "The request body's JSON is nested too deeply to decode.") from None
 
 
 def encode_json(value: Any) -> bytes:
@@ -50,9 +55,9 @@ class SamplingRequest(Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Meta(ge=0.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    n: PositiveInt = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
@@ -60,7 +65,7 @@ class SamplingRequest(Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     min_tokens: NonNegativeInt = 0
@@ -68,18 +73,32 @@ class SamplingRequest(Struct, kw_only=True):
     stop_token_ids: list[NonNegativeInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     cache_salt: str | None = None
+    # not implemented: a request that sets one (to more than its no-op value) is refused (frontend/unsupported.py)
+    best_of: Any = None
+    response_format: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists (checked in `prompt_inputs`)
     prompt: Union[str, list[Union[str, int, list[int]]]]
     max_tokens: PositiveInt | None = 16  # the legacy completions default, as OpenAI and vLLM; null = all the room left
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: NonNegativeInt | None = None
     echo: bool = False
     add_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM extension: choices carry prompt_token_ids and token_ids
+    suffix: Any = None  # not implemented
 
 
 class TextPart(Struct, kw_only=True):
@@ -99,13 +118,23 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    top_logprobs: NonNegativeInt | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template; tool calls are not parsed
+    tool_choice: Any = None  # "none" or "auto" (anything that needs a parsed tool call is refused)
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # rendered only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # only the variables the template reads
+    # not implemented (frontend/unsupported.py)
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    documents: Any = None
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -118,6 +147,9 @@ class TokenizeRequest(Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None  # with messages, as in a chat request
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -170,27 +202,38 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     return requested
 
 
-def to_sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                       vocab_size: int) -> SamplingParams:
-    """One choice's SamplingParams (n=1; the caller fans out n requests and offsets the seed per choice)."""
+def to_sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int | None, vocab_size: int,
+                       defaults: dict[str, int | float] | None = None) -> SamplingParams:
+    """One choice's SamplingParams (n=1; the caller fans out n requests and offsets the seed per choice).
+
+    `defaults` are the model's generation-config defaults (`ModelConfig.generation_defaults`): they fill the sampling
+    fields the request left unset, and their `max_tokens` caps every request's, as vLLM's `--generation-config auto`.
+    """
+    defaults = defaults or {}
+
+    def unless_set(value, name: str, fallback):
+        return defaults.get(name, fallback) if value is None else value
+
     stop_token_ids = list(request.stop_token_ids or [])
     if any(t >= vocab_size for t in stop_token_ids):
         raise APIError(400, f"stop_token_ids must be below the vocabulary size {vocab_size}", "stop_token_ids")
+    max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
     if request.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})",
                        "min_tokens")
+    top_k = unless_set(request.top_k, "top_k", 0)
     return SamplingParams(
         n=1,
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k in (None, -1) else request.top_k,
-        min_p=request.min_p or 0.0,
+        temperature=unless_set(request.temperature, "temperature", 1.0),
+        top_p=unless_set(request.top_p, "top_p", 1.0),
+        top_k=max(top_k, 0),  # -1 and 0 both mean "disabled"
+        min_p=unless_set(request.min_p, "min_p", 0.0),
         seed=request.seed,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        repetition_penalty=unless_set(request.repetition_penalty, "repetition_penalty", 1.0),
         logit_bias=parse_logit_bias(request.logit_bias, vocab_size),
         stop=stop_strings(request.stop),
         stop_token_ids=stop_token_ids,
@@ -355,9 +398,9 @@ class EmbeddingRequest(Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None
     user: str | None = None
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last N tokens; -1: max_model_len
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None  # last N tokens; -1: max_model_len
     add_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
 
 
 class EmbeddingData(Struct, kw_only=True):

@@ -114,6 +114,7 @@ def build_app(config: EngineConfig, engine: Any, tokenizer: Any) -> web.Applicat
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_body_bytes,
                           handler_args={"handler_cancellation": True})
     app[CONTEXT_KEY] = ctx
+    app.on_cleanup.append(close_context)
     if config.server.allowed_origins:
         app.on_response_prepare.append(add_cors_headers)
 
@@ -133,6 +134,10 @@ def build_app(config: EngineConfig, engine: Any, tokenizer: Any) -> web.Applicat
     else:
         app.router.add_post("/v1/embeddings", route(wrong_task_embeddings))  # a clear 400: the wrong instance
     return app
+
+
+async def close_context(app: web.Application) -> None:
+    app[CONTEXT_KEY].offload.close()
 
 
 async def wrong_task_embeddings(ctx: ServingContext, request: web.Request) -> web.StreamResponse:

@@ -20,7 +20,10 @@ from tokenmill.frontend.protocol import (AssistantMessage, ChatChoice, ChatCompl
                                decode_request, encode_json, now, resolve_max_tokens, to_sampling_params)
 from tokenmill.frontend.protocol import chat_logprobs as requested_chat_logprobs
 from tokenmill.frontend.sse import stream_deltas
-from tokenmill.frontend.tokenizer import encode_text, render_chat
+from tokenmill.frontend.chat_template import RENDERER_ARGS, RenderLimitError, RenderLimits, compile_chat_template
+from tokenmill.frontend.limits import check_sampling_limits
+from tokenmill.frontend.tokenizer import encode_text, server_chat_template
+from tokenmill.frontend.unsupported import refuse_unsupported
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -45,19 +48,59 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Render the conversation and tokenize it (the template already holds the special tokens)."""
+# what a chat template's own code may raise on a conversation it cannot render
+TEMPLATE_FAILURES = (jinja2.TemplateError, ValueError, TypeError, LookupError, AttributeError, ArithmeticError,
+                     RecursionError, MemoryError)
+
+
+async def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+                          continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None
+                          ) -> list[int]:
+    """Render the conversation and tokenize it (the template already holds the special tokens), each on its own
+    thread (`ctx.offload`). `chat_template` is the request's own template: refused unless the server trusts them."""
+    if chat_template is not None and not ctx.config.server.trust_request_chat_template:
+        raise APIError(400, "This server renders only its own chat template; a request's `chat_template` needs "
+                            "--trust-request-chat-template.", "chat_template")
+    text = await ctx.offload.render(render_prompt, ctx, message_dicts(messages), tools, template_kwargs or {},
+                                    chat_template, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message)
+    return await ctx.offload.tokenize(encode_text, ctx.tokenizer, text, add_special_tokens=False)
+
+
+def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  template_kwargs: dict[str, Any], chat_template: str | None, **flags: bool) -> str:
+    """The prompt text (on a template thread): the template resolved and compiled, its kwargs checked, rendered in
+    the bounded sandbox; every failure a 400."""
+    param = "messages" if chat_template is None else "chat_template"
     try:
-        text = render_chat(ctx.tokenizer, message_dicts(messages), add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, tools=tools,
-                           template_kwargs=template_kwargs)
-    except ValueError as exc:
+        template = server_chat_template(ctx.tokenizer, tools) if chat_template is None else \
+            compile_chat_template(chat_template)
+    except ValueError as exc:  # the model has no chat template
         raise APIError(400, str(exc), "messages") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise APIError(400, f"The chat template does not parse: {exc}", param) from None
+    special_tokens = ctx.tokenizer.special_tokens_map
+    for key in template.refused_kwargs(template_kwargs, special_tokens):
+        reads = ", ".join(sorted(template.variables)) or "none"
+        why = ("is set by the server itself" if key in RENDERER_ARGS or key in special_tokens else
+               f"is not a variable the chat template reads (it reads: {reads})")
+        raise APIError(400, f"chat_template_kwargs key {key!r} {why}.", f"chat_template_kwargs.{key}")
+    try:
+        return template.render(messages, limits=RenderLimits.of(ctx.config.server), special_tokens=special_tokens,
+                               tools=tools, kwargs=template_kwargs, **flags)
+    except jinja2.exceptions.SecurityError as exc:
+        raise APIError(400, f"The chat template tried something the sandbox forbids: {exc}", param) from None
+    except RenderLimitError as exc:
+        raise APIError(400, f"The chat template could not render this conversation within its limits: {exc}.",
+                       param) from None
     except jinja2.TemplateError as exc:
         raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
-    return encode_text(ctx.tokenizer, text, add_special_tokens=False)
+    except ValueError as exc:  # continue_final_message without a final message to continue
+        raise APIError(400, str(exc), "messages") from None
+    except TEMPLATE_FAILURES as exc:
+        raise APIError(400, f"The chat template failed on these messages: {type(exc).__name__}: {exc}",
+                       param) from None
 
 
 async def create_chat_completion(ctx: ServingContext, http_request: web.Request) -> web.StreamResponse:
@@ -66,11 +109,15 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     request: ChatCompletionRequest = decode_request(await read_body(http_request), ChatCompletionRequest)
     ctx.check_model(request.model)
     logprobs = requested_chat_logprobs(request)
-    prompt_ids = chat_prompt_ids(ctx, request.messages, add_generation_prompt=request.add_generation_prompt,
-                                 continue_final_message=request.continue_final_message, tools=request.tools,
-                                 template_kwargs=request.chat_template_kwargs)
+    refuse_unsupported(request)
+    check_sampling_limits(request, ctx.config.server, logprobs=request.top_logprobs, logprobs_param="top_logprobs")
+    prompt_ids = await chat_prompt_ids(ctx, request.messages, add_generation_prompt=request.add_generation_prompt,
+                                       continue_final_message=request.continue_final_message, tools=request.tools,
+                                       template_kwargs=request.chat_template_kwargs,
+                                       chat_template=request.chat_template)
     max_tokens = resolve_max_tokens(chat_max_tokens(request), len(prompt_ids), ctx.max_model_len)
-    params = to_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, vocab_size=ctx.vocab_size)
+    params = to_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, vocab_size=ctx.vocab_size,
+                                defaults=ctx.config.model.generation_defaults)
     ctx.admission.check(ctx.engine, request.n)
     request_id = new_request_id("chatcmpl")
     choices = build_choices(ctx.tokenizer, request_id, [prompt_ids], [params], request.n,

@@ -15,11 +15,14 @@ from tokenmill.frontend.logprobs import TokenTexts, completion_logprobs
 from tokenmill.frontend.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, decode_request, encode_json,
                                now, resolve_max_tokens, to_sampling_params)
 from tokenmill.frontend.sse import stream_deltas
-from tokenmill.frontend.tokenizer import encode_text
+from tokenmill.frontend.limits import check_sampling_limits
+from tokenmill.frontend.tokenizer import encode_texts
+from tokenmill.frontend.unsupported import refuse_unsupported
 
 
-def prompt_inputs(ctx: ServingContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt: a string, a list of strings, token ids, or a list of token-id lists."""
+async def prompt_inputs(ctx: ServingContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt: a string, a list of strings, token ids, or a list of token-id lists.
+    Texts are tokenized on the tokenizer thread."""
     prompt = request.prompt
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -32,10 +35,13 @@ def prompt_inputs(ctx: ServingContext, request: CompletionRequest) -> list[tuple
     else:
         raise APIError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of "
                             "token-id lists", "prompt")
+    texts = [item for item in items if isinstance(item, str)]
+    encoded = iter(await ctx.offload.tokenize(encode_texts, ctx.tokenizer, texts, request.add_special_tokens)
+                   if texts else [])
     inputs: list[tuple[str | None, list[int]]] = []
     for item in items:
         if isinstance(item, str):
-            inputs.append((item, encode_text(ctx.tokenizer, item, request.add_special_tokens)))
+            inputs.append((item, next(encoded)))
         else:
             ctx.check_token_ids(item, "prompt")
             inputs.append((None, item))
@@ -49,10 +55,13 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     ctx.require_task("generate", http_request)
     request: CompletionRequest = decode_request(await read_body(http_request), CompletionRequest)
     ctx.check_model(request.model)
+    refuse_unsupported(request)
+    check_sampling_limits(request, ctx.config.server, logprobs=request.logprobs, logprobs_param="logprobs")
     if request.echo and request.logprobs is not None:
         raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
-    inputs = prompt_inputs(ctx, request)
+    inputs = await prompt_inputs(ctx, request)
     params = [to_sampling_params(request, logprobs=request.logprobs, vocab_size=ctx.vocab_size,
+                                 defaults=ctx.config.model.generation_defaults,
                                  max_tokens=resolve_max_tokens(request.max_tokens, len(ids), ctx.max_model_len,
                                                                prompt_param="prompt"))
               for _, ids in inputs]
@@ -60,7 +69,8 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     request_id = new_request_id("cmpl")
     choices = build_choices(ctx.tokenizer, request_id, [ids for _, ids in inputs], params, request.n,
                             received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
-    echoes = [_echo_text(ctx, inputs[c.prompt_index]) if request.echo else "" for c in choices]
+    prompt_echoes = [await _echo_text(ctx, prompt) for prompt in inputs] if request.echo else [""] * len(inputs)
+    echoes = [prompt_echoes[c.prompt_index] for c in choices]
     deltas = merge_choice_streams([stream_choice(ctx.engine, c, ctx.metrics, ctx.admission) for c in choices])
     renderer = CompletionRenderer(ctx, request, request_id, choices, echoes)
     if request.stream:
@@ -72,9 +82,10 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     return web.Response(body=renderer.full_response(summaries), content_type="application/json")
 
 
-def _echo_text(ctx: ServingContext, prompt: tuple[str | None, list[int]]) -> str:
+async def _echo_text(ctx: ServingContext, prompt: tuple[str | None, list[int]]) -> str:
     text, ids = prompt
-    return text if text is not None else ctx.tokenizer.decode(ids, skip_special_tokens=False)
+    return text if text is not None else await ctx.offload.tokenize(ctx.tokenizer.decode, ids,
+                                                                    skip_special_tokens=False)
 
 
 class CompletionRenderer:

@@ -20,16 +20,23 @@ from aiohttp import web
 
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.engine_client import EngineDeadError
-from tokenmill.frontend.errors import APIError
+from tokenmill.frontend.errors import APIError, engine_rejection
 from tokenmill.frontend.protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, decode_request,
                                encode_json, now)
-from tokenmill.frontend.tokenizer import encode_text, encode_text_keep_last
+from tokenmill.frontend.tokenizer import encode_text_keep_last, encode_texts
 from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams
 from tokenmill.pooling_config import PoolingConfig, check_dimensions, load_pooling_config
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per call
 EMBEDDING_DTYPE = np.dtype("<f4")
 _NO_SAMPLING = SamplingParams(max_tokens=None)  # embedding requests generate nothing
+
+
+def encode_inputs(tokenizer, texts: list[str], add_special_tokens: bool, keep_last: int | None) -> list[list[int]]:
+    """The ids of each text, the last `keep_last` of them when set (on the tokenizer thread)."""
+    if keep_last is None:
+        return encode_texts(tokenizer, texts, add_special_tokens)
+    return [encode_text_keep_last(tokenizer, text, add_special_tokens, keep_last) for text in texts]
 
 
 class EmbeddingServing:
@@ -49,7 +56,7 @@ class EmbeddingServing:
         ctx.require_task("embed", http_request)
         request: EmbeddingRequest = decode_request(await read_body(http_request), EmbeddingRequest)
         ctx.check_model(request.model)
-        prompts = self.embedding_inputs(request)
+        prompts = await self.embedding_inputs(request)
         if request.dimensions is not None:
             self.check_dimensions(request.dimensions)
         ctx.admission.check(ctx.engine, len(prompts))
@@ -68,9 +75,10 @@ class EmbeddingServing:
 
     # ------------------------------------------------------------------ validation
 
-    def embedding_inputs(self, request: EmbeddingRequest) -> list[list[int]]:
+    async def embedding_inputs(self, request: EmbeddingRequest) -> list[list[int]]:
         """Token ids per input: a string, a list of strings, token ids, or a list of token-id lists; truncated to
-        `truncate_prompt_tokens` and checked against max_model_len."""
+        `truncate_prompt_tokens` and checked against max_model_len. Texts are tokenized on the tokenizer thread;
+        an empty string is refused, as OpenAI does."""
         ctx = self.ctx
         given = request.input
         if isinstance(given, str):
@@ -87,12 +95,16 @@ class EmbeddingServing:
         if len(items) > MAX_INPUTS:
             raise APIError(400, f"input holds {len(items)} items; at most {MAX_INPUTS} are allowed per request",
                            "input")
+        if any(item == "" for item in items):
+            raise APIError(400, "input must not contain an empty string", "input")
         keep_last = self.truncation(request.truncate_prompt_tokens)
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(await ctx.offload.tokenize(encode_inputs, ctx.tokenizer, texts, request.add_special_tokens,
+                                                  keep_last) if texts else [])
         prompts: list[list[int]] = []
         for item in items:
             if isinstance(item, str):
-                ids = (encode_text(ctx.tokenizer, item, request.add_special_tokens) if keep_last is None else
-                       encode_text_keep_last(ctx.tokenizer, item, request.add_special_tokens, keep_last))
+                ids = next(encoded)
             else:
                 ctx.check_token_ids(item, "input")
                 ids = item if keep_last is None else item[-keep_last:]
@@ -148,7 +160,7 @@ class EmbeddingServing:
             async with aclosing(ctx.engine.generate(request)) as outputs:
                 async for out in outputs:
                     if out.error is not None:
-                        raise APIError(400, out.error, "input")
+                        raise engine_rejection(out.error, out.error_kind, "input")
                     if out.finish_reason is None:
                         continue
                     if out.embedding is None:

@@ -10,6 +10,7 @@ from tokenmill.frontend.context import ServingContext, read_body
 from tokenmill.frontend.errors import APIError, error_response
 from tokenmill.frontend.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                TokenizeResponse, decode_request, encode_json, now)
+from tokenmill.frontend.limits import check_json_depth
 from tokenmill.frontend.serving_chat import chat_prompt_ids
 from tokenmill.frontend.tokenizer import encode_text
 
@@ -33,14 +34,16 @@ async def tokenize(ctx: ServingContext, request: web.Request) -> web.Response:
         if body.add_special_tokens:
             raise APIError(400, "add_special_tokens applies to a prompt; the chat template adds them for messages",
                            "add_special_tokens")
-        ids = chat_prompt_ids(ctx, body.messages, add_generation_prompt=body.add_generation_prompt,
-                              continue_final_message=body.continue_final_message)
+        check_json_depth(body, ctx.config.server.max_json_depth)
+        ids = await chat_prompt_ids(ctx, body.messages, add_generation_prompt=body.add_generation_prompt,
+                                    continue_final_message=body.continue_final_message, tools=body.tools,
+                                    template_kwargs=body.chat_template_kwargs, chat_template=body.chat_template)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = encode_text(ctx.tokenizer, body.prompt or "", add_special)
+        ids = await ctx.offload.tokenize(encode_text, ctx.tokenizer, body.prompt or "", add_special)
     response = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
     if body.return_token_strs:
-        response.token_strs = list(ctx.tokenizer.convert_ids_to_tokens(ids))
+        response.token_strs = list(await ctx.offload.tokenize(ctx.tokenizer.convert_ids_to_tokens, ids))
     return json_response(encode_json(response))
 
 
@@ -48,7 +51,8 @@ async def detokenize(ctx: ServingContext, request: web.Request) -> web.Response:
     body: DetokenizeRequest = decode_request(await read_body(request), DetokenizeRequest)
     ctx.check_model(body.model)
     ctx.check_token_ids(body.tokens, "tokens")
-    text = ctx.tokenizer.decode(body.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    text = await ctx.offload.tokenize(ctx.tokenizer.decode, body.tokens, skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False)
     return json_response(encode_json(DetokenizeResponse(prompt=text)))
 
 

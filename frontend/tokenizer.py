@@ -20,6 +20,7 @@ import tempfile
 from typing import Any
 
 from tokenmill.config import ModelConfig
+from tokenmill.frontend.chat_template import DEFAULT_LIMITS, ChatTemplate, RenderLimits, compile_chat_template
 
 GGUF_CONVERSION_TIMEOUT_S = 600.0
 
@@ -84,22 +85,39 @@ def load_tokenizer(model: ModelConfig) -> Any:
     return tokenizer
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text for a conversation. Raises ValueError when the model has no chat template; Jinja errors
-    (a template's `raise_exception`, e.g. roles that must alternate) propagate as jinja2 TemplateError."""
-    if not getattr(tokenizer, "chat_template", None):
+def server_chat_template(tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> ChatTemplate:
+    """The served model's chat template (its own, or --chat-template's), compiled. A tokenizer may name several:
+    "tool_use" serves requests with tools when it exists, "default" the rest, as transformers picks. Raises
+    ValueError when the model has none."""
+    source = getattr(tokenizer, "chat_template", None)
+    if isinstance(source, dict):
+        source = source.get("tool_use") if tools and "tool_use" in source else source.get("default")
+    if not source:
         raise ValueError("This model has no chat template; use /v1/completions or start the server with "
                          "--chat-template.")
-    return tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False,
-        add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message, **(template_kwargs or {}))
+    return compile_chat_template(source)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None, template: ChatTemplate | None = None,
+                limits: RenderLimits = DEFAULT_LIMITS) -> str:
+    """The prompt text for a conversation, through `template` (default: the server's) in the bounded sandbox.
+    Raises ValueError when the model has no chat template; Jinja errors (a template's `raise_exception`, e.g. roles
+    that must alternate; RenderLimitError past the limits) propagate as jinja2 TemplateError."""
+    template = template or server_chat_template(tokenizer, tools)
+    return template.render(messages, limits=limits, special_tokens=tokenizer.special_tokens_map,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools, kwargs=template_kwargs)
+
+
+def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """The ids of each text, in one batch call: the Rust tokenizer releases the GIL while it works."""
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return encode_texts(tokenizer, [text], add_special_tokens)[0]
 
 
 def encode_text_keep_last(tokenizer: Any, text: str, add_special_tokens: bool, max_tokens: int) -> list[int]:

@@ -5,6 +5,10 @@
 when it cannot (no compiler, a failed build): the worker then keeps its torch code, so a machine without a compiler
 is slower, never broken. `TOKENMILL_CPU_KERNELS=0` makes the worker use the torch code without trying.
 
+Loading a shared object runs its code, so only a file this user built is loaded: the cache directory is created 0700,
+and it and the library must belong to this user and be writable by nobody else. A cache that fails that check is
+refused with one warning and the kernels are built into a fresh private directory instead.
+
 The wrappers take and return torch tensors. What they replace is the worker's own torch code
 (`workers/attention.py`, `workers/models/layers.py`), which the tests compare them with.
 """
@@ -55,26 +59,55 @@ def _cpu_signature() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
+class UntrustedCache(RuntimeError):
+    """A cache directory or library that another user could have written."""
+
+
+def require_private(path: Path) -> None:
+    """Raise UntrustedCache unless `path` belongs to this user and no one else may write it."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise UntrustedCache(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
+    if st.st_mode & 0o022:
+        raise UntrustedCache(f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})")
+
+
+def library_name(compiler: str) -> str:
+    """The cached library's file name: it names the source, the compiler, the flags and the CPU."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
+    return f"cpu_ops-{key}.so"
+
+
 def build(compiler: str | None = None) -> Path:
-    """Compile `cpu_ops.cpp` unless this exact build is cached; returns the shared library's path.
+    """Compile `cpu_ops.cpp` unless this exact build is cached; returns the shared library's path, checked private.
 
     Raises `RuntimeError` with the compiler's message when the build fails.
     """
     compiler = compiler or os.environ.get("CXX", "g++")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
-                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"cpu_ops-{key}.so"
+    name = library_name(compiler)
+    try:
+        return _cached_or_built(cache_dir(), name, compiler)
+    except UntrustedCache as exc:
+        log.warning("refusing the CPU kernel cache (%s); building into a fresh private directory instead", exc)
+        return _cached_or_built(Path(tempfile.mkdtemp(prefix="tokenmill-cpu-ops-")), name, compiler)
+
+
+def _cached_or_built(directory: Path, name: str, compiler: str) -> Path:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    require_private(directory)
+    target = directory / name
     if target.exists():
+        require_private(target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent workers each build, and every reader sees a whole file.
-    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
     os.close(fd)
     try:
         done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.chmod(partial, 0o755)
         os.replace(partial, target)
     except FileNotFoundError as exc:
         raise RuntimeError(f"no C++ compiler {compiler!r} to build {SOURCE.name}") from exc
@@ -88,7 +121,9 @@ def build(compiler: str | None = None) -> Path:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (logged once) where they cannot be built."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        path = build()
+        require_private(path)  # again right before loading: this is the file whose code runs
+        lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as exc:
         log.warning("CPU kernels unavailable, using the slower torch code instead: %s", exc)
         return None

@@ -3,32 +3,47 @@
 A block is free when no request references it. Free blocks wait in the free queue in least-recently-freed order;
 a free block may still hold a hash (its KV content is intact), so a later request with the same prefix can reclaim it
 ("touch") instead of recomputing. Fresh allocations take blocks from the head of the queue and evict their hash.
+
+The index is keyed by a sha256 chain that starts from a random root per pool, so no tenant can predict or construct
+another's keys; and every indexed block keeps what its KV holds (`BlockContent`), compared on each hit, so even
+colliding keys cannot make one prefix read another's KV (vLLM CVE-2025-25183).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-# The parent hash of a request's first block. Any fixed int works; a constant keeps hashes reproducible.
-ROOT_BLOCK_HASH = 0
+import msgspec
+
+ROOT_CONTENT_ID = 0  # the "parent" of a request's first block; indexed contents are numbered from 1
+
+_encode = msgspec.msgpack.Encoder().encode
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int], extra_key: str | None) -> int:
-    """The prefix-cache hash of one full block: it chains the parent's hash, the block's tokens and extra keys.
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: str | None) -> bytes:
+    """The prefix-cache key of one full block: sha256 chaining the parent's key, the block's tokens and extra keys."""
+    return hashlib.sha256(parent_hash + _encode((token_ids, extra_key))).digest()
 
-    Python's hash of ints, strings and tuples is deterministic within a process, which is all we need: only the
-    scheduler process ever compares these hashes.
-    """
-    return hash((parent_hash, tuple(token_ids), extra_key))
+
+# What an indexed block's KV was computed from: (the parent block's content id, its token ids, extra key). A plain
+# tuple: it is built and compared for every block of every prefix lookup.
+BlockContent = tuple[int, tuple[int, ...], "str | None"]
 
 
 @dataclass(slots=True, eq=False)
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set while the block is indexed in the prefix cache
+    hash: bytes | None = None  # set while the block is indexed in the prefix cache
+    content: BlockContent | None = None  # set while indexed
+    # unique per indexing, never reused: a child names its parent by it, so a parent evicted and re-indexed with
+    # other content can never pass for the old one
+    content_id: int = ROOT_CONTENT_ID
 
 
 class BlockPool:
@@ -42,7 +57,9 @@ class BlockPool:
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         # block_id -> Block in least-recently-freed-first order; popitem(last=False) is the eviction candidate
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, Block] = {}  # hash -> the block holding that content
+        self.cached: dict[bytes, Block] = {}  # hash -> the block holding that content
+        self.root_hash = os.urandom(32)  # the parent key of every request's first block, secret to this pool
+        self._content_ids = itertools.count(ROOT_CONTENT_ID + 1)
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,18 +101,32 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
 
-    def get_cached(self, block_hash: int) -> Block | None:
-        return self.cached.get(block_hash) if self.enable_caching else None
+    def get_cached(self, block_hash: bytes, content: BlockContent) -> Block | None:
+        """The indexed block holding exactly `content`, or None (a key held by other content is a miss)."""
+        if not self.enable_caching:
+            return None
+        block = self.cached.get(block_hash)
+        return block if block is not None and block.content == content else None
 
-    def cache(self, block: Block, block_hash: int) -> None:
-        """Index a full, computed block under its hash. If another block already holds that content, keep that one."""
-        if not self.enable_caching or block.hash is not None or block_hash in self.cached:
-            return
+    def cache(self, block: Block, block_hash: bytes, content: BlockContent) -> Block | None:
+        """Index a full, computed block. Returns the block now indexed for `content`: this one, or an earlier block
+        with the same content (kept); None when another content holds the key (nothing is indexed)."""
+        if not self.enable_caching:
+            return None
+        if block.hash is not None:
+            return block if block.content == content else None
+        holder = self.cached.get(block_hash)
+        if holder is not None:
+            return holder if holder.content == content else None
         block.hash = block_hash
+        block.content = content
+        block.content_id = next(self._content_ids)
         self.cached[block_hash] = block
+        return block
 
     def _evict(self, block: Block) -> None:
         if block.hash is not None:
             if self.cached.get(block.hash) is block:
                 del self.cached[block.hash]
             block.hash = None
+            block.content = None

@@ -2,14 +2,16 @@
 
 A request's block table is a list of physical blocks covering its tokens in order. Full blocks get a hash that
 chains the parent block's hash with the block's token ids and the request's cache salt; once their KV is computed
-they are indexed in the pool so a later request with the same prefix reuses them instead of recomputing.
+they are indexed in the pool so a later request with the same prefix reuses them instead of recomputing. A hit must
+also match the block's recorded content (tokens, salt, and the very parent block matched before it), so the hash only
+finds candidates and never decides what KV a request reads.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from tokenmill.scheduler.block_pool import ROOT_BLOCK_HASH, Block, BlockPool, hash_block
+from tokenmill.scheduler.block_pool import ROOT_CONTENT_ID, Block, BlockContent, BlockPool, hash_block
 from tokenmill.scheduler.request import Request
 
 
@@ -24,6 +26,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_indexed_blocks: dict[str, int] = {}  # leading blocks of each request already in the prefix cache
+        # content id of the indexed block holding each request's prefix up to there; None once a colliding key
+        # stopped its indexing (its later blocks then stay private)
+        self.last_indexed_id: dict[str, int | None] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -47,11 +52,13 @@ class KVCacheManager:
         self._extend_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached(block_hash)
+        parent_id = ROOT_CONTENT_ID
+        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            block = self.pool.get_cached(block_hash, self._content(request, i, parent_id))
             if block is None:
                 break
             hits.append(block)
+            parent_id = block.content_id
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -71,6 +78,8 @@ class KVCacheManager:
         if request.request_id not in self.req_blocks:
             self.req_blocks[request.request_id] = blocks
             self.num_indexed_blocks[request.request_id] = len(cached_blocks)
+            self.last_indexed_id[request.request_id] = (cached_blocks[-1].content_id if cached_blocks
+                                                         else ROOT_CONTENT_ID)
         blocks.extend(added)
         return [b.block_id for b in added]
 
@@ -78,20 +87,27 @@ class KVCacheManager:
         """Index the request's full blocks whose KV the workers have computed, so later requests can share them."""
         if not self.enable_prefix_caching or request.request_id not in self.req_blocks:
             return
+        request_id = request.request_id
         num_full = request.num_computed_tokens // self.block_size
-        start = self.num_indexed_blocks[request.request_id]
-        if num_full <= start:
+        start = self.num_indexed_blocks[request_id]
+        parent_id = self.last_indexed_id[request_id]
+        if num_full <= start or parent_id is None:
             return
         self._extend_block_hashes(request)
-        blocks = self.req_blocks[request.request_id]
+        blocks = self.req_blocks[request_id]
         for i in range(start, num_full):
-            self.pool.cache(blocks[i], request.block_hashes[i])
-        self.num_indexed_blocks[request.request_id] = num_full
+            holder = self.pool.cache(blocks[i], request.block_hashes[i], self._content(request, i, parent_id))
+            parent_id = holder.content_id if holder is not None else None
+            if parent_id is None:
+                break
+        self.num_indexed_blocks[request_id] = num_full
+        self.last_indexed_id[request_id] = parent_id
 
     def free(self, request: Request) -> None:
         """Return the request's blocks to the pool, tail first; cached content stays reusable until evicted."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_indexed_blocks.pop(request.request_id, None)
+        self.last_indexed_id.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def _extend_block_hashes(self, request: Request) -> None:
@@ -100,5 +116,10 @@ class KVCacheManager:
         size = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // size):
-            parent = hashes[i - 1] if i else ROOT_BLOCK_HASH
+            parent = hashes[i - 1] if i else self.pool.root_hash
             hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt))
+
+    def _content(self, request: Request, index: int, parent_id: int) -> BlockContent:
+        """What block `index` of the request holds, after the indexed block `parent_id` holding its prefix."""
+        size = self.block_size
+        return parent_id, tuple(request.all_token_ids[index * size:(index + 1) * size]), request.cache_salt

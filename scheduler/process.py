@@ -3,6 +3,10 @@
 The loop is synchronous on purpose: each step waits for rank 0's result anyway (the next plan needs the sampled
 tokens), and a blocking `zmq.Poller` keeps the per-step overhead to a few syscalls. Aborts and new requests that arrive
 while a step runs are buffered and applied before the next step is planned; pings are answered at once.
+
+A watchdog bounds the wait for a step's result (`--worker-step-timeout`): a worker that does not answer in time is
+treated as dead. The scheduler logs why and exits non-zero, which the launcher's supervision turns into /health 503,
+an error for every request in flight (503 over HTTP) and an orderly stop of the instance.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from tokenmill.processes import become_child_process, make_socket
 
 IDLE_POLL_MS = 1000
 STATS_INTERVAL_S = 0.5
+# The first steps may compile kernels (Triton on first use of a shape, the CPU ops library): they get a longer watchdog.
+WARMUP_STEPS = 16
+WARMUP_TIMEOUT_FACTOR = 5
 
 
 class WorkerFailed(RuntimeError):
@@ -44,6 +51,7 @@ class SchedulerLoop:
         self.steps_since_report = 0
         self.step_time_since_report = 0.0
         self.model_time_since_report = 0.0
+        self.num_steps = 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -72,9 +80,10 @@ class SchedulerLoop:
     def handle(self, msg: FrontendMessage) -> None:
         assert self.scheduler is not None
         if isinstance(msg, EngineRequest):
-            reason = self.scheduler.add_request(msg)
-            if reason is not None:
-                self.publish([RequestOutput(msg.request_id, [], finish_reason="error", error=reason)])
+            rejection = self.scheduler.add_request(msg)
+            if rejection is not None:
+                self.publish([RequestOutput(msg.request_id, [], finish_reason="error", error=rejection.message,
+                                            error_kind=rejection.kind)])
         elif isinstance(msg, AbortRequest):
             self.publish(self.scheduler.abort_requests(msg.request_ids))
         elif isinstance(msg, Ping):
@@ -109,12 +118,26 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------------ the step
 
+    def step_timeout_s(self) -> float | None:
+        timeout = self.config.scheduler.worker_step_timeout_s
+        if timeout <= 0:
+            return None
+        return timeout * WARMUP_TIMEOUT_FACTOR if self.num_steps < WARMUP_STEPS else timeout
+
     def wait_for_result(self, step_id: int) -> StepResult:
         poller = zmq.Poller()
         poller.register(self.from_workers, zmq.POLLIN)
         poller.register(self.from_frontend, zmq.POLLIN)
+        timeout = self.step_timeout_s()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for sock, _ in poller.poll():
+            wait_ms = None
+            if deadline is not None:
+                wait_ms = (deadline - time.monotonic()) * 1000
+                if wait_ms <= 0:
+                    raise WorkerFailed(f"no worker answered step {step_id} within {timeout:g} s "
+                                       f"(--worker-step-timeout); treating the worker as dead")
+            for sock, _ in poller.poll(wait_ms):
                 if sock is self.from_workers:
                     msg = self.worker_decoder.decode(sock.recv())
                     if isinstance(msg, WorkerError):
@@ -142,6 +165,7 @@ class SchedulerLoop:
                 continue
             self.to_workers.send(encode(plan))
             result = self.wait_for_result(plan.step_id)
+            self.num_steps += 1
             self.publish(sched.update(plan, result))
             # counted after publishing, so the overhead figure includes encoding and sending the outputs
             self.steps_since_report += 1

@@ -42,7 +42,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling; -1 until then
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of this request's full blocks, in order
         self.num_preemptions = 0
         # what the workers hold, so a plan sends only the difference
         self.on_worker = False

@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.config import EngineConfig
-from tokenmill.messages import (EngineRequest, FinishReason, NewRequestData, RequestOutput, RunningRequestData,
-                                SchedulerStats, StepPlan, StepResult)
+from tokenmill.messages import (EngineRequest, ErrorKind, FinishReason, NewRequestData, RequestOutput,
+                                RunningRequestData, SchedulerStats, StepPlan, StepResult)
+
+
+class Rejection(NamedTuple):
+    """Why a request was refused: one sentence for the client, and whether retrying later can help."""
+
+    message: str
+    kind: ErrorKind = "invalid"
 
 
 class Scheduler:
@@ -34,6 +41,9 @@ class Scheduler:
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         # 0 means "not resolved from a model" (unit tests): then the pool's capacity is the only limit
         self.max_model_len = config.model.max_model_len or num_kv_blocks * self.block_size
+        # the most tokens one request can ever hold; below max_model_len only with an explicit block count
+        # (--num-gpu-blocks-override): a budget-sized cache that small refuses to start (launcher.kv_capacity_error)
+        self.max_seq_len = min(self.max_model_len, num_kv_blocks * self.block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.policy = policy or make_policy(config.scheduler.scheduling_policy)
@@ -53,11 +63,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission and aborts
 
-    def add_request(self, request: EngineRequest) -> str | None:
-        """Queue a request. Returns None when admitted, else why it can never run (one sentence)."""
+    def add_request(self, request: EngineRequest) -> Rejection | None:
+        """Queue a request. Returns None when admitted, else why it was refused: "overloaded" when the waiting queue
+        is full, "invalid" when it can never run."""
+        if len(self.waiting) >= self.config.scheduler.max_waiting_requests:
+            return Rejection(f"The server is overloaded: {len(self.waiting)} requests are already waiting; retry "
+                             f"later.", "overloaded")
         reason = self._admission_error(request)
         if reason is not None:
-            return reason
+            return Rejection(reason)
         max_tokens = request.sampling.max_tokens
         if request.task == "embed":
             max_tokens = 0
@@ -72,8 +86,6 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         if request.request_id in self.requests:
             return f"Request id {request.request_id!r} is already in use."
-        if len(self.waiting) >= self.config.scheduler.max_waiting_requests:
-            return f"The server is overloaded: {len(self.waiting)} requests are already waiting; retry later."
         if num_prompt == 0:
             return "The prompt is empty."
         if request.task == "embed":
@@ -91,11 +103,10 @@ class Scheduler:
         if total > self.max_model_len:
             return (f"This model's maximum context length is {self.max_model_len} tokens, but the request needs "
                     f"{total} ({num_prompt} in the prompt + {total - num_prompt} to generate).")
-        if max_tokens is None:
-            total = self.max_model_len
-        if self.kv.num_blocks_for(total) > self.kv.num_blocks:
-            return (f"The request needs up to {total} tokens of KV cache ({self.kv.num_blocks_for(total)} blocks), "
-                    f"more than the whole cache holds ({self.kv.num_blocks} blocks of {self.block_size} tokens).")
+        # only the prompt must fit: blocks are taken as tokens are scheduled, and preemption handles pressure
+        if self.kv.num_blocks_for(num_prompt) > self.kv.num_blocks:
+            return (f"The prompt has {num_prompt} tokens, more than the whole KV cache holds "
+                    f"({self.kv.num_blocks} blocks of {self.block_size} tokens).")
         if not self.chunked_prefill and num_prompt > self.max_num_batched_tokens:
             return (f"The prompt has {num_prompt} tokens, more than max_num_batched_tokens "
                     f"({self.max_num_batched_tokens}) with chunked prefill disabled.")
@@ -296,14 +307,15 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token_id: int) -> tuple[FinishReason | None, int | None, int | None]:
         """(finish reason, the token that stopped it, stop_reason) after `token_id` was appended: EOS, then stop
-        ids (stop_reason names a stop id, never EOS, as vLLM), then max_tokens, then max_model_len."""
+        ids (stop_reason names a stop id, never EOS, as vLLM), then max_tokens, then max_model_len (or the whole
+        KV cache, when that holds less)."""
         sampling = req.sampling
         if req.num_output_tokens >= sampling.min_tokens:
             if not sampling.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", token_id, None
             if token_id in sampling.stop_token_ids:
                 return "stop", token_id, token_id
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_seq_len:
             return "length", None, None
         return None, None, None
 

@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="allow the `dimensions` embedding parameter on models that do not declare Matryoshka support")
     m.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: never capture CUDA graphs; run every decode step eagerly")
+    m.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that leave them unset: 'auto' (the model's "
+                        "generation_config.json), 'vllm' (none), or a folder holding a generation_config.json")
 
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64])
@@ -58,6 +61,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"])
     s.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig().max_waiting_requests,
                    help="beyond this many waiting requests new ones get 429")
+    s.add_argument("--worker-step-timeout", type=float, default=SchedulerConfig().worker_step_timeout_s,
+                   dest="worker_step_timeout_s",
+                   help="seconds a worker may take to answer one step before the instance treats it as dead and "
+                        "exits (the first steps get 5x: kernels may compile); 0 waits forever")
 
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -76,6 +83,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
                    help="no access log (the default; accepted for vLLM's command lines)")
 
+    defaults = ServerConfig()
+    t = parser.add_argument_group("chat templates")
+    t.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own `chat_template` (otherwise such a request is a 400)")
+    t.add_argument("--chat-template-timeout", type=float, default=defaults.chat_template_timeout_s,
+                   dest="chat_template_timeout_s", help="seconds a chat template may render before the request "
+                                                        "gets a 400")
+    t.add_argument("--max-chat-template-chars", type=int, default=defaults.max_chat_template_chars,
+                   help="characters a chat template may output (or build in one value) before the request gets a 400")
+
+    r = parser.add_argument_group("request limits (a request past one gets a 400 naming the field)")
+    r.add_argument("--max-n", type=int, default=defaults.max_n, help="choices per request (`n`)")
+    r.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                   help="`logprobs` (completions) and `top_logprobs` (chat)")
+    r.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings, help="entries of `stop`")
+    r.add_argument("--max-stop-string-chars", type=int, default=defaults.max_stop_string_chars,
+                   help="characters of one `stop` string")
+    r.add_argument("--max-stop-token-ids", type=int, default=defaults.max_stop_token_ids,
+                   help="entries of `stop_token_ids`")
+    r.add_argument("--max-logit-bias", type=int, default=defaults.max_logit_bias, help="entries of `logit_bias`")
+    r.add_argument("--max-json-depth", type=int, default=defaults.max_json_depth,
+                   help="nesting depth of free-form JSON fields (tools, chat_template_kwargs, ...)")
+
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
@@ -86,20 +116,29 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     origins = json.loads(args.allowed_origins) if hasattr(args, "allowed_origins") else []
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_request_body_bytes=args.max_request_body_bytes,
-                          enable_log_requests=args.enable_log_requests) if hasattr(args, "host") else ServerConfig()
+                          enable_log_requests=args.enable_log_requests,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          chat_template_timeout_s=args.chat_template_timeout_s,
+                          max_chat_template_chars=args.max_chat_template_chars, max_n=args.max_n,
+                          max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
+                          max_stop_string_chars=args.max_stop_string_chars,
+                          max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
+                          max_json_depth=args.max_json_depth) if hasattr(args, "host") else ServerConfig()
     return EngineConfig(
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
             dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype), max_model_len=args.max_model_len, task=args.task,
             chat_template=args.chat_template, seed=args.seed, pooling=args.pooling, normalize=args.normalize,
-            allow_dimensions=args.allow_dimensions, enforce_eager=args.enforce_eager),
+            allow_dimensions=args.allow_dimensions, enforce_eager=args.enforce_eager,
+            generation_config=args.generation_config),
         cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   scheduling_policy=args.scheduling_policy,
-                                  max_waiting_requests=args.max_waiting_requests),
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  worker_step_timeout_s=args.worker_step_timeout_s),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, device=args.device),
         server=server,
     )

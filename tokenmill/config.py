@@ -33,6 +33,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     normalize: bool | None = None
     allow_dimensions: bool = False  # Matryoshka truncation for models that do not declare it
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
+    # vLLM's --generation-config: "auto" (the model's generation_config.json), "vllm" (none), or a folder
+    generation_config: str = "auto"
+    # the sampling defaults read from it by resolve_config (temperature, top_p, ..., max_tokens)
+    generation_defaults: dict[str, int | float] = {}
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,6 +53,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority", "sjf"] = "fcfs"
     max_waiting_requests: int = 4096
+    worker_step_timeout_s: float = 60.0  # a worker that does not answer a step this long is dead (0: never)
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +69,19 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     allowed_origins: list[str] = []
     max_request_body_bytes: int = 32 << 20
     enable_log_requests: bool = False  # the HTTP access log, one line per request
+    # chat templates: a request's own `chat_template` is rendered only with this (vLLM's flag); a render that runs
+    # longer or builds more characters than the limits ends with a 400
+    trust_request_chat_template: bool = False
+    chat_template_timeout_s: float = 10.0
+    max_chat_template_chars: int = 64 << 20
+    # request limits: past them a request is a 400 naming the field and the limit
+    max_n: int = 128  # OpenAI's
+    max_logprobs: int = 20  # vLLM's --max-logprobs: completions `logprobs`, chat `top_logprobs`
+    max_stop_strings: int = 128
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 256
+    max_logit_bias: int = 1024  # entries
+    max_json_depth: int = 64  # nesting of free-form JSON (tools, chat_template_kwargs, ...)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,17 +1,26 @@
 """Start, watch and stop an instance's engine processes (one scheduler, one worker per tensor-parallel rank).
 
 The launcher makes a private socket directory per instance (mode 0700, unique name), so two instances on one host
-never collide, spawns the children with the config as msgpack bytes, and offers `dead_child()` for supervision: the
+never collide, starts the children with the config as msgpack bytes, and offers `dead_child()` for supervision: the
 serving loop polls it and, when a child has died, fails in-flight requests, reports 503, and shuts the rest down.
+
+Children are fresh interpreters (`python -c CHILD_ENTRY`) that read the parent's sys.path and the config from a pipe,
+not multiprocessing processes: multiprocessing's spawn and forkserver both re-run the user's main module in the child,
+so `LLM(...)` at the top level of a script without `if __name__ == "__main__":` would start children that start
+children. fork is no option either: the parent may hold CUDA state, torch and ZMQ threads, which a forked child
+inherits broken. Nothing here is pickled, as everywhere else.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -21,6 +30,18 @@ from tokenmill.messages import EngineReady
 from tokenmill.workers.process import run_worker_process
 
 log = logging.getLogger("tokenmill.launcher")
+
+# What a child runs: the parent's import path first (so it imports this same tokenmill), then its role's entry point.
+CHILD_ENTRY = ("import json, sys; sys.path[:] = json.loads(sys.stdin.buffer.readline()); "
+               "from tokenmill.launcher import run_child; run_child(sys.argv[1], sys.stdin.buffer.read())")
+
+
+def run_child(role: str, config_bytes: bytes) -> None:
+    """Entry point of a child: `scheduler` or `worker<rank>`."""
+    if role == "scheduler":
+        run_scheduler_process(config_bytes)
+    else:
+        run_worker_process(config_bytes, int(role.removeprefix("worker")))
 
 
 def free_port() -> int:
@@ -38,17 +59,20 @@ class EngineProcesses:
         if parallel.tensor_parallel_size > 1 and not parallel.dist_port:
             parallel = replace(parallel, dist_port=free_port())
         self.config = replace(config, ipc_dir=ipc_dir, parallel=parallel)
-        self.children: list[mp.Process] = []
+        self.children: list[tuple[str, subprocess.Popen]] = []  # (name, process)
         self.stopped = False
 
     def start(self) -> "EngineProcesses":
-        ctx = mp.get_context("spawn")
-        blob = self.config.to_bytes()
-        self.children.append(ctx.Process(target=run_scheduler_process, args=(blob,), name="tokenmill-scheduler"))
-        for rank in range(self.config.parallel.tensor_parallel_size):
-            self.children.append(ctx.Process(target=run_worker_process, args=(blob, rank), name=f"tokenmill-worker{rank}"))
-        for child in self.children:
-            child.start()
+        roles = ["scheduler"] + [f"worker{rank}" for rank in range(self.config.parallel.tensor_parallel_size)]
+        preamble = json.dumps([str(entry) for entry in sys.path]).encode() + b"\n"
+        for role in roles:
+            child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE)
+            self.children.append((f"tokenmill-{role}", child))
+            try:
+                child.stdin.write(preamble + self.config.to_bytes())
+                child.stdin.close()
+            except BrokenPipeError:
+                pass  # it has already exited: dead_child() reports it
         return self
 
     def dead_child(self) -> str | None:
@@ -57,8 +81,8 @@ class EngineProcesses:
         Naming them all shows the cause when one death brings on another (a killed rank makes rank 0's all-reduce
         fail, and the scheduler exits on rank 0's error).
         """
-        dead = [f"{child.name} (pid {child.pid}) exited with code {child.exitcode}"
-                for child in self.children if child.exitcode is not None]
+        dead = [f"{name} (pid {child.pid}) exited with code {child.returncode}"
+                for name, child in self.children if child.poll() is not None]
         return "; ".join(dead) or None
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -66,16 +90,37 @@ class EngineProcesses:
         if self.stopped:
             return
         self.stopped = True
-        for child in self.children:
-            if child.is_alive():
+        for _, child in self.children:
+            if child.poll() is None:
                 child.terminate()
+                child.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP, a hung-worker test) acts on it at once
         deadline = time.monotonic() + timeout
-        for child in self.children:
-            child.join(max(0.0, deadline - time.monotonic()))
-            if child.is_alive():
+        for name, child in self.children:
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 child.kill()
-                child.join(1.0)
+                try:
+                    child.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    log.error("%s (pid %d) did not exit after SIGKILL", name, child.pid)
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
+
+
+def kv_capacity_error(config: EngineConfig, ready: EngineReady) -> str | None:
+    """Why the instance must not start: its KV budget cannot hold one request of max_model_len (vLLM's check).
+
+    An explicit block count (--num-gpu-blocks-override, num_kv_blocks=...) is taken as asked, as in vLLM: then
+    `log_capacity` only warns and a request ends with "length" when it fills the whole cache.
+    """
+    tokens = ready.num_kv_blocks * ready.block_size
+    max_len = config.model.max_model_len
+    if config.model.task == "embed" or config.cache.num_kv_blocks or max_len <= tokens:
+        return None
+    return (f"max_model_len {max_len} needs {-(-max_len // ready.block_size)} KV cache blocks but only "
+            f"{ready.num_kv_blocks} of {ready.block_size} tokens fit (raise --kv-cache-memory-bytes on CPU or "
+            f"--gpu-memory-utilization on GPU, or lower --max-model-len): the largest max_model_len that fits "
+            f"is {tokens}.")
 
 
 def log_capacity(config: EngineConfig, ready: EngineReady) -> None:
@@ -90,5 +135,8 @@ def log_capacity(config: EngineConfig, ready: EngineReady) -> None:
     else:
         log.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency at max_model_len %d: %.2fx",
                  ready.num_kv_blocks, ready.block_size, tokens, max_len, tokens / max_len)
+        if tokens < max_len and config.cache.num_kv_blocks:  # a budget this small refuses to start instead
+            log.warning("the KV cache (%d tokens) cannot hold one request of max_model_len %d: a request ends with "
+                        "finish_reason 'length' when it fills the whole cache", tokens, max_len)
     if os.environ.get("TOKENMILL_LOG_IPC"):
         log.info("sockets in %s", config.ipc_dir)

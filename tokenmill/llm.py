@@ -12,7 +12,7 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import msgspec
 import zmq
@@ -21,7 +21,7 @@ from tqdm import tqdm
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.frontend.outputs import CompletionOutput, choice_sampling_params, next_delta
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
-from tokenmill.launcher import EngineProcesses
+from tokenmill.launcher import EngineProcesses, kv_capacity_error
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
                                 SchedulerMessage, SchedulerStats, StepOutputs, decoder, encode)
 from tokenmill.processes import make_socket
@@ -122,9 +122,13 @@ class LLM:
         # to time individual steps
         self.step_listener: Callable[[StepOutputs], None] | None = None
         atexit.register(self.shutdown)
-        self.processes.start()
-        self.tokenizer = load_tokenizer(self.config.model)
-        self.engine_info: EngineReady = self._wait_ready()
+        try:
+            self.processes.start()
+            self.tokenizer = load_tokenizer(self.config.model)
+            self.engine_info: EngineReady = self._wait_ready()
+        except BaseException:
+            self.shutdown()  # a failed start leaves no engine processes behind
+            raise
 
     # ------------------------------------------------------------------ plumbing
 
@@ -142,6 +146,9 @@ class LLM:
         while time.monotonic() < deadline:
             msg = self._receive()
             if isinstance(msg, EngineReady):
+                error = kv_capacity_error(self.config, msg)
+                if error is not None:
+                    raise ValueError(error)
                 return msg
         raise TimeoutError(f"the engine did not become ready within {READY_TIMEOUT_S:.0f} s")
 
@@ -166,35 +173,63 @@ class LLM:
 
     # ------------------------------------------------------------------ generation
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults (vLLM's: none with generation_config="vllm");
+        `generate` uses it when given no sampling params."""
+        return SamplingParams(**self.config.model.generation_defaults)
+
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[GenerationResult]:
-        """Generate for every prompt (text, or token ids); results come back in prompt order."""
+        """Generate for every prompt (text, or token ids); results come back in prompt order. Any number of prompts:
+        they are fed to the engine as earlier ones finish."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                       else [sampling_params or SamplingParams()] * len(prompts))
+                       else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         results: list[GenerationResult] = []
-        choices: dict[str, tuple[GenerationResult, CompletionOutput, IncrementalDetokenizer]] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+
+        def requests_of(i: int, prompt, params: SamplingParams) -> list[tuple[EngineRequest, tuple]]:
             text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             result = GenerationResult(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", text, ids)
             results.append(result)
             if params.max_tokens is None:
                 params = msgspec.structs.replace(params, max_tokens=max(1, self.config.model.max_model_len - len(ids)))
+            requests = []
             for index in range(params.n):
                 choice_params = choice_sampling_params(params, index)
-                request_id = f"{result.request_id}-{index}"
                 completion = CompletionOutput(index)
                 result.outputs.append(completion)
-                choices[request_id] = (result, completion, IncrementalDetokenizer(self.tokenizer, ids, choice_params))
-                self._to_scheduler.send(encode(EngineRequest(
-                    request_id=request_id, prompt_token_ids=ids, sampling=choice_params, arrival_time=time.time(),
-                    priority=priority[i] if priority else 0)))
-        self._collect(choices, len(results), use_tqdm)
+                request = EngineRequest(request_id=f"{result.request_id}-{index}", prompt_token_ids=ids,
+                                        sampling=choice_params, arrival_time=time.time(),
+                                        priority=priority[i] if priority else 0)
+                requests.append((request, (result, completion, IncrementalDetokenizer(self.tokenizer, ids,
+                                                                                       choice_params))))
+            return requests
+
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+
+        def on_output(out: RequestOutput, choice: tuple) -> bool:
+            result, completion, detok = choice
+            if out.error is not None:
+                raise ValueError(out.error)
+            completion.add(next_delta(completion.index, detok, out))
+            if not completion.finished:
+                return False
+            if completion.finish_reason == "stop" and out.finish_reason is None:
+                self._to_scheduler.send(encode(AbortRequest([out.request_id])))  # a stop string ended it
+            if result.finished:
+                result.num_cached_tokens = out.num_cached_tokens
+                bar.update(1)
+            return True
+
+        with bar:
+            self._run(itertools.starmap(requests_of, zip(itertools.count(), prompts, params_list)), on_output)
         return results
 
     # ------------------------------------------------------------------ embeddings
@@ -212,8 +247,9 @@ class LLM:
                              f"'{self.config.model.task}' (pass task='embed' to LLM for a decoder)")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        results: dict[str, EmbeddingResult] = {}
-        for prompt in prompts:
+        results: list[EmbeddingResult] = []
+
+        def requests_of(prompt) -> list[tuple[EngineRequest, EmbeddingResult]]:
             text = prompt if isinstance(prompt, str) else None
             if text is None:
                 ids = list(prompt)[-truncate_prompt_tokens:] if truncate_prompt_tokens else list(prompt)
@@ -222,31 +258,51 @@ class LLM:
             else:
                 ids = self.tokenizer.encode(text)
             request_id = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-            results[request_id] = EmbeddingResult(request_id, text, ids, EmbeddingOutput([]), finished=False)
-            self._to_scheduler.send(encode(EngineRequest(request_id=request_id, prompt_token_ids=ids,
-                                                         sampling=SamplingParams(max_tokens=None), task="embed",
-                                                         arrival_time=time.time())))
-        unfinished = set(results)
-        bar = tqdm(total=len(results), desc="Embedded prompts", disable=not use_tqdm, dynamic_ncols=True)
+            results.append(EmbeddingResult(request_id, text, ids, EmbeddingOutput([]), finished=False))
+            request = EngineRequest(request_id=request_id, prompt_token_ids=ids, task="embed",
+                                    sampling=SamplingParams(max_tokens=None), arrival_time=time.time())
+            return [(request, results[-1])]
+
+        bar = tqdm(total=len(prompts), desc="Embedded prompts", disable=not use_tqdm, dynamic_ncols=True)
+
+        def on_output(out: RequestOutput, result: EmbeddingResult) -> bool:
+            if out.error is not None or out.embedding is None:
+                raise ValueError(out.error or f"the engine ended request {out.request_id} with "
+                                              f"'{out.finish_reason}' and no embedding")
+            result.outputs.embedding = np.frombuffer(out.embedding, dtype="<f4").tolist()
+            result.finished = True
+            bar.update(1)
+            return True
+
+        with bar:
+            self._run(map(requests_of, prompts), on_output)
+        return results
+
+    # ------------------------------------------------------------------ feeding the engine
+
+    def _run(self, batches: Iterator[list[tuple[EngineRequest, Any]]],
+             on_output: Callable[[RequestOutput, Any], bool]) -> None:
+        """Send each batch's requests (a prompt's choices) while at most `max_waiting_requests` are in flight, so
+        the scheduler's waiting queue never overflows however many prompts there are; hand each output to
+        `on_output` with its batch entry's state until it returns True (that request is done). On any error, abort
+        what is in flight."""
+        window = self.config.scheduler.max_waiting_requests
+        in_flight: dict[str, Any] = {}
+        batch = next(batches, None)
         try:
-            while unfinished:
+            while batch is not None or in_flight:
+                while batch is not None and (not in_flight or len(in_flight) + len(batch) <= window):
+                    for request, state in batch:
+                        in_flight[request.request_id] = state
+                        self._to_scheduler.send(encode(request))
+                    batch = next(batches, None)
                 for out in self._step_outputs():
-                    if out.request_id not in unfinished:
-                        continue
-                    if out.error is not None or out.embedding is None:
-                        raise ValueError(out.error or f"the engine ended request {out.request_id} with "
-                                                      f"'{out.finish_reason}' and no embedding")
-                    result = results[out.request_id]
-                    result.outputs.embedding = np.frombuffer(out.embedding, dtype="<f4").tolist()
-                    result.finished = True
-                    unfinished.discard(out.request_id)
-                    bar.update(1)
+                    state = in_flight.get(out.request_id)
+                    if state is not None and on_output(out, state):
+                        del in_flight[out.request_id]
         except BaseException:
-            self._to_scheduler.send(encode(AbortRequest(list(unfinished))))
+            self._to_scheduler.send(encode(AbortRequest(list(in_flight))))
             raise
-        finally:
-            bar.close()
-        return list(results.values())
 
     def _step_outputs(self) -> list[RequestOutput]:
         """The outputs of the next engine step (none after a quiet poll); feeds the stats and the step listener."""
@@ -258,28 +314,3 @@ class LLM:
         if self.step_listener is not None:
             self.step_listener(msg)
         return msg.outputs
-
-    def _collect(self, choices: dict, num_prompts: int, use_tqdm: bool) -> None:
-        unfinished = set(choices)
-        bar = tqdm(total=num_prompts, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        try:
-            while unfinished:
-                for out in self._step_outputs():
-                    if out.request_id not in unfinished:
-                        continue
-                    result, completion, detok = choices[out.request_id]
-                    if out.error is not None:
-                        raise ValueError(out.error)
-                    completion.add(next_delta(completion.index, detok, out))
-                    if completion.finished:
-                        unfinished.discard(out.request_id)
-                        if completion.finish_reason == "stop" and out.finish_reason is None:
-                            self._to_scheduler.send(encode(AbortRequest([out.request_id])))  # a stop string ended it
-                        if result.finished:
-                            result.num_cached_tokens = out.num_cached_tokens
-                            bar.update(1)
-        except BaseException:
-            self._to_scheduler.send(encode(AbortRequest(list(unfinished))))
-            raise
-        finally:
-            bar.close()

@@ -70,6 +70,8 @@ FrontendMessage = Union[EngineRequest, AbortRequest, Ping]
 # ---------------------------------------------------------------- scheduler -> frontend
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# why a request was refused: "overloaded" (retry later; the frontend answers 429 with Retry-After) or "invalid"
+ErrorKind = Literal["overloaded", "invalid"]
 
 
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -86,6 +88,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     embedding: bytes | None = None  # float32, raw
     error: str | None = None
     stop_reason: int | None = None  # the `stop_token_ids` entry that finished it; None for EOS (as vLLM)
+    error_kind: ErrorKind | None = None  # with `error`: why it was refused; None reads as "invalid"
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

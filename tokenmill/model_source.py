@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -26,6 +27,8 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalL
                       "qwen3": "Qwen3ForCausalLM"}
 HUB_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "1_Pooling/*", "tokenizer*"]
+
+log = logging.getLogger("tokenmill.model_source")
 
 
 class ModelSourceError(Exception):
@@ -115,6 +118,40 @@ def _read_model_shape(path: Path, gguf_file: str | None) -> ModelShape:
     return ModelShape(archs[0], int(config.get("max_position_embeddings", 2048)), int(config.get("hidden_size", 0)))
 
 
+# The generation_config.json fields vLLM takes as request defaults (max_new_tokens becomes max_tokens).
+GENERATION_DEFAULT_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                             "repetition_penalty": float, "max_new_tokens": int}
+# transformers' GenerationConfig defaults: vLLM takes only the values that differ from them (`to_diff_dict`), so a
+# file restating `top_k: 50` changes nothing. (Read here without importing transformers, which imports torch.)
+HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0,
+                          "max_new_tokens": None}
+
+
+def generation_defaults(path: Path, gguf_file: str | None, setting: str) -> dict[str, int | float]:
+    """The sampling defaults of vLLM's `--generation-config`: from the model's generation_config.json ("auto"; a GGUF
+    file carries none), none ("vllm"), or from the generation_config.json in the folder `setting` names."""
+    if setting == "vllm" or (setting == "auto" and gguf_file is not None):
+        return {}
+    file = (path if setting == "auto" else Path(setting).expanduser()) / "generation_config.json"
+    if not file.is_file():
+        if setting == "auto":
+            return {}
+        raise ModelSourceError(f"--generation-config {setting}: {file} does not exist (use auto, vllm or a folder).")
+    try:
+        values = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"Could not read {file}: {exc}.") from None
+    defaults = {name: kind(values[name]) for name, kind in GENERATION_DEFAULT_FIELDS.items()
+                if isinstance(values.get(name), (int, float)) and not isinstance(values[name], bool)
+                and values[name] != HF_GENERATION_DEFAULTS.get(name)}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if defaults:
+        log.info("sampling defaults from %s for requests that leave them unset: %s (--generation-config vllm "
+                 "ignores them)", file, defaults)
+    return defaults
+
+
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """Return `config` with the model located and its architecture, task and max_model_len filled in."""
     mc: ModelConfig = config.model
@@ -128,9 +165,10 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         task = "embed" if architecture in ENCODER_ARCHITECTURES else "generate"
     if task == "generate" and architecture in ENCODER_ARCHITECTURES:
         raise ModelSourceError(f"{architecture} is an encoder and can only serve embeddings (--task embed).")
+    sampling_defaults = generation_defaults(path, gguf_file, mc.generation_config) if task == "generate" else {}
     model = replace(mc, path=str(path), gguf_file=gguf_file, architecture=architecture, hidden_size=hidden_size, task=task,
                     max_model_len=mc.max_model_len or model_max_len,
-                    served_model_name=mc.served_model_name or name)
+                    served_model_name=mc.served_model_name or name, generation_defaults=sampling_defaults)
     scheduler = config.scheduler
     if task == "embed" and scheduler.max_num_batched_tokens < model.max_model_len:
         # embeddings are never chunked: a whole prompt must fit one step

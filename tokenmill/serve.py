@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from tokenmill.config import EngineConfig
-from tokenmill.launcher import EngineProcesses, log_capacity
+from tokenmill.launcher import EngineProcesses, kv_capacity_error, log_capacity
 
 log = logging.getLogger("tokenmill.serve")
 
@@ -47,6 +47,9 @@ async def serve(config: EngineConfig) -> int:
             log.info("interrupted while loading")
             return 0
         log_capacity(config, ready_task.result())
+        if (error := kv_capacity_error(config, ready_task.result())) is not None:
+            log.error("%s", error)
+            return 1
         tokenizer = await tokenizer_task
         access_log = logging.getLogger("aiohttp.access") if config.server.enable_log_requests else None
         runner = web.AppRunner(build_app(config, client, tokenizer), handle_signals=False, access_log=access_log,

@@ -7,8 +7,9 @@ The order follows vLLM V1:
 3. greedy rows (temperature < 1e-5) take the argmax of those processed logits;
 4. the other rows, sampled as one block: temperature; top-k, top-p and min-p on the rows that use any of them
    (one descending sort serves all three, or a cheaper `topk` when every such row has a top-k); softmax; and the
-   exponential race `argmax(p / q)`, q ~ Exp(1). A seeded request draws its q from its own generator, so the same
-   seed gives the same tokens whatever else shares the batch; unseeded rows draw from torch's global generator.
+   exponential race `argmax(p / q)`, q ~ Exp(1). A seeded request draws the q of its i-th output token from its own
+   generator re-seeded with (seed, i), so the same seed gives the same tokens whatever else shares the batch and
+   however often the request is preempted and resumed; unseeded rows draw from torch's global generator.
 
 Per-row parameters travel to the device as one packed tensor per stage, work no row needs is skipped, and the
 only host sync is the single `.tolist()` at the end.
@@ -40,10 +41,10 @@ class RequestSamplingState:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.device = torch.device(device)
+        # re-seeded before each draw from (seed, output position): see `_exponential_noise`
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=self.device)
-            self.generator.manual_seed(params.seed & _UINT64_MASK)
         # Ids blocked while fewer than min_tokens outputs exist: those that would end the request. With
         # ignore_eos the scheduler does not stop at EOS, so EOS needs no blocking (as vLLM does).
         ending_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -330,15 +331,30 @@ def _kept_prefix(
 
 
 def _exponential_noise(probs: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
-    """q ~ Exp(1) per (row, token): a seeded row draws its row from its own generator, the rest from the global one."""
+    """q ~ Exp(1) per (row, token): the rest from the global generator, and a seeded row from its own generator
+    seeded with (seed, number of outputs so far), so a request's draws depend on nothing but its seed and position:
+    a preempted request, resumed with its outputs, draws the same q as if it had run alone."""
     noise = torch.empty_like(probs)
-    seeded = [(row, state.generator) for row, state in enumerate(states) if state.generator is not None]
+    seeded = [(row, state) for row, state in enumerate(states) if state.generator is not None]
     if len(seeded) < len(states):
         noise.exponential_()
-    for row, generator in seeded:
-        noise[row].exponential_(generator=generator)
+    for row, state in seeded:
+        state.generator.manual_seed(position_seed(state.params.seed, len(state.output_token_ids)))
+        noise[row].exponential_(generator=state.generator)
     # exponential_ can return exactly 0; 0 / 0 would be NaN, which argmax picks.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for output `position` of a request seeded with `seed` (splitmix64 of each in turn)."""
+    return _splitmix64(_splitmix64(seed & _UINT64_MASK) ^ position)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _UINT64_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _UINT64_MASK
+    return x ^ (x >> 31)
 
 
 # ---------------------------------------------------------------- results

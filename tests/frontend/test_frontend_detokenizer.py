@@ -91,6 +91,18 @@ def test_first_completed_stop_string_wins(tokenizer):
     assert "".join(pieces) == "alph"
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    ids = [tokenizer.encode(word)[0] for word in ["Hi", ".", " Yes", ".", " No", "."]]
+    assert "".join(stream(tokenizer, ids, SamplingParams(stop=["."]))[0]) == "Hi"
+    # as vLLM: a stop string counts only once the output has more than min_tokens tokens
+    pieces, detok = stream(tokenizer, ids, SamplingParams(stop=["."], min_tokens=2))
+    assert detok.stop_string == "." and "".join(pieces) == "Hi. Yes"
+    pieces, detok = stream(tokenizer, ids, SamplingParams(stop=["."], min_tokens=4))
+    assert "".join(pieces) == "Hi. Yes. No"
+    pieces, detok = stream(tokenizer, ids, SamplingParams(stop=["."], min_tokens=6))
+    assert detok.stop_string is None and "".join(pieces) == "Hi. Yes. No."
+
+
 def test_hold_back_releases_nothing_that_could_start_a_stop(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["bar"]))
     released = [detok.update(tokenizer.encode(piece)).text for piece in ["foo", " b", "a"]]

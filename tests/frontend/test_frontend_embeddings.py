@@ -21,7 +21,9 @@ from openai import AsyncOpenAI
 from tokenmill.frontend.server import build_app
 from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.config import EngineConfig, ModelConfig, replace
+from frontend_fakes import rejected
 from tokenmill.messages import EngineRequest, RequestOutput
+from tokenmill.scheduler.scheduler import Rejection
 
 MODEL = "minilm"
 HIDDEN = 384
@@ -40,13 +42,13 @@ class FakeEmbeddingEngine:
         self.latest_stats = None
         self.dead_reason: str | None = None
         self.requests: list[EngineRequest] = []
-        self.reject_with: str | None = None
+        self.reject_with: str | Rejection | None = None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
         await asyncio.sleep(0.001 * (len(self.requests) % 3))  # answers arrive out of input order
         if self.reject_with is not None:
-            yield RequestOutput(request.request_id, [], "error", error=self.reject_with)
+            yield rejected(request.request_id, self.reject_with)
             return
         yield RequestOutput(request.request_id, [], "stop", num_prompt_tokens=len(request.prompt_token_ids),
                             embedding=fake_vector(request.prompt_token_ids).tobytes())
@@ -98,7 +100,7 @@ def assert_400(status: int, body: dict, param: str, *words: str) -> None:
         assert word in body["error"]["message"], body["error"]["message"]
 
 
-TEXTS = ["Hi", "How do I bake sourdough bread at home?", "", "vectors " * 40]
+TEXTS = ["Hi", "How do I bake sourdough bread at home?", " ", "vectors " * 40]
 
 
 @run_async
@@ -214,3 +216,21 @@ async def test_prompt_token_metrics_and_tokenize(minilm_model, tokenizer):
     assert f'vllm:prompt_tokens_total{{model_name="{MODEL}"}} {float(resp.usage.prompt_tokens)}' in metrics
     assert f'vllm:request_prompt_tokens_count{{model_name="{MODEL}"}} 2.0' in metrics
     assert f'vllm:request_success_total{{finished_reason="stop",model_name="{MODEL}"}} 2.0' in metrics
+
+
+@run_async
+async def test_empty_string_input_is_400_as_openai(minilm_model, tokenizer):
+    async with serving(minilm_model, tokenizer) as (_, post, engine):
+        for bad in ("", ["a", ""]):
+            status, body = await post("/v1/embeddings", {"input": bad})
+            assert_400(status, body, "input", "empty string")
+        assert engine.requests == []
+
+
+@run_async
+async def test_overloaded_engine_is_429_with_its_message(minilm_model, tokenizer):
+    async with serving(minilm_model, tokenizer) as (_, post, engine):
+        engine.reject_with = Rejection("The server is overloaded: 9 requests are already waiting; retry later.",
+                                       "overloaded")
+        status, body = await post("/v1/embeddings", {"input": ["a", "b"]})
+    assert status == 429 and body["error"]["message"] == engine.reject_with.message

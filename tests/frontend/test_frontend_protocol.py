@@ -38,6 +38,20 @@ def test_every_field_is_carried_over():
     assert params.include_stop_str_in_output and not params.skip_special_tokens
 
 
+def test_generation_config_defaults_fill_only_what_the_request_left_unset():
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                "max_tokens": 8}
+    params = to_sampling_params(completion(), max_tokens=100, logprobs=None, vocab_size=VOCAB, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == \
+        (0.6, 0.9, 20, 0.05, 1.1)
+    assert params.max_tokens == 8  # as vLLM, the generation config's max_new_tokens caps every request
+    request = completion(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+    params = to_sampling_params(request, max_tokens=5, logprobs=None, vocab_size=VOCAB, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == \
+        (0.0, 1.0, 0, 0.0, 1.0)
+    assert params.max_tokens == 5
+
+
 @pytest.mark.parametrize("bias, message", [({"x": 1}, "token ids"), ({"1000": 1}, "out of the vocabulary")])
 def test_bad_logit_bias_is_a_400_naming_the_field(bias, message):
     with pytest.raises(APIError) as info:
@@ -57,7 +71,14 @@ def test_min_tokens_above_max_tokens_is_rejected():
     (b'{"prompt": "x", "n": "two"}', "n"),
     (b'{"prompt": [[1, "a"]]}', "prompt[0][1]"),
     (b'{"max_tokens": 3}', "prompt"),
-    (b'{"prompt": "x", "logprobs": 99}', "logprobs"),
+    (b'{"prompt": "x", "logprobs": -1}', "logprobs"),
+    (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),
+    (b'{"prompt": "x", "seed": -9223372036854775809}', "seed"),
+    (b'{"prompt": "x", "top_k": 100000000000000000000}', "top_k"),
+    (b'{"prompt": "x", "priority": 100000000000000000000}', "priority"),
+    (b'{"prompt": "x", "max_tokens": 100000000000000000000}', "max_tokens"),
+    (b'{"prompt": "x", "min_tokens": 100000000000000000000}', "min_tokens"),
+    (b'{"prompt": "x", "stop_token_ids": [100000000000000000000]}', "stop_token_ids[0]"),
 ])
 def test_completion_validation_names_the_field(body, param):
     with pytest.raises(APIError) as info:

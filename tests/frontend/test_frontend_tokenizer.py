@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -41,11 +42,11 @@ def test_gguf_tokenizer_override_and_chat_template(smollm2_model, tokenizer, tmp
 
     ctx = ServingContext.create(EngineConfig(model=model), FakeEngine(), custom)
     with pytest.raises(APIError) as info:
-        chat_prompt_ids(ctx, [ChatMessage(role="system", content="x")])
+        asyncio.run(chat_prompt_ids(ctx, [ChatMessage(role="system", content="x")]))
     assert info.value.status == 400 and info.value.param == "messages" and "no system role" in info.value.message
     custom.chat_template = None
     with pytest.raises(APIError) as info:
-        chat_prompt_ids(ctx, [ChatMessage(role="user", content="x")])
+        asyncio.run(chat_prompt_ids(ctx, [ChatMessage(role="user", content="x")]))
     assert "no chat template" in info.value.message
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +201,76 @@ def test_an_unsupported_dtype_is_refused_not_misread():
     x = torch.randn(2, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="unsupported dtype torch.float64"):
         cpu_ops.silu_and_mul(x)
+
+
+# ---------------------------------------------------------------- only a library this user built is loaded
+
+
+@pytest.fixture
+def load_spy(tmp_path, monkeypatch):
+    """Builds copy the session's library instead of compiling; fresh private directories go under tmp_path; the
+    paths `library()` hands to ctypes are recorded. Yields (that list, the session's library)."""
+    good = cpu_ops.build()
+    loaded: list[str] = []
+    real_cdll = cpu_ops.ctypes.CDLL
+
+    def fake_compile(args, **kwargs):
+        shutil.copyfile(good, args[args.index("-o") + 1])
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    def spy_cdll(path, *args, **kwargs):
+        loaded.append(path)
+        return real_cdll(path, *args, **kwargs)
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(cpu_ops.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(cpu_ops.subprocess, "run", fake_compile)
+    monkeypatch.setattr(cpu_ops.ctypes, "CDLL", spy_cdll)
+    cpu_ops.library.cache_clear()
+    yield loaded, good
+    monkeypatch.undo()
+    cpu_ops.library.cache_clear()
+
+
+def test_a_good_cached_library_is_loaded(tmp_path, monkeypatch, load_spy, caplog):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(cache))
+    loaded, _ = load_spy
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kernels.cpu_ops"):
+        assert cpu_ops.library() is not None
+    built = cache / cpu_ops.library_name("g++")
+    assert (cache.stat().st_mode & 0o777) == 0o700, "the cache directory is created private"
+    assert (built.stat().st_mode & 0o022) == 0
+    assert loaded == [str(built)] and "refusing" not in caplog.text
+
+
+@pytest.mark.parametrize("make_untrusted", ["library_mode_666", "cache_dir_mode_777", "cache_dir_owned_by_another"])
+def test_an_untrusted_cache_is_refused_and_the_kernels_built_privately(tmp_path, monkeypatch, load_spy, caplog,
+                                                                       make_untrusted):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(cache))
+    loaded, good = load_spy
+    planted = cache / cpu_ops.library_name("g++")
+    cache.mkdir(mode=0o700)
+    shutil.copyfile(good, planted)
+    if make_untrusted == "library_mode_666":
+        planted.chmod(0o666)
+    elif make_untrusted == "cache_dir_mode_777":
+        planted.chmod(0o755)
+        cache.chmod(0o777)
+    else:
+        real_stat = Path.stat
+        monkeypatch.setattr(Path, "stat", lambda self, **kw: _owned_by(real_stat(self, **kw), 12345)
+                            if self == cache else real_stat(self, **kw))
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kernels.cpu_ops"):
+        assert cpu_ops.library() is not None
+    assert len(loaded) == 1 and loaded[0] != str(planted)
+    fresh = Path(loaded[0]).parent
+    assert fresh.parent == tmp_path / "tmp" and (fresh.stat().st_mode & 0o777) == 0o700
+    assert caplog.text.count("refusing the CPU kernel cache") == 1
+
+
+def _owned_by(st: os.stat_result, uid: int) -> os.stat_result:
+    fields = list(st)
+    fields[4] = uid  # st_uid
+    return os.stat_result(fields)

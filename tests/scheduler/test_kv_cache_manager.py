@@ -2,6 +2,7 @@
 
 from sched_testing import make_request
 
+from tokenmill.scheduler import kv_cache_manager
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.request import Request
 
@@ -122,3 +123,47 @@ def test_prefix_caching_disabled_never_hits():
     kv = KVCacheManager(8, BLOCK, enable_prefix_caching=False)
     compute_all(kv, new_request("a", list(range(10))))
     assert kv.find_cached_prefix(new_request("b", list(range(10)))) == []
+
+
+# ---------------------------------------------------------------- colliding keys (vLLM CVE-2025-25183)
+
+
+def collide_every_key(monkeypatch) -> None:
+    """Every block of every request gets the same key: the worst a hash collision can do."""
+    monkeypatch.setattr(kv_cache_manager, "hash_block", lambda parent, token_ids, extra_key: b"\0" * 32)
+
+
+def test_colliding_keys_do_not_share_blocks_between_different_tokens(monkeypatch):
+    collide_every_key(monkeypatch)
+    kv = KVCacheManager(16, BLOCK)
+    victim = new_request("victim", list(range(10)))
+    compute_all(kv, victim)
+    attacker = new_request("attacker", [90, 91, 92, 93] + list(range(4, 10)))
+    assert kv.find_cached_prefix(attacker) == []
+    # a key-only index (the old scheme) would have handed the attacker the victim's first block
+    assert kv.pool.cached[attacker.block_hashes[0]] is kv.req_blocks["victim"][0]
+
+
+def test_colliding_keys_do_not_share_a_block_at_another_position(monkeypatch):
+    collide_every_key(monkeypatch)
+    kv = KVCacheManager(16, BLOCK)
+    compute_all(kv, new_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    # its first block's tokens again as a second block: same tokens, but KV computed after another prefix
+    repeated = new_request("b", [1, 2, 3, 4, 1, 2, 3, 4, 9])
+    assert [b.block_id for b in kv.find_cached_prefix(repeated)] == [kv.block_ids("a")[0]]
+
+
+def test_colliding_keys_still_separate_salts(monkeypatch):
+    collide_every_key(monkeypatch)
+    kv = KVCacheManager(16, BLOCK)
+    compute_all(kv, new_request("a", list(range(10)), salt="alice"))
+    assert kv.find_cached_prefix(new_request("b", list(range(10)), salt="bob")) == []
+    assert len(kv.find_cached_prefix(new_request("c", list(range(10)), salt="alice"))) == 1  # one key, one block
+
+
+def test_identical_prefixes_hash_differently_in_two_managers():
+    first, second = KVCacheManager(8, BLOCK), KVCacheManager(8, BLOCK)
+    a, b = new_request("a", list(range(8))), new_request("b", list(range(8)))
+    compute_all(first, a)
+    compute_all(second, b)
+    assert len(a.block_hashes) == 2 and not set(a.block_hashes) & set(b.block_hashes)

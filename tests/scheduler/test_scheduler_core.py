@@ -72,7 +72,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
 def test_without_chunked_prefill_a_prompt_longer_than_the_budget_is_rejected():
     sched, _ = make_scheduler(max_num_batched_tokens=16, chunked_prefill=False)
     reason = sched.add_request(make_request("a", 17, max_tokens=1))
-    assert reason is not None and "max_num_batched_tokens" in reason
+    assert reason is not None and "max_num_batched_tokens" in reason.message
     assert not sched.has_unfinished_requests()
 
 
@@ -88,23 +88,47 @@ def test_without_chunked_prefill_a_prompt_longer_than_the_budget_is_rejected():
 def test_admission_rejects_requests_that_can_never_run(prompt, max_tokens, needle):
     sched, _ = make_scheduler(max_model_len=128)
     reason = sched.add_request(make_request("a", prompt, max_tokens=max_tokens))
-    assert reason is not None and needle in reason
+    assert reason is not None and needle in reason.message and reason.kind == "invalid"
     assert not sched.has_unfinished_requests()
 
 
-def test_admission_rejects_requests_bigger_than_the_whole_pool():
+def test_admission_rejects_a_prompt_bigger_than_the_whole_pool():
     sched, _ = make_scheduler(num_blocks=4, block_size=4, max_model_len=128)
-    assert sched.add_request(make_request("fits", 12, max_tokens=4)) is None  # 16 tokens = 4 blocks
-    reason = sched.add_request(make_request("too-big", 12, max_tokens=5))
-    assert reason is not None and "blocks" in reason
+    assert sched.add_request(make_request("fits", 16, max_tokens=4)) is None  # 16 tokens = 4 blocks
+    reason = sched.add_request(make_request("too-big", 17, max_tokens=1))
+    assert reason is not None and "blocks" in reason.message
+
+
+@pytest.mark.parametrize("max_tokens", [None, 100])
+def test_a_request_longer_than_the_pool_is_admitted_and_ends_when_it_fills_the_pool(max_tokens):
+    """max_model_len beyond the KV cache (only with an explicit block count): blocks are taken as tokens are
+    scheduled, nothing is reserved for max_tokens up front, and a request alone in the pool ends at its size."""
+    sched, worker = make_scheduler(num_blocks=4, block_size=4, max_model_len=128)
+    assert sched.add_request(make_request("a", 6, max_tokens=max_tokens)) is None
+    outputs = run_to_completion(sched, worker)["a"]
+    assert len(outputs) == 10 and outputs[-1].finish_reason == "length"  # 6 + 10 tokens = the 4 blocks
+    assert sched.kv.pool.num_free_blocks == 4
+
+
+def test_requests_without_max_tokens_share_a_tiny_pool_by_preemption():
+    sched, worker = make_scheduler(num_blocks=6, block_size=4, max_model_len=128)
+    for name in "abc":
+        assert sched.add_request(make_request(name, 5, max_tokens=None)) is None
+    plan, first_outputs = step(sched, worker)
+    assert set(scheduled_tokens(plan)) == {"a", "b", "c"}  # admitted on their prompts alone (2 blocks each)
+    outputs = run_to_completion(sched, worker)
+    assert sched.stats().num_preemptions > 0
+    for name in "abc":
+        assert len(first_outputs) == 3 and len(outputs[name]) == 24 - 5 - 1  # each fills the whole pool alone
+        assert outputs[name][-1].finish_reason == "length"
 
 
 def test_admission_rejects_duplicate_ids_and_a_full_queue():
     sched, _ = make_scheduler(max_waiting_requests=2)
     assert sched.add_request(make_request("a", 4)) is None
-    assert "already in use" in sched.add_request(make_request("a", 4))
+    assert "already in use" in sched.add_request(make_request("a", 4)).message
     assert sched.add_request(make_request("b", 4)) is None
-    assert "overloaded" in sched.add_request(make_request("c", 4))
+    assert sched.add_request(make_request("c", 4)).kind == "overloaded"
 
 
 def test_max_tokens_none_generates_up_to_max_model_len():
@@ -286,6 +310,19 @@ def test_second_request_with_the_same_prompt_hits_the_prefix_cache():
     assert sched.stats().prefix_cache_queries == 0  # counters reset on each report
 
 
+def test_colliding_prefix_cache_keys_never_let_a_request_read_another_requests_kv(monkeypatch):
+    """Every block key collides; the fake worker asserts each request attends only to KV of its own tokens."""
+    from tokenmill.scheduler import kv_cache_manager
+
+    monkeypatch.setattr(kv_cache_manager, "hash_block", lambda parent, token_ids, extra_key: b"\0" * 32)
+    sched, worker = make_scheduler(block_size=4)
+    sched.add_request(make_request("victim", list(range(200, 218)), max_tokens=3))
+    run_to_completion(sched, worker)
+    sched.add_request(make_request("attacker", list(range(300, 318)), max_tokens=3))
+    outputs = run_to_completion(sched, worker)["attacker"]
+    assert outputs[0].num_cached_tokens == 0 and outputs[-1].finish_reason == "length"
+
+
 def test_embedding_requests_run_whole_without_blocks():
     sched, worker = make_scheduler(max_num_batched_tokens=16)
     sched.add_request(make_request("e1", 10, task="embed"))
@@ -302,7 +339,7 @@ def test_embedding_requests_run_whole_without_blocks():
 
 def test_embedding_longer_than_the_budget_is_rejected():
     sched, _ = make_scheduler(max_num_batched_tokens=16)
-    assert "never split" in sched.add_request(make_request("e", 17, task="embed"))
+    assert "never split" in sched.add_request(make_request("e", 17, task="embed")).message
 
 
 def test_stats_report_queues_and_kv_usage():

@@ -92,7 +92,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.specs[request_id] = request
             self.num_outputs[request_id] = 0
         else:
-            assert isinstance(reason, str) and reason
+            assert reason.kind == "invalid" and isinstance(reason.message, str) and reason.message
 
     def admissible(self, request) -> bool:
         """The admission rules, restated independently."""

@@ -234,10 +234,32 @@ def test_a_seed_fixes_the_stream_and_another_seed_changes_it():
 
     def stream(seed: int) -> list[int]:
         state = make_state(seed=seed)
-        return [sample(logits, [state]).token_ids[0] for _ in range(5)]
+        for _ in range(5):
+            state.output_token_ids.append(sample(logits, [state]).token_ids[0])
+        return state.output_token_ids
 
     assert stream(1) == stream(1)
     assert stream(1) != stream(2)
+    assert len(set(stream(1))) > 1  # each position draws afresh
+
+
+def test_a_seeded_request_resumed_after_preemption_continues_its_stream():
+    # The model runner rebuilds a preempted request's state with the outputs it already has; the draw for output
+    # position i depends only on (seed, i), so the resumed request samples what it would have had it kept running.
+    vocab = 500
+    steps = [random_logits(1, vocab, seed=40 + step) for step in range(8)]
+    state = make_state(temperature=1.0, seed=77)
+    for step_logits in steps:
+        state.output_token_ids.append(sample(step_logits, [state]).token_ids[0])
+    uninterrupted = state.output_token_ids
+
+    state = make_state(temperature=1.0, seed=77)
+    for i, step_logits in enumerate(steps):
+        if i in (3, 6):  # preempted, then resumed as a new request carrying its outputs so far
+            outputs, state = state.output_token_ids, make_state(temperature=1.0, seed=77)
+            state.output_token_ids.extend(outputs)
+        state.output_token_ids.append(sample(step_logits, [state]).token_ids[0])
+    assert state.output_token_ids == uninterrupted
 
 
 def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
@@ -275,8 +297,9 @@ def test_seeded_rows_sample_the_right_distribution():
     # A seeded request's own generator must give an unbiased stream too.
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     state = make_state(seed=99)
-    tokens = [sample(probs.log().unsqueeze(0), [state]).token_ids[0] for _ in range(4000)]
-    counts = torch.bincount(torch.tensor(tokens), minlength=4).float()
+    for _ in range(4000):
+        state.output_token_ids.append(sample(probs.log().unsqueeze(0), [state]).token_ids[0])
+    counts = torch.bincount(torch.tensor(state.output_token_ids), minlength=4).float()
     assert chi_square(counts, probs) < 25
 
 

@@ -1,0 +1,60 @@
+"""OpenAI and vLLM request fields tokenmill does not implement: a request that uses one gets a 400 naming it, rather
+than an answer that silently ignores it.
+
+A field counts as used when it holds anything but its no-op value: null, false, an empty list or object, `best_of`
+1, `response_format` {"type": "text"}, `modalities` ["text"], `tool_choice` "none" or "auto" (tools are rendered
+into the prompt, but tool calls are never parsed, so "required" or a named function cannot be honoured), and
+`parallel_tool_calls` unless tools are given. Fields no schema declares are still ignored (`frontend/protocol.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tokenmill.frontend.errors import APIError
+
+
+def _set(value: Any, request: Any) -> bool:
+    return value is not None and value is not False and value != [] and value != {} and value != ""
+
+
+def _not(*no_ops: Any) -> Callable[[Any, Any], bool]:
+    return lambda value, request: _set(value, request) and value not in no_ops
+
+
+# field -> (is it used?, what tokenmill would need for it)
+RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "best_of": (_not(1), "best_of is not implemented; use n"),
+    "suffix": (_set, "suffix (insertion) is not implemented"),
+    "response_format": (_not({"type": "text"}), "structured output (response_format) is not implemented"),
+    "guided_json": (_set, "guided decoding is not implemented"),
+    "guided_regex": (_set, "guided decoding is not implemented"),
+    "guided_choice": (_set, "guided decoding is not implemented"),
+    "guided_grammar": (_set, "guided decoding is not implemented"),
+    "structured_outputs": (_set, "structured outputs are not implemented"),
+    "prompt_logprobs": (_set, "prompt logprobs are not implemented"),
+    "use_beam_search": (_set, "beam search is not implemented"),
+    "truncate_prompt_tokens": (_set, "prompt truncation is implemented for /v1/embeddings only"),
+    "allowed_token_ids": (_set, "allowed_token_ids is not implemented; logit_bias can do the same"),
+    "bad_words": (_set, "bad_words is not implemented"),
+    "tool_choice": (_not("none", "auto"), "tool calls are not parsed, so only tool_choice 'none' or 'auto' can be "
+                                          "honoured"),
+    "parallel_tool_calls": (lambda value, request: value is True and bool(getattr(request, "tools", None)),
+                            "tool calls are not parsed"),
+    "functions": (_set, "function calling is not implemented"),
+    "function_call": (_not("none"), "function calling is not implemented"),
+    "audio": (_set, "audio output is not implemented"),
+    "modalities": (_not(["text"]), "only text output is implemented"),
+    "prediction": (_set, "predicted outputs are not implemented"),
+    "web_search_options": (_set, "web search is not implemented"),
+    "documents": (_set, "documents (RAG) are not passed to the chat template"),
+}
+
+
+def refuse_unsupported(request: Any) -> None:
+    """A 400 naming the first field the request uses that tokenmill does not implement."""
+    for field in getattr(request, "__struct_fields__", ()):
+        rule = RULES.get(field)
+        if rule is not None and rule[0](getattr(request, field), request):
+            raise APIError(400, f"`{field}` is not supported by this server: {rule[1]}.", field)

@@ -1,0 +1,115 @@
+"""Hypothesis strategies for hostile and careless HTTP requests to every endpoint.
+
+A request starts from a valid body for its endpoint and gets a few mutations: fields set to values of the wrong
+type, huge or negative numbers, unicode edge cases (lone surrogates, NUL, emoji, special-token text), empty and huge
+strings, unknown fields, deep nesting, required fields removed. The body is then encoded as JSON or mangled as raw
+bytes (truncated JSON, invalid UTF-8, NaN, a deeply nested array, non-JSON), and sent with one of several content
+types.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+VALID_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3},
+    "/v1/completions": {"prompt": "The capital of France is", "max_tokens": 3},
+    "/v1/embeddings": {"input": ["A cat sat on the mat."]},
+    "/tokenize": {"prompt": "Hello there"},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
+
+# Request fields of the OpenAI and vLLM schemas, valid or not for a given endpoint.
+FIELDS = [
+    "model", "messages", "prompt", "input", "tokens", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user", "stream", "stream_options",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens", "priority", "cache_salt", "logprobs", "top_logprobs", "echo", "chat_template",
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools", "tool_choice",
+    "response_format", "best_of", "suffix", "encoding_format", "dimensions", "truncate_prompt_tokens",
+    "add_special_tokens", "documents", "functions", "parallel_tool_calls", "prompt_logprobs",
+]
+
+EDGE_STRINGS = ["", " ", "\x00", "\ud800", "\udfff", "\ufffd", "😀" * 50, "<|im_start|>system", "<|im_end|>",
+                "{{ 7 * 7 }}", "{% for x in range(10**9) %}x{% endfor %}", "a" * 20_000, "\n" * 1000,
+                "'; DROP TABLE users; --", "\u202e", "ǅ" * 100]
+EDGE_INTS = [0, -1, 1, 2, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, 10**400]
+EDGE_FLOATS = [0.0, -0.0, 1e-320, 1e308, -1e308, 0.5, 2.000001, -2.5, 1e10]
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(EDGE_INTS),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from(EDGE_FLOATS),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(EDGE_STRINGS),
+    st.text(max_size=30),
+)
+values = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8),
+                                                                      children, max_size=4),
+    max_leaves=12,
+)
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "bogus"])
+                           | values, "content": st.sampled_from(EDGE_STRINGS) | values}),
+    max_size=4,
+)
+
+
+@dataclass
+class FuzzRequest:
+    method: str
+    path: str
+    body: bytes
+    content_type: str | None
+
+
+def nested(depth: int) -> bytes:
+    return b'{"prompt": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+
+
+@st.composite
+def json_body(draw, path: str) -> dict:
+    body = dict(VALID_BODIES[path])
+    for _ in range(draw(st.integers(0, 3))):
+        action = draw(st.sampled_from(["set", "set", "set", "delete", "messages"]))
+        if action == "delete" and body:
+            body.pop(draw(st.sampled_from(sorted(body))))
+        elif action == "messages":
+            body["messages"] = draw(messages)
+        else:
+            body[draw(st.sampled_from(FIELDS) | st.text(max_size=12))] = draw(values)
+    return body
+
+
+@st.composite
+def fuzz_requests(draw) -> FuzzRequest:
+    path = draw(st.sampled_from(sorted(VALID_BODIES)))
+    body = draw(json_body(path))
+    if body.get("stream") is True and body.get("max_tokens", 3) not in range(1, 9):
+        body["max_tokens"] = 4  # a stream is read to its end; keep valid ones short
+    encoded = json.dumps(body, ensure_ascii=draw(st.booleans())).encode("utf-8", "surrogatepass")
+    mangle = draw(st.sampled_from(["none"] * 6 + ["truncate", "invalid_utf8", "nan", "nested", "not_json", "empty"]))
+    if mangle == "truncate":
+        encoded = encoded[: draw(st.integers(0, max(0, len(encoded) - 1)))]
+    elif mangle == "invalid_utf8":
+        at = draw(st.integers(0, len(encoded)))
+        encoded = encoded[:at] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80\x80"])) + encoded[at:]
+    elif mangle == "nan":
+        encoded = encoded.replace(b"3", b"NaN", 1) if b"3" in encoded else b'{"temperature": NaN}'
+    elif mangle == "nested":
+        encoded = nested(draw(st.sampled_from([64, 1000, 100_000])))
+    elif mangle == "not_json":
+        encoded = draw(st.sampled_from([b"hello", b"<xml/>", b"\x00\x01\x02", b"[]", b"null", b"1e999", b'"x"']))
+    elif mangle == "empty":
+        encoded = b""
+    content_type = draw(st.sampled_from(["application/json"] * 4 + ["text/plain", "application/x-www-form-urlencoded",
+                                                                     "multipart/form-data", None]))
+    method = draw(st.sampled_from(["POST"] * 12 + ["GET", "PUT", "DELETE"]))
+    return FuzzRequest(method, path, encoded, content_type)
