@@ -34,6 +34,8 @@ def decode_request(body: bytes, request_type: type) -> Any:
         raise validation_error(exc) from None
     except RecursionError:  # msgspec decodes nested JSON recursively, as deep as the interpreter's stack allows
         raise APIError(400, "The request body's JSON is nested too deeply to decode.") from None
+    except UnicodeDecodeError as exc:  # msgspec checks UTF-8 only where a string is decoded, and raises this
+        raise APIError(400, f"The request body is not valid UTF-8 (byte {exc.start}).") from None
 
 
 def encode_json(value: Any) -> bytes:

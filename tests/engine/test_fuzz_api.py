@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tests.engine.api_helpers import metric
@@ -60,16 +60,22 @@ def check_answer(request: FuzzRequest, status: int, body: bytes) -> None:
 
 
 # No shrinking: each step of it is a round of live requests, and the failing request is printed whole anyway.
-@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
                                  HealthCheck.function_scoped_fixture])
 @given(batch=st.lists(st.tuples(st.sampled_from(["chat", "embed"]), fuzz_requests()), min_size=1, max_size=4))
+# failures the generated runs found once, kept so every run tries them
+@example(batch=[("chat", FuzzRequest("POST", "/tokenize", b'{"prompt": "Hi", "messages": [{"content": "\xc7x"}]}', None))])
+@example(batch=[("chat", FuzzRequest("POST", "/v1/chat/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000
+                                     + b"}", "application/json"))])
 def test_no_request_gets_a_5xx_or_a_bare_error(servers, batch):
     with ThreadPoolExecutor(len(batch)) as pool:
         answers = list(pool.map(lambda item: send(servers[item[0]].url, item[1]), batch))
     for (_, request), (status, body) in zip(batch, answers):
         sent["requests"] += 1
         check_answer(request, status, body)
+    if sent["requests"] % 1000 < len(batch):  # progress, for the long run (shown with -s)
+        print(f"fuzz: {sent['requests']} requests, {sent['4xx']} 4xx", flush=True)
 
 
 @pytest.mark.parametrize("name", ["chat", "embed"])

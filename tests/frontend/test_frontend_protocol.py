@@ -104,6 +104,13 @@ def test_malformed_json_is_a_400():
     assert info.value.status == 400 and "not valid JSON" in info.value.message
 
 
+@pytest.mark.parametrize("body", [b'{"prompt": "caf\xc3"}', b'{"prompt": "\xed\xa0\x80"}'])
+def test_invalid_utf8_in_a_string_is_a_400(body):
+    with pytest.raises(APIError) as info:
+        decode_request(body, CompletionRequest)
+    assert info.value.status == 400 and "UTF-8" in info.value.message
+
+
 def test_unknown_fields_are_ignored():
     request = decode_request(b'{"prompt": "x", "suffix": null, "best_of": 1}', CompletionRequest)
     assert request.prompt == "x"
