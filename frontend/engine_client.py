@@ -8,6 +8,7 @@ turns false and new requests fail at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from typing import AsyncIterator, Callable
@@ -18,7 +19,7 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, Ping, Pong, RequestOutput, SchedulerMessage,
-                                SchedulerStats, StepOutputs, decoder, encode)
+                                SchedulerStats, StepOutputs, choice_requests, decoder, encode)
 from tokenmill.processes import make_socket
 
 log = logging.getLogger("tokenmill.engine_client")
@@ -119,30 +120,44 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs step by step; the last one has `finish_reason` set.
-
-        If the caller stops iterating early (client disconnect, stop string found), the request is aborted.
-        """
+    @contextlib.asynccontextmanager
+    async def generate_choices(self, request: EngineRequest) -> AsyncIterator[list[AsyncIterator[RequestOutput]]]:
+        """Send the request once (one message for its n choices) and give one output stream per choice, in choice
+        order; each stream's last output has `finish_reason` set. On leaving, every choice the engine has not
+        finished (client gone, stop string found, error) is aborted."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"The engine stopped: {self.dead_reason}.")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request.request_id] = queue
-        finished = False
+        request_ids = [choice.request_id for choice in choice_requests(request)]
+        queues = {request_id: asyncio.Queue() for request_id in request_ids}
+        self._queues.update(queues)  # before sending: no output may arrive unrouted
+        finished: set[str] = set()
         try:
             await self._to_scheduler.send(encode(request))
-            while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
+            yield [self._outputs(queues[request_id], request_id, finished) for request_id in request_ids]
         finally:
-            self._queues.pop(request.request_id, None)
-            if not finished and self.dead_reason is None:
-                await self._send_abort([request.request_id])
+            for request_id in request_ids:
+                self._queues.pop(request_id, None)
+            unfinished = [request_id for request_id in request_ids if request_id not in finished]
+            if unfinished and self.dead_reason is None:
+                await self._send_abort(unfinished)
+
+    @staticmethod
+    async def _outputs(queue: asyncio.Queue, request_id: str, finished: set[str]) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finish_reason is not None:
+                finished.add(request_id)
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """The outputs of a one-choice request step by step; aborted if the caller stops iterating early."""
+        async with self.generate_choices(request) as (outputs,):
+            async for output in outputs:
+                yield output
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests (idempotent: unknown or finished ids are ignored by the scheduler)."""

@@ -9,6 +9,7 @@ interleaves several choices as their outputs arrive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -21,10 +22,10 @@ import msgspec
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.frontend.errors import APIError, engine_rejection
 from tokenmill.frontend.metrics import FrontendMetrics
-from tokenmill.frontend.outputs import ChoiceDelta, choice_sampling_params, next_delta
+from tokenmill.frontend.outputs import ChoiceDelta, next_delta
 from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo
 from tokenmill.frontend.engine_client import EngineDeadError
-from tokenmill.messages import EngineRequest, SamplingParams
+from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams, choice_requests
 
 log = logging.getLogger("tokenmill.frontend")
 
@@ -34,7 +35,8 @@ class Choice:
 
     index: int
     prompt_index: int
-    request: EngineRequest
+    group: EngineRequest  # the engine request of its prompt, all n choices in one
+    request: EngineRequest  # this choice's part of it, as the scheduler runs it
     detokenizer: IncrementalDetokenizer
     received_at: float  # time.monotonic() when the HTTP request came in: latencies count from there
     num_generated_tokens: int = 0
@@ -44,22 +46,19 @@ class Choice:
 
 def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
                   n: int, *, received_at: float, priority: int = 0, cache_salt: str | None = None) -> list[Choice]:
-    """n choices per prompt, indexed prompt-major as OpenAI orders them; request ids are `{base_id}-{index}` and a
-    seeded request's i-th choice of a prompt gets seed + i.
+    """n choices per prompt, indexed prompt-major as OpenAI orders them. Each prompt is one engine request
+    `{base_id}-{prompt_index}` (one message, one copy of its prompt and params, whatever n is); its choices are that
+    request's `choice_requests` (ids `{request id}-{i}` when n > 1; a seeded request's choice i gets seed + i).
 
-    Stop strings are matched here, by each choice's detokenizer, so the engine's copy of the params leaves them out:
-    the n requests of a prompt carry its logit_bias and stop ids (bounded by the request limits), not its stop list;
-    unseeded choices share one SamplingParams object."""
+    Stop strings are matched here, by each choice's detokenizer, so the engine's copy of the params leaves them out."""
     choices: list[Choice] = []
     arrival = time.time()
     for prompt_index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
-        engine_params = msgspec.structs.replace(prompt_params, stop=[]) if prompt_params.stop else prompt_params
-        for i in range(n):
-            index = prompt_index * n + i
-            request = EngineRequest(request_id=f"{base_id}-{index}", prompt_token_ids=prompt_ids,
-                                    sampling=choice_sampling_params(engine_params, i), arrival_time=arrival,
-                                    priority=priority, cache_salt=cache_salt)
-            choices.append(Choice(index, prompt_index, request,
+        engine_params = msgspec.structs.replace(prompt_params, n=n, stop=[])
+        group = EngineRequest(request_id=f"{base_id}-{prompt_index}", prompt_token_ids=prompt_ids,
+                              sampling=engine_params, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+        for i, request in enumerate(choice_requests(group)):
+            choices.append(Choice(prompt_index * n + i, prompt_index, group, request,
                                   IncrementalDetokenizer(tokenizer, prompt_ids, prompt_params), received_at))
     return choices
 
@@ -99,8 +98,26 @@ class AdmissionControl:
                                    f"Retry later.", "overloaded")
 
 
-async def stream_choice(engine: Any, choice: Choice, metrics: FrontendMetrics,
-                        admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
+async def run_choices(engine: Any, choices: Sequence[Choice], metrics: FrontendMetrics,
+                      admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
+    """Send each prompt's engine request once and yield every choice's deltas as they arrive (`merge_choice_streams`).
+    Leaving early aborts whatever the engine has not finished."""
+    async with contextlib.AsyncExitStack() as groups:
+        outputs: dict[str, AsyncIterator[RequestOutput]] = {}
+        try:
+            for group in {id(c.group): c.group for c in choices}.values():
+                streams = await groups.enter_async_context(engine.generate_choices(group))
+                outputs.update(zip((c.request_id for c in choice_requests(group)), streams))
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc)) from exc
+        streams = [stream_choice(engine, c, outputs[c.request.request_id], metrics, admission) for c in choices]
+        async with aclosing(merge_choice_streams(streams)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+
+async def stream_choice(engine: Any, choice: Choice, engine_outputs: AsyncIterator[RequestOutput],
+                        metrics: FrontendMetrics, admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
     """Yield the choice's deltas; the last has finish_reason. Raises APIError: 400 for a request the engine rejects
     (429 with Retry-After when it is overloaded), 503 when the engine has died."""
     request = choice.request
@@ -109,7 +126,7 @@ async def stream_choice(engine: Any, choice: Choice, metrics: FrontendMetrics,
     engine_done = False
     admission.num_pending += 1
     try:
-        async with aclosing(engine.generate(request)) as outputs:
+        async with aclosing(engine_outputs) as outputs:
             async for out in outputs:
                 if out.error is not None:
                     engine_done = True

@@ -1,9 +1,8 @@
 """A choice's output, assembled once for the server and for the offline `LLM`.
 
-A request with `n` choices becomes n engine requests (`choice_sampling_params`: a seeded request's i-th choice gets
-seed + i). Each engine step's `RequestOutput` for a choice is folded by `next_delta` into a `ChoiceDelta`: the text
-its detokenizer releases, and, on the choice's last step, why it finished. That is the one place finish and stop
-reasons are decided: a stop string ends the choice with finish_reason "stop" and the string as stop_reason; otherwise
+A request's n choices run as `choice_requests` (tokenmill/messages.py) say. Each engine step's `RequestOutput` for a
+choice is folded by `next_delta` into a `ChoiceDelta`: the text its detokenizer releases, and, on the choice's last
+step, why it finished. That is the one place finish and stop reasons are decided: a stop string ends the choice with finish_reason "stop" and the string as stop_reason; otherwise
 the engine's reason stands, with the stop token id as stop_reason (None for EOS, as vLLM). `CompletionOutput` (vLLM's
 name) folds a choice's deltas into the whole choice.
 """
@@ -12,19 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
-
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.messages import RequestOutput, SamplingParams
+from tokenmill.messages import RequestOutput
 
 TokenLogprobs = tuple[float, list[int], list[float]]  # (logprob of the token, top ids, top logprobs)
-
-
-def choice_sampling_params(params: SamplingParams, choice_index: int) -> SamplingParams:
-    """The params of the i-th of n choices: a seeded request gets seed + i, so choices differ but stay reproducible."""
-    if params.seed is None or choice_index == 0:
-        return msgspec.structs.replace(params, n=1) if params.n != 1 else params
-    return msgspec.structs.replace(params, n=1, seed=params.seed + choice_index)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import Choice, build_choices, merge_choice_streams, stream_choice, usage_info
+from tokenmill.frontend.generation import Choice, build_choices, run_choices, usage_info
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
 from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
 from tokenmill.frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -122,7 +122,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     request_id = new_request_id("chatcmpl")
     choices = build_choices(ctx.tokenizer, request_id, [prompt_ids], [params], request.n,
                             received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
-    deltas = merge_choice_streams([stream_choice(ctx.engine, c, ctx.metrics, ctx.admission) for c in choices])
+    deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
     renderer = ChatRenderer(ctx, request, request_id, choices)
     if request.stream:
         return await stream_deltas(http_request, deltas, renderer.chunk, preamble=renderer.role_chunks,

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import Choice, build_choices, merge_choice_streams, stream_choice, usage_info
+from tokenmill.frontend.generation import Choice, build_choices, run_choices, usage_info
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
 from tokenmill.frontend.logprobs import TokenTexts, completion_logprobs
 from tokenmill.frontend.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, decode_request, encode_json,
@@ -71,7 +71,7 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
                             received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
     prompt_echoes = [await _echo_text(ctx, prompt) for prompt in inputs] if request.echo else [""] * len(inputs)
     echoes = [prompt_echoes[c.prompt_index] for c in choices]
-    deltas = merge_choice_streams([stream_choice(ctx.engine, c, ctx.metrics, ctx.admission) for c in choices])
+    deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
     renderer = CompletionRenderer(ctx, request, request_id, choices, echoes)
     if request.stream:
         return await stream_deltas(http_request, deltas, renderer.chunk, epilogue=renderer.usage_chunk)

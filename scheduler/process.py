@@ -19,8 +19,8 @@ import zmq
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, FrontendMessage, Ping, Pong, RequestOutput,
-                                Shutdown, StepOutputs, StepResult, WorkerError, WorkerMessage, WorkerReady, decoder,
-                                encode)
+                                Shutdown, StepOutputs, StepResult, WorkerError, WorkerMessage, WorkerReady,
+                                choice_requests, decoder, encode)
 from tokenmill.processes import become_child_process, make_socket
 
 IDLE_POLL_MS = 1000
@@ -81,9 +81,9 @@ class SchedulerLoop:
         assert self.scheduler is not None
         if isinstance(msg, EngineRequest):
             rejection = self.scheduler.add_request(msg)
-            if rejection is not None:
-                self.publish([RequestOutput(msg.request_id, [], finish_reason="error", error=rejection.message,
-                                            error_kind=rejection.kind)])
+            if rejection is not None:  # every choice learns why
+                self.publish([RequestOutput(choice.request_id, [], finish_reason="error", error=rejection.message,
+                                            error_kind=rejection.kind) for choice in choice_requests(msg)])
         elif isinstance(msg, AbortRequest):
             self.publish(self.scheduler.abort_requests(msg.request_ids))
         elif isinstance(msg, Ping):

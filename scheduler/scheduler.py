@@ -21,7 +21,7 @@ from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (EngineRequest, ErrorKind, FinishReason, NewRequestData, RequestOutput,
-                                RunningRequestData, SchedulerStats, StepPlan, StepResult)
+                                RunningRequestData, SchedulerStats, StepPlan, StepResult, choice_requests)
 
 
 class Rejection(NamedTuple):
@@ -64,22 +64,25 @@ class Scheduler:
     # ------------------------------------------------------------------ admission and aborts
 
     def add_request(self, request: EngineRequest) -> Rejection | None:
-        """Queue a request. Returns None when admitted, else why it was refused: "overloaded" when the waiting queue
-        is full, "invalid" when it can never run."""
-        if len(self.waiting) >= self.config.scheduler.max_waiting_requests:
+        """Queue a request's n choices (`choice_requests`), all or none. Returns None when admitted, else why it was
+        refused: "overloaded" when the waiting queue is full, "invalid" when it can never run."""
+        choices = choice_requests(request)
+        if len(self.waiting) + len(choices) > self.config.scheduler.max_waiting_requests:
             return Rejection(f"The server is overloaded: {len(self.waiting)} requests are already waiting; retry "
                              f"later.", "overloaded")
-        reason = self._admission_error(request)
-        if reason is not None:
-            return Rejection(reason)
+        for choice in choices:
+            reason = self._admission_error(choice)
+            if reason is not None:
+                return Rejection(reason)
         max_tokens = request.sampling.max_tokens
         if request.task == "embed":
             max_tokens = 0
         elif max_tokens is None:
             max_tokens = self.max_model_len - len(request.prompt_token_ids)
-        req = Request(request, next(self._arrival_seq), self.clock(), max_tokens)
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
+        for choice in choices:
+            req = Request(choice, next(self._arrival_seq), self.clock(), max_tokens)
+            self.requests[req.request_id] = req
+            self.waiting.append(req)
         return None
 
     def _admission_error(self, request: EngineRequest) -> str | None:

@@ -19,11 +19,11 @@ import zmq
 from tqdm import tqdm
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.frontend.outputs import CompletionOutput, choice_sampling_params, next_delta
+from tokenmill.frontend.outputs import CompletionOutput, next_delta
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
 from tokenmill.launcher import EngineProcesses, kv_capacity_error
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
-                                SchedulerMessage, SchedulerStats, StepOutputs, decoder, encode)
+                                SchedulerMessage, SchedulerStats, StepOutputs, choice_requests, decoder, encode)
 from tokenmill.processes import make_socket
 
 READY_TIMEOUT_S = 600.0
@@ -200,16 +200,14 @@ class LLM:
             results.append(result)
             if params.max_tokens is None:
                 params = msgspec.structs.replace(params, max_tokens=max(1, self.config.model.max_model_len - len(ids)))
+            group = EngineRequest(request_id=result.request_id, prompt_token_ids=ids, sampling=params,
+                                  arrival_time=time.time(), priority=priority[i] if priority else 0)
             requests = []
-            for index in range(params.n):
-                choice_params = choice_sampling_params(params, index)
+            for index, request in enumerate(choice_requests(group)):  # sent one by one, to fill the window evenly
                 completion = CompletionOutput(index)
                 result.outputs.append(completion)
-                request = EngineRequest(request_id=f"{result.request_id}-{index}", prompt_token_ids=ids,
-                                        sampling=choice_params, arrival_time=time.time(),
-                                        priority=priority[i] if priority else 0)
-                requests.append((request, (result, completion, IncrementalDetokenizer(self.tokenizer, ids,
-                                                                                       choice_params))))
+                requests.append((request, (result, completion,
+                                           IncrementalDetokenizer(self.tokenizer, ids, request.sampling))))
             return requests
 
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)

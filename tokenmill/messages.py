@@ -47,6 +47,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 
 
 class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    """A prompt to run `sampling.n` times: one message, one copy of the prompt and params, whatever n is."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -54,6 +56,20 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+
+
+def choice_requests(request: EngineRequest) -> list[EngineRequest]:
+    """The request's n choices, as the scheduler runs them: choice i is `{request_id}-{i}` (the request itself when n
+    is 1) with n=1, and a seeded request's choice i gets seed + i, so choices differ but stay reproducible. Unseeded
+    choices share one SamplingParams and every choice shares the prompt list."""
+    sampling = request.sampling
+    if sampling.n == 1:
+        return [request]
+    single = msgspec.structs.replace(sampling, n=1)
+    return [msgspec.structs.replace(
+        request, request_id=f"{request.request_id}-{i}",
+        sampling=single if sampling.seed is None or i == 0 else msgspec.structs.replace(single, seed=sampling.seed + i))
+        for i in range(sampling.n)]
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

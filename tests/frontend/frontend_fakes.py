@@ -9,10 +9,11 @@ until aborted (for disconnect tests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from tokenmill.frontend.engine_client import EngineDeadError
-from tokenmill.messages import EngineRequest, RequestOutput, SchedulerStats
+from tokenmill.messages import EngineRequest, RequestOutput, SchedulerStats, choice_requests
 from tokenmill.scheduler.scheduler import Rejection
 
 
@@ -30,12 +31,19 @@ class FakeEngine:
         self.dead_reason: str | None = None
         self.healthy = True
         self.requests: list[EngineRequest] = []
+        self.groups: list[EngineRequest] = []  # what was sent: one request per prompt, its n choices in it
         self.aborted: list[str] = []
         self.replies: list[list[int]] = []  # output tokens of the next requests, in order
         self.reject_with: str | Rejection | None = None
         self.hold = False
         self.step_delay_s = 0.0
         self.aborted_event = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def generate_choices(self, request: EngineRequest):
+        """As the real client: one request, a stream per choice (each recorded in `requests` as its own)."""
+        self.groups.append(request)
+        yield [self.generate(choice) for choice in choice_requests(request)]
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None:

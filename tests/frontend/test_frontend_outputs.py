@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.frontend.outputs import CompletionOutput, choice_sampling_params, next_delta
-from tokenmill.messages import RequestOutput, SamplingParams
+from tokenmill.frontend.outputs import CompletionOutput, next_delta
+from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams, choice_requests
 
 
 def fold(tokenizer, steps: list[RequestOutput], params: SamplingParams) -> CompletionOutput:
@@ -49,8 +49,14 @@ def test_logprobs_stay_none_unless_the_engine_sends_them(tokenizer, ids):
     assert fold(tokenizer, steps, SamplingParams()).logprobs == [entry, entry]
 
 
-def test_choices_get_one_request_each_with_seed_plus_index():
-    params = SamplingParams(n=3, seed=10)
-    assert [choice_sampling_params(params, i).seed for i in range(3)] == [10, 11, 12]
-    assert all(choice_sampling_params(params, i).n == 1 for i in range(3))
-    assert choice_sampling_params(SamplingParams(n=2), 1).seed is None
+def test_one_request_fans_out_into_its_choices_with_seed_plus_index():
+    prompt = [5, 6, 7]
+    group = EngineRequest(request_id="r", prompt_token_ids=prompt, sampling=SamplingParams(n=3, seed=10))
+    choices = choice_requests(group)
+    assert [c.request_id for c in choices] == ["r-0", "r-1", "r-2"]
+    assert [c.sampling.seed for c in choices] == [10, 11, 12] and all(c.sampling.n == 1 for c in choices)
+    assert all(c.prompt_token_ids is prompt for c in choices)  # one prompt, never copied
+    unseeded = choice_requests(EngineRequest(request_id="u", prompt_token_ids=prompt, sampling=SamplingParams(n=2)))
+    assert unseeded[0].sampling is unseeded[1].sampling and unseeded[1].sampling.seed is None
+    single = EngineRequest(request_id="s", prompt_token_ids=prompt, sampling=SamplingParams())
+    assert choice_requests(single) == [single]

@@ -6,7 +6,6 @@ import msgspec
 import pytest
 
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.outputs import choice_sampling_params
 from tokenmill.frontend.protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_max_tokens,
                                decode_request, resolve_max_tokens, to_sampling_params)
 
@@ -142,10 +141,3 @@ def test_chat_token_budget_and_logprobs():
                          ChatCompletionRequest)
     with pytest.raises(APIError):
         chat_logprobs(bad)
-
-
-def test_choice_seeds_are_offset():
-    params = to_sampling_params(completion(seed=10), max_tokens=4, logprobs=None, vocab_size=VOCAB)
-    assert [choice_sampling_params(params, i).seed for i in range(3)] == [10, 11, 12]
-    unseeded = to_sampling_params(completion(), max_tokens=4, logprobs=None, vocab_size=VOCAB)
-    assert choice_sampling_params(unseeded, 2).seed is None

@@ -116,11 +116,13 @@ async def test_completion_many_prompts_and_n(smollm2_model, tokenizer):
         resp = await h.client.completions.create(model=MODEL, prompt=["one two three", "four five six"], n=2,
                                                  seed=5, max_tokens=2)
         requests = {r.request_id: r for r in h.engine.requests}
+        groups = h.engine.groups
+    assert [(g.sampling.n, len(g.prompt_token_ids) > 0) for g in groups] == [(2, True), (2, True)]  # one per prompt
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     first, second = (tokenizer.decode(tokenizer.encode(p)[:2]) for p in ["one two three", "four five six"])
     assert [c.text for c in resp.choices] == [first, first, second, second]
     assert {rid: r.sampling.seed for rid, r in requests.items()} == {
-        f"{resp.id}-0": 5, f"{resp.id}-1": 6, f"{resp.id}-2": 5, f"{resp.id}-3": 6}
+        f"{resp.id}-0-0": 5, f"{resp.id}-0-1": 6, f"{resp.id}-1-0": 5, f"{resp.id}-1-1": 6}  # prompt, then choice
     prompt_tokens = len(tokenizer.encode("one two three")) + len(tokenizer.encode("four five six"))
     assert resp.usage.prompt_tokens == prompt_tokens and resp.usage.completion_tokens == 8
 

@@ -1,6 +1,7 @@
 """Unit tests of the Scheduler: budgets, chunked prefill, admission, preemption and resume, stop rules, aborts,
 prefix-cache reuse, embeddings and stats."""
 
+import msgspec
 import pytest
 from sched_testing import EOS, FakeWorker, make_config, make_request, run_to_completion, scheduled_tokens, step
 
@@ -172,6 +173,19 @@ def test_stop_token_ids_stop_generation():
     assert [o.new_token_ids for o in outputs] == [[9], [42]]
     assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_token_id == 42
     assert outputs[-1].stop_reason == 42
+
+
+def test_one_request_with_n_choices_runs_as_n_requests_admitted_together():
+    sched, worker = make_scheduler(max_waiting_requests=4)
+    group = make_request("g", 5, max_tokens=2)
+    group = msgspec.structs.replace(group, sampling=msgspec.structs.replace(group.sampling, n=3, seed=4))
+    assert sched.add_request(group) is None
+    assert sorted(sched.requests) == ["g-0", "g-1", "g-2"]
+    assert [sched.requests[f"g-{i}"].sampling.seed for i in range(3)] == [4, 5, 6]
+    too_many = make_request("h", 5, max_tokens=2)
+    too_many = msgspec.structs.replace(too_many, sampling=msgspec.structs.replace(too_many.sampling, n=2))
+    assert sched.add_request(too_many).kind == "overloaded"  # 3 waiting + 2 > 4: all or none
+    assert sorted(run_to_completion(sched, worker)) == ["g-0", "g-1", "g-2"]
 
 
 def test_eos_listed_in_stop_token_ids_still_reports_no_stop_reason():
