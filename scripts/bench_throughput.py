@@ -89,7 +89,7 @@ def run_decode_probe(llm, tokenizer, batch_size: int, input_len: int, output_len
                                use_tqdm=False)
         llm.step_listener = None
         try:
-            return recorder.decode_window({f"{result.request_id}-0" for result in results}), output_len
+            return recorder.decode_window({result.request_id for result in results}), output_len  # n=1: one id
         except WindowTooShort:
             longer = min(4 * output_len, llm.engine_info.max_model_len - input_len)
             if longer <= output_len:
