@@ -22,7 +22,7 @@ from tokenmill.frontend.protocol import chat_logprobs as requested_chat_logprobs
 from tokenmill.frontend.sse import stream_deltas
 from tokenmill.frontend.chat_template import RENDERER_ARGS, RenderLimitError, RenderLimits, compile_chat_template
 from tokenmill.frontend.limits import check_sampling_limits
-from tokenmill.frontend.tokenizer import encode_text, server_chat_template
+from tokenmill.frontend.tokenizer import encode_text, render_chat, server_chat_template
 from tokenmill.frontend.unsupported import refuse_unsupported
 
 
@@ -87,8 +87,8 @@ def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], tools: li
                f"is not a variable the chat template reads (it reads: {reads})")
         raise APIError(400, f"chat_template_kwargs key {key!r} {why}.", f"chat_template_kwargs.{key}")
     try:
-        return template.render(messages, limits=RenderLimits.of(ctx.config.server), special_tokens=special_tokens,
-                               tools=tools, kwargs=template_kwargs, **flags)
+        return render_chat(ctx.tokenizer, messages, tools=tools, template_kwargs=template_kwargs, template=template,
+                           limits=RenderLimits.of(ctx.config.server), **flags)
     except jinja2.exceptions.SecurityError as exc:
         raise APIError(400, f"The chat template tried something the sandbox forbids: {exc}", param) from None
     except RenderLimitError as exc:
