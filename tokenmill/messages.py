@@ -16,6 +16,23 @@ from typing import Literal, Union
 import msgspec
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    """A constraint on the output, as vLLM's `structured_outputs`: exactly one of `json` (a JSON schema, serialized),
+    `json_object` (any JSON object), `regex`, `choice` (one of these strings), `grammar` (Lark, or GBNF/EBNF) and
+    `structural_tag` (serialized). The scheduler compiles it (llguidance) and masks every sampled token with it.
+
+    `begin_after_token_ids`: the constraint applies only once the output holds this token sequence (a reasoning
+    model's end of thinking); None constrains from the first token."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    begin_after_token_ids: list[int] | None = None
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     """Per-request sampling, as in vLLM. Also the offline API's user-facing object."""
 
@@ -37,6 +54,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     logprobs: int | None = None  # number of top logprobs to return per sampled token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None  # top logprobs to return per prompt token (the first token's is None)
 
     @property
     def greedy(self) -> bool:
