@@ -77,19 +77,20 @@ class SamplingRequest(Struct, kw_only=True):
     skip_special_tokens: bool = True
     priority: Int64 = 0
     cache_salt: str | None = None
+    # structured outputs: at most one of these, read and checked by frontend/structured_outputs.py
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # not implemented: a request that sets one (to more than its no-op value) is refused (frontend/unsupported.py)
     best_of: Any = None
-    response_format: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):

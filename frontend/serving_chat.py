@@ -23,6 +23,7 @@ from tokenmill.frontend.sse import stream_deltas
 from tokenmill.frontend.chat_template import RENDERER_ARGS, RenderLimitError, RenderLimits, compile_chat_template
 from tokenmill.frontend.limits import check_sampling_limits
 from tokenmill.frontend.tokenizer import encode_text, render_chat, server_chat_template
+from tokenmill.frontend.structured_outputs import structured_outputs_params
 from tokenmill.frontend.unsupported import refuse_unsupported
 
 
@@ -118,6 +119,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     max_tokens = resolve_max_tokens(chat_max_tokens(request), len(prompt_ids), ctx.max_model_len)
     params = to_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, vocab_size=ctx.vocab_size,
                                 defaults=ctx.config.model.generation_defaults)
+    params.structured_outputs = await structured_outputs_params(ctx, request)
     ctx.admission.check(ctx.engine, request.n)
     request_id = new_request_id("chatcmpl")
     choices = build_choices(ctx.tokenizer, request_id, [prompt_ids], [params], request.n,

@@ -17,6 +17,7 @@ from tokenmill.frontend.protocol import (CompletionChoice, CompletionRequest, Co
 from tokenmill.frontend.sse import stream_deltas
 from tokenmill.frontend.limits import check_sampling_limits
 from tokenmill.frontend.tokenizer import encode_texts
+from tokenmill.frontend.structured_outputs import structured_outputs_params
 from tokenmill.frontend.unsupported import refuse_unsupported
 
 
@@ -65,6 +66,9 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
                                  max_tokens=resolve_max_tokens(request.max_tokens, len(ids), ctx.max_model_len,
                                                                prompt_param="prompt"))
               for _, ids in inputs]
+    structured_outputs = await structured_outputs_params(ctx, request)
+    for prompt_params in params:
+        prompt_params.structured_outputs = structured_outputs
     ctx.admission.check(ctx.engine, len(inputs) * request.n)
     request_id = new_request_id("cmpl")
     choices = build_choices(ctx.tokenizer, request_id, [ids for _, ids in inputs], params, request.n,

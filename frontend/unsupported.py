@@ -2,7 +2,7 @@
 than an answer that silently ignores it.
 
 A field counts as used when it holds anything but its no-op value: null, false, an empty list or object, `best_of`
-1, `response_format` {"type": "text"}, `modalities` ["text"], `tool_choice` "none" or "auto" (tools are rendered
+1, `modalities` ["text"], `tool_choice` "none" or "auto" (tools are rendered
 into the prompt, but tool calls are never parsed, so "required" or a named function cannot be honoured), and
 `parallel_tool_calls` unless tools are given. Fields no schema declares are still ignored (`frontend/protocol.py`).
 """
@@ -27,12 +27,6 @@ def _not(*no_ops: Any) -> Callable[[Any, Any], bool]:
 RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "best_of": (_not(1), "best_of is not implemented; use n"),
     "suffix": (_set, "suffix (insertion) is not implemented"),
-    "response_format": (_not({"type": "text"}), "structured output (response_format) is not implemented"),
-    "guided_json": (_set, "guided decoding is not implemented"),
-    "guided_regex": (_set, "guided decoding is not implemented"),
-    "guided_choice": (_set, "guided decoding is not implemented"),
-    "guided_grammar": (_set, "guided decoding is not implemented"),
-    "structured_outputs": (_set, "structured outputs are not implemented"),
     "prompt_logprobs": (_set, "prompt logprobs are not implemented"),
     "use_beam_search": (_set, "beam search is not implemented"),
     "truncate_prompt_tokens": (_set, "prompt truncation is implemented for /v1/embeddings only"),
@@ -52,9 +46,10 @@ RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
 }
 
 
-def refuse_unsupported(request: Any) -> None:
-    """A 400 naming the first field the request uses that tokenmill does not implement."""
+def refuse_unsupported(request: Any, rules: dict[str, tuple[Callable[[Any, Any], bool], str]] = RULES) -> None:
+    """A 400 naming the first field the request uses that tokenmill does not implement (by `rules`: chat and
+    completions use RULES; /v1/responses has its own, in frontend/responses_protocol.py)."""
     for field in getattr(request, "__struct_fields__", ()):
-        rule = RULES.get(field)
+        rule = rules.get(field)
         if rule is not None and rule[0](getattr(request, field), request):
             raise APIError(400, f"`{field}` is not supported by this server: {rule[1]}.", field)

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.scheduler.structured_outputs import GrammarCompiler, grammar_tokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, FrontendMessage, Ping, Pong, RequestOutput,
                                 Shutdown, StepOutputs, StepResult, WorkerError, WorkerMessage, WorkerReady,
@@ -68,8 +69,12 @@ class SchedulerLoop:
     def start(self) -> None:
         readies = self.wait_for_workers()
         num_blocks = min(r.num_kv_blocks for r in readies)
-        self.scheduler = Scheduler(self.config, num_blocks, readies[0].eos_token_ids)
         first = readies[0]
+        grammars = None
+        if first.vocab_size:  # a language model: structured outputs can constrain it
+            grammars = GrammarCompiler(lambda: grammar_tokenizer(self.config.model, first.vocab_size,
+                                                                 first.eos_token_ids))
+        self.scheduler = Scheduler(self.config, num_blocks, first.eos_token_ids, grammars=grammars)
         self.to_frontend.send(encode(EngineReady(
             num_kv_blocks=num_blocks, block_size=self.config.cache.block_size,
             max_model_len=self.config.model.max_model_len, weight_bytes=sum(r.weight_bytes for r in readies),
@@ -159,7 +164,7 @@ class SchedulerLoop:
             step_start = time.perf_counter()
             plan = sched.schedule()
             if plan is None:
-                self.publish([])  # keeps stats flowing while idle or while nothing fits
+                self.publish(sched.take_pending_outputs())  # also keeps stats flowing while idle
                 if sched.has_unfinished_requests():
                     self.drain_frontend(10)
                 continue

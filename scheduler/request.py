@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 
 from tokenmill.messages import EngineRequest, FinishReason, SamplingParams
+from tokenmill.scheduler.structured_outputs import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -24,7 +25,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling", "task", "priority", "cache_salt", "arrival_seq",
         "enqueue_time", "max_tokens", "all_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
         "finish_reason", "block_hashes", "num_preemptions", "on_worker", "num_tokens_on_worker",
-        "num_blocks_on_worker",
+        "num_blocks_on_worker", "grammar",
     )
 
     def __init__(self, engine_request: EngineRequest, arrival_seq: int, enqueue_time: float, max_tokens: int) -> None:
@@ -48,6 +49,7 @@ class Request:
         self.on_worker = False
         self.num_tokens_on_worker = 0
         self.num_blocks_on_worker = 0
+        self.grammar: RequestGrammar | None = None  # its structured-output matcher, when it has a constraint
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, NamedTuple
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
 from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.scheduler.structured_outputs import GrammarCompiler, GrammarError, RequestGrammar
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (EngineRequest, ErrorKind, FinishReason, NewRequestData, RequestOutput,
                                 RunningRequestData, SchedulerStats, StepPlan, StepResult, choice_requests)
@@ -33,7 +34,8 @@ class Rejection(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: list[int],
-                 clock: Callable[[], float] = time.monotonic, policy: SchedulingPolicy | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, policy: SchedulingPolicy | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.config = config
         self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -51,6 +53,7 @@ class Scheduler:
         # that is never used keeps the manager free of special cases
         self.kv = KVCacheManager(max(num_kv_blocks, 1), self.block_size, config.cache.enable_prefix_caching)
 
+        self.grammars = grammars  # compiles structured-output constraints; None: such requests are refused
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -60,6 +63,7 @@ class Scheduler:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._num_preemptions = 0
+        self._pending_outputs: list[RequestOutput] = []  # outputs found while planning (grammars that failed)
 
     # ------------------------------------------------------------------ admission and aborts
 
@@ -79,8 +83,12 @@ class Scheduler:
             max_tokens = 0
         elif max_tokens is None:
             max_tokens = self.max_model_len - len(request.prompt_token_ids)
+        constraint = request.sampling.structured_outputs
+        compiled = self.grammars.compile(constraint) if constraint is not None else None
         for choice in choices:
             req = Request(choice, next(self._arrival_seq), self.clock(), max_tokens)
+            if compiled is not None:
+                req.grammar = RequestGrammar(compiled, constraint.begin_after_token_ids)
             self.requests[req.request_id] = req
             self.waiting.append(req)
         return None
@@ -91,6 +99,8 @@ class Scheduler:
             return f"Request id {request.request_id!r} is already in use."
         if num_prompt == 0:
             return "The prompt is empty."
+        if request.sampling.structured_outputs is not None and (self.grammars is None or request.task == "embed"):
+            return "Structured outputs are not available on this engine."
         if request.task == "embed":
             if num_prompt > self.max_model_len:
                 return (f"The input has {num_prompt} tokens, more than the model's maximum context length "
@@ -176,6 +186,8 @@ class Scheduler:
         for req in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.grammar is not None and not self._grammar_ready(req):
+                continue  # still compiling (or failed): the others go ahead
             if req.is_embedding:
                 if req.num_tokens > budget:
                     break  # never chunked: wait for a step with room
@@ -209,6 +221,27 @@ class Scheduler:
         if admitted_any:
             self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
         return budget
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """Whether a waiting request's grammar is compiled; a grammar that failed finishes the request with why."""
+        if not req.grammar.compiled:
+            return False
+        try:
+            req.grammar.start()
+            return True
+        except GrammarError as exc:
+            self._finish(req, "error")
+            self._pending_outputs.append(RequestOutput(
+                req.request_id, [], "error", num_prompt_tokens=req.num_prompt_tokens,
+                error=f"The structured-output constraint cannot be used: {exc}", error_kind="invalid"))
+            return False
+
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs that planning produced (requests it had to fail), for the caller to publish."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if outputs:
+            self._drop_finished_from_queues()
+        return outputs
 
     def _victim_for_waiting(self, waiting_req: Request, now: float) -> Request | None:
         """Under a policy that allows it, the running request with the worst key if that key is worse than the
@@ -258,9 +291,20 @@ class Scheduler:
             req.num_blocks_on_worker = len(blocks)
             req.num_computed_tokens += num_scheduled
         plan = StepPlan(self._next_step_id, new_requests, running, self._finished_on_workers)
+        self._add_grammar_bitmask(plan, scheduled)
         self._next_step_id += 1
         self._finished_on_workers = []
         return plan
+
+    def _add_grammar_bitmask(self, plan: StepPlan, scheduled: dict[str, int]) -> None:
+        """The allowed-token bitmask of every constrained request that samples this step, one row each."""
+        constrained = [self.requests[request_id] for request_id in scheduled]
+        constrained = [r for r in constrained if r.grammar is not None and r.grammar.active
+                       and r.num_computed_tokens == r.num_tokens]
+        if constrained:
+            bitmask = self.grammars.fill_bitmask([r.grammar.matcher for r in constrained])
+            plan.grammar_request_ids = [r.request_id for r in constrained]
+            plan.grammar_bitmask = bitmask.tobytes()
 
     # ------------------------------------------------------------------ applying a step's result
 
@@ -272,7 +316,7 @@ class Scheduler:
         for req in planned_alive:
             self.kv.cache_computed_blocks(req)  # their KV is written now: shareable
 
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self.take_pending_outputs()
         answered: set[str] = set()
         logprobs = result.logprobs
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
@@ -284,9 +328,17 @@ class Scheduler:
             answered.add(request_id)
             req.all_token_ids.append(token_id)
             finish_reason, stop_token_id, stop_reason = self._stop_reason(req, token_id)
+            error = None
+            if req.grammar is not None and finish_reason is None:
+                error = req.grammar.accept(token_id, req.output_token_ids)
+                if error is not None:
+                    finish_reason = "error"
+                elif req.grammar.finished:
+                    finish_reason = "stop"  # the grammar is complete: nothing but end of sequence could follow
             outputs.append(RequestOutput(
                 request_id, [token_id], finish_reason, stop_token_id, req.num_prompt_tokens,
-                max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs else None, stop_reason=stop_reason))
+                max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs else None, error=error,
+                stop_reason=stop_reason, prompt_logprobs=(result.prompt_logprobs or {}).get(request_id)))
             if finish_reason is not None:
                 self._finish(req, finish_reason)
 
@@ -326,6 +378,7 @@ class Scheduler:
         """Mark finished, free its blocks now, tell the workers to forget it. The caller drops it from the queues."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.grammar = None
         self.kv.free(req)
         del self.requests[req.request_id]
         if req.on_worker:

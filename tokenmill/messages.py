@@ -11,25 +11,25 @@ one decoder per socket reads a union of message kinds. Nothing here is ever pick
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
-    """A constraint on the output, as vLLM's `structured_outputs`: exactly one of `json` (a JSON schema, serialized),
+    """A constraint on the output, as vLLM's `structured_outputs`: exactly one of `json` (a JSON schema),
     `json_object` (any JSON object), `regex`, `choice` (one of these strings), `grammar` (Lark, or GBNF/EBNF) and
-    `structural_tag` (serialized). The scheduler compiles it (llguidance) and masks every sampled token with it.
+    `structural_tag`. The scheduler compiles it (llguidance) and masks every sampled token with it.
 
     `begin_after_token_ids`: the constraint applies only once the output holds this token sequence (a reasoning
     model's end of thinking); None constrains from the first token."""
 
-    json: str | None = None
+    json: str | dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    structural_tag: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     begin_after_token_ids: list[int] | None = None
 
 
@@ -105,6 +105,9 @@ FrontendMessage = Union[EngineRequest, AbortRequest, Ping]
 # ---------------------------------------------------------------- scheduler -> frontend
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# a prompt token's logprob (from the position before it): (its logprob, its rank in the vocabulary (1 = most likely),
+# top ids, top logprobs); the raw model distribution, as vLLM's prompt_logprobs
+PromptLogprobsEntry = tuple[float, int, list[int], list[float]]
 # why a request was refused: "overloaded" (retry later; the frontend answers 429 with Retry-After) or "invalid"
 ErrorKind = Literal["overloaded", "invalid"]
 
@@ -124,6 +127,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     stop_reason: int | None = None  # the `stop_token_ids` entry that finished it; None for EOS (as vLLM)
     error_kind: ErrorKind | None = None  # with `error`: why it was refused; None reads as "invalid"
+    # with a request's first output when it asked for prompt_logprobs: one entry per prompt token after the first
+    prompt_logprobs: list[PromptLogprobsEntry] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -193,6 +198,10 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True):
     new_requests: list[NewRequestData]
     running: list[RunningRequestData]
     finished_ids: list[str]  # forget these (finished, aborted or preempted) before running the step
+    # structured outputs: the requests sampled under a grammar this step, and their allowed-token bitmask
+    # (int32 rows of ceil(vocab / 32) words, bit t of a row set when token t is allowed), one row each, in order
+    grammar_request_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -213,6 +222,7 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     dtype: str
     architecture: str
     eos_token_ids: list[int] = []
+    vocab_size: int = 0  # the logits' width (0: no language-model head)
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -224,6 +234,8 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     logprobs: list[tuple[float, list[int], list[float]]] | None = None  # aligned with request_ids
     embeddings: dict[str, bytes] | None = None  # finished embedding requests: float32 raw
     model_time_s: float = 0.0
+    # requests whose prompt (asking for prompt_logprobs) completed this step: every prompt position's entry
+    prompt_logprobs: dict[str, list[PromptLogprobsEntry]] | None = None
 
 
 class WorkerError(msgspec.Struct, tag=True, array_like=True):

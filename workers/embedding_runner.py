@@ -57,6 +57,10 @@ class EmbeddingRunner(ModelRunner):
         if not self.encoder:
             self._allocate_step_cache()
 
+    @property
+    def vocab_size(self) -> int:
+        return 0  # no language-model head: nothing to sample or constrain
+
     def build_model(self) -> torch.nn.Module:
         self.encoder = is_encoder(self.architecture)
         if not self.encoder:

@@ -28,7 +28,10 @@ from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, grap
 from tokenmill.workers.model_loader import iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
 from tokenmill.workers.models.registry import architecture_of, model_class
+from tokenmill.workers.prompt_logprobs import (PromptLogprobsState, compute_prompt_logprobs, prompt_logprobs_state,
+                                               prompt_rows)
 from tokenmill.workers.sampler import RequestSamplingState, sample
+from tokenmill.workers.grammar_mask import apply_grammar_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ class _Request:
     block_ids: list[int]
     task: str
     sampling: RequestSamplingState | None  # None for embedding requests
+    prompt_logprobs: PromptLogprobsState | None = None  # while its prompt logprobs are being computed
 
 
 @dataclass
@@ -157,6 +161,11 @@ class ModelRunner:
         if eos is None:
             return []
         return [int(eos)] if isinstance(eos, int) else [int(token) for token in eos]
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits the sampler sees."""
+        return int(self.hf_config.vocab_size)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across every layer, K and V."""
@@ -350,12 +359,18 @@ class ModelRunner:
             hidden = graphs.run(batch.input_ids, batch.positions, batch.attn)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        rows = prompt_rows(scheduled)  # every rank: the LM head over the prompt positions that ask for logprobs
+        prompt_logprobs = rows and compute_prompt_logprobs(self.model.compute_logits, hidden, rows, self.rank,
+                                                           max(8, self.config.scheduler.max_num_seqs // 2))
         if not batch.sampled_requests:
             return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
         # every rank: the vocab-parallel LM head gathers its logits from all of them
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         if self.rank != 0:
             return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
+        if plan.grammar_request_ids:
+            logits = apply_grammar_bitmask(logits, [request.request_id for request in batch.sampled_requests],
+                                           plan.grammar_request_ids, plan.grammar_bitmask)
         states = [request.sampling for request in batch.sampled_requests]
         result = sample(logits, states)
         for state, token_id in zip(states, result.token_ids):
@@ -366,6 +381,7 @@ class ModelRunner:
             result.token_ids,
             logprobs=result.logprobs,
             model_time_s=time.perf_counter() - started,
+            prompt_logprobs=prompt_logprobs or None,
         )
 
     def _add_request(self, new: NewRequestData) -> _Request:
@@ -375,6 +391,7 @@ class ModelRunner:
             sampling = RequestSamplingState(new.sampling, prompt, self.eos_token_ids, self.device)
             sampling.output_token_ids.extend(new.token_ids[new.num_prompt_tokens :])  # resumed after preemption
         request = _Request(new.request_id, list(new.token_ids), list(new.block_ids), new.task, sampling)
+        request.prompt_logprobs = prompt_logprobs_state(new)
         self._requests[new.request_id] = request
         return request
 

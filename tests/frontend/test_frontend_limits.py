@@ -98,11 +98,8 @@ def test_json_depth():
 UNSUPPORTED = [
     ("/v1/completions", {"best_of": 2}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function"}], "parallel_tool_calls": True}, "parallel_tool_calls"),

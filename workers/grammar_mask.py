@@ -1,0 +1,47 @@
+"""Apply the scheduler's structured-output bitmask to a step's logits, on the logits' device, before sampling.
+
+The scheduler sends one int32 row of ceil(vocab / 32) words per constrained request (bit t set: token t allowed).
+The rows are unpacked into a boolean mask with two tensor ops and every disallowed logit becomes -inf, so the
+sampler (greedy, random, logprobs) sees only what the grammar allows. Ids past the bitmask's width are disallowed. A
+row that allows nothing (a matcher in an error state) is left as it is: the scheduler then rejects the sampled token
+and ends the request with the error, rather than the sampler drawing from all -inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def allowed_tokens(bitmask: bytes, num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[num_rows, vocab_size] bool: the unpacked bitmask."""
+    words = torch.from_numpy(np.frombuffer(bitmask, dtype=np.int32).reshape(num_rows, -1).copy()).to(device)
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(num_rows, -1)
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, row_request_ids: Sequence[str], grammar_request_ids: Sequence[str],
+                          bitmask: bytes) -> torch.Tensor:
+    """`logits` ([N, V], one row per sampled request, in `row_request_ids` order) with every token the grammar of
+    the row's request disallows at -inf. Returns a float32 tensor (a new one unless `logits` already was float32)."""
+    row_of = {request_id: row for row, request_id in enumerate(row_request_ids)}
+    mask_rows = [i for i, request_id in enumerate(grammar_request_ids) if request_id in row_of]
+    if not mask_rows:
+        return logits
+    logits = logits.float()
+    allowed = allowed_tokens(bitmask, len(grammar_request_ids), logits.shape[1], logits.device)
+    if len(mask_rows) != len(grammar_request_ids):
+        allowed = allowed[mask_rows]
+    rows = torch.tensor([row_of[grammar_request_ids[i]] for i in mask_rows], dtype=torch.long, device=logits.device)
+    allowed = allowed | ~allowed.any(dim=1, keepdim=True)  # a row that allows nothing is left to the scheduler
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
