@@ -1,8 +1,9 @@
 """The request limits that are server flags (`ServerConfig.max_*`): past one, a 400 naming the field and the limit.
 
-`n`, completions `logprobs` / chat `top_logprobs`, the number and length of `stop` strings, `stop_token_ids` and
-`logit_bias` entries, and the nesting depth of the free-form JSON fields (tools, tool_choice, chat_template_kwargs,
-a message's tool_calls). msgspec bounds the integers while decoding (`frontend/protocol.py`).
+`n`, completions `logprobs` / chat `top_logprobs` and `prompt_logprobs` (all --max-logprobs), the number and length
+of `stop` strings, `stop_token_ids` and `logit_bias` entries, and the nesting depth of the free-form JSON fields
+(tools, tool_choice, chat_template_kwargs, structured-output schemas, a message's tool_calls). msgspec bounds the
+integers while decoding (`frontend/protocol.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 from tokenmill.config import ServerConfig
 from tokenmill.frontend.errors import APIError
 
-FREE_FORM_FIELDS = ("tools", "tool_choice", "chat_template_kwargs")
+FREE_FORM_FIELDS = ("tools", "tool_choice", "chat_template_kwargs", "response_format", "structured_outputs",
+                    "guided_json")
 
 
 def _at_most(value: int, limit: int, param: str, what: str, flag: str) -> None:
@@ -26,6 +28,8 @@ def check_sampling_limits(request: Any, limits: ServerConfig, *, logprobs: int |
     _at_most(request.n, limits.max_n, "n", "n", "--max-n")
     if logprobs is not None:
         _at_most(logprobs, limits.max_logprobs, logprobs_param, logprobs_param, "--max-logprobs")
+    if getattr(request, "prompt_logprobs", None) is not None:
+        _at_most(request.prompt_logprobs, limits.max_logprobs, "prompt_logprobs", "prompt_logprobs", "--max-logprobs")
     stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
     _at_most(len(stops), limits.max_stop_strings, "stop", "The number of stop strings", "--max-stop-strings")
     longest = max(map(len, stops), default=0)

@@ -62,11 +62,16 @@ def requested_structured_outputs(request: Any) -> tuple[StructuredOutputsParams,
     return found[0] if found else None
 
 
-def _convert(value: dict[str, Any], param: str) -> StructuredOutputsParams:
+def _convert(value: Any, param: str) -> StructuredOutputsParams:
+    """`value` (an object with vLLM's `structured_outputs` keys) as params; 400 naming `param` on a bad type."""
     try:
-        return msgspec.convert(value, StructuredOutputsParams)
+        field = msgspec.convert(value, StructuredOutputsField)
     except msgspec.ValidationError as exc:
         raise APIError(400, f"Invalid {param}: {exc}", param) from None
+    constraint = {key: getattr(field, key) for key in CONSTRAINT_KEYS if getattr(field, key) not in (None, False)}
+    if len(constraint) != 1:
+        raise APIError(400, f"{param} must set exactly one of " + ", ".join(CONSTRAINT_KEYS), param)
+    return StructuredOutputsParams(**constraint)
 
 
 def _from_response_format(value: Any) -> StructuredOutputsParams | None:
@@ -91,21 +96,15 @@ def _from_response_format(value: Any) -> StructuredOutputsParams | None:
 
 
 def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
-    try:
-        field = msgspec.convert(value, StructuredOutputsField)
-    except msgspec.ValidationError as exc:
-        raise APIError(400, f"Invalid structured_outputs: {exc}", "structured_outputs") from None
+    params = _convert(value, "structured_outputs")
+    field = msgspec.convert(value, StructuredOutputsField)
     if field.backend not in BACKENDS:
         raise APIError(400, f"structured_outputs backend {field.backend!r} is not available: this server uses "
                             f"llguidance", "structured_outputs.backend")
     if field.disable_additional_properties:
         raise APIError(400, "disable_additional_properties is not implemented; set `additionalProperties: false` "
                             "in the schema", "structured_outputs.disable_additional_properties")
-    constraint = {key: getattr(field, key) for key in CONSTRAINT_KEYS if getattr(field, key) not in (None, False)}
-    if len(constraint) != 1:
-        raise APIError(400, "structured_outputs must set exactly one of " + ", ".join(CONSTRAINT_KEYS),
-                       "structured_outputs")
-    return msgspec.convert(constraint, StructuredOutputsParams)
+    return params
 
 
 def check_structured_outputs(params: StructuredOutputsParams, param: str) -> None:

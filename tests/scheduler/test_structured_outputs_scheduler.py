@@ -1,0 +1,166 @@
+"""Structured outputs in the scheduler: real llguidance matchers over the default model's tokenizer, a fake worker
+that samples at random among the tokens the plan's bitmask allows (as the real sampler does after masking)."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import jsonschema
+import numpy as np
+import pytest
+from llguidance.hf import from_tokenizer
+
+from tests.scheduler.sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
+from tokenmill.messages import StepPlan, StepResult, StructuredOutputsParams
+from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.scheduler.structured_outputs import GrammarCompiler
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "tags", "n"], "additionalProperties": False}
+UNCONSTRAINED_TOKEN = 7
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer(tokenizer):
+    return from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
+
+
+class MaskingWorker(FakeWorker):
+    """Samples each constrained row uniformly among its allowed tokens (end of sequence only when nothing else is
+    allowed); unconstrained rows get UNCONSTRAINED_TOKEN, or the scripted tokens of `script`."""
+
+    def __init__(self, block_size: int, eos: int, seed: int = 0, script: dict[str, list[int]] | None = None):
+        super().__init__(block_size)
+        self.eos = eos
+        self.rng = random.Random(seed)
+        self.script = script or {}
+        self.constrained_steps: dict[str, int] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = super().execute(plan)
+        rows = {}
+        if plan.grammar_request_ids:
+            words = np.frombuffer(plan.grammar_bitmask, dtype=np.int32).reshape(len(plan.grammar_request_ids), -1)
+            rows = dict(zip(plan.grammar_request_ids, words))
+        tokens = []
+        for request_id in result.request_ids:
+            if request_id in rows:
+                self.constrained_steps[request_id] = self.constrained_steps.get(request_id, 0) + 1
+                bits = np.unpackbits(rows[request_id].view(np.uint8), bitorder="little")
+                allowed = [t for t in np.flatnonzero(bits).tolist() if t != self.eos] or [self.eos]
+                tokens.append(self.rng.choice(allowed))
+            elif self.script.get(request_id):
+                tokens.append(self.script[request_id].pop(0))
+            else:
+                tokens.append(UNCONSTRAINED_TOKEN)
+        return StepResult(result.step_id, result.request_ids, tokens)
+
+
+def make_scheduler(tokenizer, compiler, *, num_blocks=256, **config) -> Scheduler:
+    config.setdefault("max_model_len", 256)
+    return Scheduler(make_config(**config), num_blocks, [tokenizer.eos_token_id], grammars=compiler)
+
+
+def constrained(request_id, prompt, max_tokens=120, **params):
+    constraint = StructuredOutputsParams(**(params or {"json": json.dumps(SCHEMA)}))
+    return make_request(request_id, prompt, max_tokens, structured_outputs=constraint)
+
+
+def compiled(scheduler: Scheduler) -> Scheduler:
+    """Wait until every queued grammar has compiled (or failed), so the first step can schedule them."""
+    for req in scheduler.requests.values():
+        if req.grammar is not None:
+            req.grammar._compiled.exception(timeout=60)
+    return scheduler
+
+
+def texts(tokenizer, outputs) -> dict[str, str]:
+    return {rid: tokenizer.decode([t for o in outs for t in o.new_token_ids]) for rid, outs in outputs.items()}
+
+
+def test_constrained_requests_write_valid_json_and_free_everything(tokenizer, ll_tokenizer):
+    compiler = GrammarCompiler(lambda: ll_tokenizer)
+    scheduler = make_scheduler(tokenizer, compiler)
+    for i in range(3):
+        assert scheduler.add_request(constrained(f"r{i}", 10 + i)) is None
+    group = constrained("pair", 9)
+    group.sampling.n = 2
+    assert scheduler.add_request(group) is None
+    assert len(compiler._cache) == 1  # one schema, compiled once for all five choices
+    outputs = run_to_completion(compiled(scheduler), MaskingWorker(4, tokenizer.eos_token_id, seed=1))
+    assert sorted(outputs) == ["pair-0", "pair-1", "r0", "r1", "r2"]
+    for request_id, text in texts(tokenizer, outputs).items():
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert outputs[request_id][-1].finish_reason == "stop", request_id
+    assert scheduler.kv.usage == 0 and not scheduler.requests
+
+
+def test_a_request_waiting_for_its_grammar_holds_up_no_one(tokenizer, ll_tokenizer):
+    tokenizer_ready = threading.Event()
+    compiler = GrammarCompiler(lambda: (tokenizer_ready.wait(30), ll_tokenizer)[1])
+    scheduler = make_scheduler(tokenizer, compiler)
+    scheduler.add_request(constrained("slow", 8))
+    scheduler.add_request(make_request("plain", 8, max_tokens=3))
+    worker = MaskingWorker(4, tokenizer.eos_token_id)
+    finished = []
+    for _ in range(10):
+        _, outs = step(scheduler, worker)
+        finished += [o.request_id for o in outs if o.finish_reason]
+    assert finished == ["plain"]
+    assert [r.request_id for r in scheduler.waiting] == ["slow"] and not worker.state.get("slow")
+    tokenizer_ready.set()
+    outputs = run_to_completion(compiled(scheduler), worker)
+    jsonschema.validate(json.loads(texts(tokenizer, outputs)["slow"]), SCHEMA)
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_alone(tokenizer, ll_tokenizer):
+    scheduler = make_scheduler(tokenizer, GrammarCompiler(lambda: ll_tokenizer))
+    scheduler.add_request(constrained("bad", 8, regex="(unclosed"))
+    scheduler.add_request(make_request("good", 8, max_tokens=2))
+    outputs = run_to_completion(compiled(scheduler), MaskingWorker(4, tokenizer.eos_token_id))
+    [failure] = outputs["bad"]
+    assert failure.finish_reason == "error" and failure.error_kind == "invalid"
+    assert "unclosed" in failure.error
+    assert outputs["good"][-1].finish_reason == "length"
+    assert scheduler.kv.usage == 0 and not scheduler.requests
+
+
+def test_preempted_requests_keep_their_matchers(tokenizer, ll_tokenizer):
+    scheduler = make_scheduler(tokenizer, GrammarCompiler(lambda: ll_tokenizer), num_blocks=14, block_size=4,
+                               prefix_caching=False)
+    for i in range(4):
+        scheduler.add_request(constrained(f"r{i}", 8))
+    compiled(scheduler)
+    preemptions = 0
+    outputs: dict = {}
+    worker = MaskingWorker(4, tokenizer.eos_token_id, seed=2)
+    while scheduler.has_unfinished_requests():
+        _, outs = step(scheduler, worker)
+        preemptions += scheduler.stats().num_preemptions
+        for out in outs:
+            outputs.setdefault(out.request_id, []).append(out)
+    assert preemptions > 0
+    for text in texts(tokenizer, outputs).values():
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_the_constraint_begins_after_the_end_of_thinking(tokenizer, ll_tokenizer):
+    end_think = tokenizer.encode("</think>", add_special_tokens=False)
+    scheduler = make_scheduler(tokenizer, GrammarCompiler(lambda: ll_tokenizer))
+    scheduler.add_request(constrained("r", 8, json=json.dumps(SCHEMA), begin_after_token_ids=end_think))
+    thinking = [UNCONSTRAINED_TOKEN] * 3 + end_think
+    worker = MaskingWorker(4, tokenizer.eos_token_id, script={"r": list(thinking)})
+    outputs = run_to_completion(compiled(scheduler), worker)
+    tokens = [t for o in outputs["r"] for t in o.new_token_ids]
+    assert tokens[:len(thinking)] == thinking
+    jsonschema.validate(json.loads(tokenizer.decode(tokens[len(thinking):])), SCHEMA)
+    assert worker.constrained_steps["r"] == len(tokens) - len(thinking)
