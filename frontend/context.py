@@ -13,10 +13,13 @@ from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import AdmissionControl
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.offload import Offload
+from tokenmill.frontend.reasoning_parsers import get_reasoning_parser
 from tokenmill.frontend.tokenizer import vocab_size
+from tokenmill.frontend.tool_parsers import get_tool_parser
 from tokenmill.config import EngineConfig
 
-TASK_ENDPOINTS = {"generate": "/v1/completions and /v1/chat/completions", "embed": "/v1/embeddings"}
+TASK_ENDPOINTS = {"generate": "/v1/completions, /v1/chat/completions and /v1/responses",
+                  "embed": "/v1/embeddings"}
 
 
 @dataclass
@@ -40,6 +43,7 @@ class ServingContext:
             raise ValueError("config.model.max_model_len is unset: resolve the config (resolve_config) first")
         name = model.served_model_name or model.model or model.path
         task = "embed" if model.task == "embed" else "generate"
+        check_parser_names(config.server)
         return cls(config=config, engine=engine, tokenizer=tokenizer, metrics=FrontendMetrics(engine, name),
                    admission=AdmissionControl(config.scheduler.max_waiting_requests), model_name=name,
                    max_model_len=model.max_model_len, vocab_size=vocab_size(tokenizer), task=task,
@@ -70,3 +74,14 @@ def new_request_id(prefix: str) -> str:
 async def read_body(request: web.Request) -> bytes:
     """The request body; aiohttp raises 413 past `client_max_size`, which the error middleware renders."""
     return await request.read()
+
+
+def check_parser_names(server: Any) -> None:
+    """A configured tool-call or reasoning parser that does not exist fails at start-up, not on every request."""
+    try:
+        if server.tool_call_parser:
+            get_tool_parser(server.tool_call_parser)
+        if server.reasoning_parser:
+            get_reasoning_parser(server.reasoning_parser)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None

@@ -19,7 +19,8 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, Ping, Pong, RequestOutput, SchedulerMessage,
-                                SchedulerStats, StepOutputs, choice_requests, decoder, encode)
+                                SchedulerStats, StepOutputs, StepSummary, WatchSteps, choice_requests, decoder,
+                                encode)
 from tokenmill.processes import make_socket
 
 log = logging.getLogger("tokenmill.engine_client")
@@ -53,6 +54,8 @@ class AsyncEngineClient:
         self.dead_reason: str | None = None
         # The latest scheduler stats; its counter fields (COUNTER_FIELDS) are running totals since start-up.
         self.latest_stats: SchedulerStats | None = None
+        # gets every StepSummary the scheduler sends (after `watch_steps`): the dashboard's feed
+        self.summary_listener: Callable[[StepSummary], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -109,6 +112,12 @@ class AsyncEngineClient:
                 pong = self._pongs.pop(msg.nonce, None)
                 if pong is not None and not pong.done():
                     pong.set_result(msg)
+            elif isinstance(msg, StepSummary):
+                if self.summary_listener is not None:
+                    try:
+                        self.summary_listener(msg)
+                    except Exception:  # the dashboard's trouble must never stop the outputs
+                        log.exception("the step-summary listener failed")
             elif isinstance(msg, EngineReady) and self._ready is not None and not self._ready.done():
                 self._ready.set_result(msg)
 
@@ -163,6 +172,11 @@ class AsyncEngineClient:
         """Abort requests (idempotent: unknown or finished ids are ignored by the scheduler)."""
         if self.dead_reason is None:
             await self._send_abort(request_ids)
+
+    async def watch_steps(self, interval_s: float) -> None:
+        """Ask the scheduler for a StepSummary at most every `interval_s` (to `summary_listener`); 0 stops them."""
+        if self.dead_reason is None:
+            await self._to_scheduler.send(encode(WatchSteps(interval_s)))
 
     async def _send_abort(self, request_ids: list[str]) -> None:
         await self._to_scheduler.send(encode(AbortRequest(list(request_ids))))

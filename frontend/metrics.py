@@ -54,6 +54,12 @@ class SchedulerStatsCollector(Collector):
                       stats.prefix_cache_hits if stats else 0)
         yield counter("vllm:num_preemptions", "Requests preempted (their KV blocks freed for recompute).",
                       stats.num_preemptions if stats else 0)
+        ready = getattr(self.engine, "ready", None)  # EngineReady, once the engine is up
+        if ready is not None:  # as vLLM: the KV cache's shape in the labels, value 1
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                     labels=["block_size", "num_gpu_blocks"])
+            info.add_metric([str(ready.block_size), str(ready.num_kv_blocks)], 1.0)
+            yield info
 
 
 class FrontendMetrics:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.messages import RequestOutput
+from tokenmill.messages import PromptLogprobsEntry, RequestOutput
 
 TokenLogprobs = tuple[float, list[int], list[float]]  # (logprob of the token, top ids, top logprobs)
 
@@ -27,6 +27,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[PromptLogprobsEntry] | None = None  # with the choice's first delta, when asked for
 
 
 def next_delta(index: int, detokenizer: IncrementalDetokenizer, out: RequestOutput) -> ChoiceDelta:
@@ -39,7 +40,8 @@ def next_delta(index: int, detokenizer: IncrementalDetokenizer, out: RequestOutp
         finish_reason, stop_reason = "stop", update.stop_string
     elif engine_done:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-    return ChoiceDelta(index, update.text, list(out.new_token_ids), out.logprobs, finish_reason, stop_reason)
+    return ChoiceDelta(index, update.text, list(out.new_token_ids), out.logprobs, finish_reason, stop_reason,
+                       out.prompt_logprobs)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None  # None unless the engine returned logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[PromptLogprobsEntry] | None = None  # engine entries, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -62,5 +65,7 @@ class CompletionOutput:
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason

@@ -77,6 +77,7 @@ class SamplingRequest(Struct, kw_only=True):
     skip_special_tokens: bool = True
     priority: Int64 = 0
     cache_salt: str | None = None
+    prompt_logprobs: NonNegativeInt | None = None  # top logprobs per prompt token (frontend/prompt_logprobs.py)
     # structured outputs: at most one of these, read and checked by frontend/structured_outputs.py
     response_format: Any = None
     structured_outputs: Any = None
@@ -86,7 +87,6 @@ class SamplingRequest(Struct, kw_only=True):
     guided_grammar: Any = None
     # not implemented: a request that sets one (to more than its no-op value) is refused (frontend/unsupported.py)
     best_of: Any = None
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
     allowed_token_ids: Any = None
@@ -96,7 +96,8 @@ class SamplingRequest(Struct, kw_only=True):
 class CompletionRequest(SamplingRequest, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists (checked in `prompt_inputs`)
     prompt: Union[str, list[Union[str, int, list[int]]]]
-    max_tokens: PositiveInt | None = 16  # the legacy completions default, as OpenAI and vLLM; null = all the room left
+    # the legacy completions default, as OpenAI and vLLM; null = all the room left; 0 only with echo
+    max_tokens: NonNegativeInt | None = 16
     logprobs: NonNegativeInt | None = None
     echo: bool = False
     add_special_tokens: bool = True
@@ -122,15 +123,15 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NonNegativeInt | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered by the chat template; tool calls are not parsed
-    tool_choice: Any = None  # "none" or "auto" (anything that needs a parsed tool call is refused)
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template; checked in frontend/tool_choice.py
+    tool_choice: Any = None  # none, auto, required or a named function (frontend/tool_choice.py)
+    parallel_tool_calls: bool | None = None  # false: at most the first call is returned, as vLLM
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # rendered only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # only the variables the template reads
     # not implemented (frontend/unsupported.py)
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -224,6 +225,8 @@ def to_sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: i
     if request.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})",
                        "min_tokens")
+    if request.prompt_logprobs and request.stream:  # as vLLM: a stream has nowhere to put them
+        raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     top_k = unless_set(request.top_k, "top_k", 0)
     return SamplingParams(
         n=1,
@@ -242,6 +245,7 @@ def to_sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: i
         stop_token_ids=stop_token_ids,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
     )
@@ -283,6 +287,18 @@ class CompletionLogProbs(Struct, kw_only=True):
     top_logprobs: list[dict[str, float] | None] = []
 
 
+class Logprob(Struct, kw_only=True):
+    """vLLM's Logprob: one token's entry in a `prompt_logprobs` position (rank 1 = the most likely token)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: Logprob} (the token and its top k)
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 class CompletionChoice(Struct, kw_only=True):
     index: int
     text: str
@@ -291,6 +307,7 @@ class CompletionChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -319,9 +336,34 @@ class ChatLogprobs(Struct, kw_only=True):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # in a call's first delta
+    arguments: str = ""
+
+
+class DeltaToolCall(Struct, kw_only=True):
+    index: int
+    id: str | UnsetType = UNSET  # id and type: in a call's first delta
+    type: str | UnsetType = UNSET
+    function: DeltaFunctionCall
+
+
 class AssistantMessage(Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None | UnsetType = UNSET  # with --reasoning-parser
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # parsed tool calls, when there are any
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -339,11 +381,14 @@ class ChatCompletionResponse(Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class DeltaMessage(Struct, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatStreamChoice(Struct, kw_only=True):

@@ -15,8 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenmill.frontend import serving_misc
+from tokenmill.frontend import serving_misc, serving_responses
 from tokenmill.frontend.context import ServingContext
+from tokenmill.frontend.dashboard import add_dashboard_routes
 from tokenmill.frontend.errors import APIError, error_response
 from tokenmill.frontend.serving_chat import create_chat_completion
 from tokenmill.frontend.serving_completions import create_completion
@@ -124,11 +125,18 @@ def build_app(config: EngineConfig, engine: Any, tokenizer: Any) -> web.Applicat
     app.router.add_get("/v1/models", route(serving_misc.list_models))
     app.router.add_post("/v1/completions", route(create_completion))
     app.router.add_post("/v1/chat/completions", route(create_chat_completion))
+    app.router.add_post("/v1/responses", route(serving_responses.create_response))
+    for method, path in (("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+                         ("POST", "/v1/responses/{response_id}/cancel"),
+                         ("GET", "/v1/responses/{response_id}/input_items")):
+        app.router.add_route(method, path, route(serving_responses.response_not_stored))  # nothing is stored
     app.router.add_post("/tokenize", route(serving_misc.tokenize))
     app.router.add_post("/detokenize", route(serving_misc.detokenize))
     app.router.add_get("/health", route(serving_misc.health))
     app.router.add_get("/version", route(serving_misc.version))
     app.router.add_get("/metrics", route(serving_misc.metrics))
+    if not config.server.disable_dashboard:  # /dashboard, /dashboard/stream, /debug/steps (behind --api-key)
+        add_dashboard_routes(app, engine, ctx.metrics, ctx.model_name, config.server.api_key)
     if ctx.task == "embed":
         app.router.add_post("/v1/embeddings", EmbeddingServing(ctx).create_embedding)
     else:

@@ -15,7 +15,7 @@ from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import Choice, build_choices, run_choices, usage_info
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
 from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
-from tokenmill.frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+from tokenmill.frontend.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage, chat_max_tokens,
                                decode_request, encode_json, now, resolve_max_tokens, to_sampling_params)
 from tokenmill.frontend.protocol import chat_logprobs as requested_chat_logprobs
@@ -24,7 +24,10 @@ from tokenmill.frontend.chat_template import RENDERER_ARGS, RenderLimitError, Re
 from tokenmill.frontend.limits import check_sampling_limits
 from tokenmill.frontend.tokenizer import encode_text, render_chat, server_chat_template
 from tokenmill.frontend.structured_outputs import structured_outputs_params
+from tokenmill.frontend.chat_parsing import ChatOutputs, is_empty
+from tokenmill.frontend.tool_choice import ToolPlan, apply_tool_plan, plan_tool_calling, tool_calls_for_template
 from tokenmill.frontend.unsupported import refuse_unsupported
+from tokenmill.frontend.prompt_logprobs import response_prompt_logprobs
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -45,6 +48,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             value = getattr(message, name)
             if value is not msgspec.UNSET:
                 entry[name] = value
+        if message.role == "assistant" and "tool_calls" in entry:
+            entry["tool_calls"] = tool_calls_for_template(entry["tool_calls"], i)
         result.append(entry)
     return result
 
@@ -112,6 +117,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     logprobs = requested_chat_logprobs(request)
     refuse_unsupported(request)
     check_sampling_limits(request, ctx.config.server, logprobs=request.top_logprobs, logprobs_param="top_logprobs")
+    plan = plan_tool_calling(request, ctx.config.server)
     prompt_ids = await chat_prompt_ids(ctx, request.messages, add_generation_prompt=request.add_generation_prompt,
                                        continue_final_message=request.continue_final_message, tools=request.tools,
                                        template_kwargs=request.chat_template_kwargs,
@@ -120,12 +126,13 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     params = to_sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, vocab_size=ctx.vocab_size,
                                 defaults=ctx.config.model.generation_defaults)
     params.structured_outputs = await structured_outputs_params(ctx, request)
+    plan = await apply_tool_plan(ctx, plan, params, prompt_ids)
     ctx.admission.check(ctx.engine, request.n)
     request_id = new_request_id("chatcmpl")
     choices = build_choices(ctx.tokenizer, request_id, [prompt_ids], [params], request.n,
                             received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
     deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
-    renderer = ChatRenderer(ctx, request, request_id, choices)
+    renderer = ChatRenderer(ctx, request, request_id, choices, plan)
     if request.stream:
         return await stream_deltas(http_request, deltas, renderer.chunk, preamble=renderer.role_chunks,
                                    epilogue=renderer.usage_chunk)
@@ -140,8 +147,9 @@ class ChatRenderer:
     """Builds the JSON of one chat response or of its stream chunks."""
 
     def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, request_id: str,
-                 choices: list[Choice]) -> None:
+                 choices: list[Choice], plan: ToolPlan = ToolPlan()) -> None:
         self.ctx = ctx
+        self.outputs = ChatOutputs(plan)  # reasoning and tool calls read from each choice's text
         self.request = request
         self.request_id = request_id
         self.choices = choices
@@ -166,11 +174,11 @@ class ChatRenderer:
 
     def chunk(self, delta: ChoiceDelta) -> bytes | None:
         logprobs = self._logprobs(delta.token_ids, delta.logprobs)
-        if not delta.text and delta.finish_reason is None and logprobs is None:
+        message, finish_reason = self.outputs.stream(delta)
+        if is_empty(message) and delta.finish_reason is None and logprobs is None:
             return None
-        message = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
         chunk = self._chunk([ChatStreamChoice(index=delta.index, delta=message, logprobs=logprobs,
-                                              finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                                              finish_reason=finish_reason, stop_reason=delta.stop_reason)])
         options = self.request.stream_options
         if options is not None and options.include_usage and options.continuous_usage_stats:
             chunk.usage = usage_info(self.choices)
@@ -185,8 +193,11 @@ class ChatRenderer:
         return encode_json(chunk)
 
     def full_response(self, summaries: list[CompletionOutput]) -> bytes:
-        choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text),
-                              logprobs=self._logprobs(s.token_ids, s.logprobs), finish_reason=s.finish_reason,
-                              stop_reason=s.stop_reason) for s in summaries]
+        messages = [self.outputs.whole(s) for s in summaries]
+        choices = [ChatChoice(index=s.index, message=message, logprobs=self._logprobs(s.token_ids, s.logprobs),
+                              finish_reason=reason, stop_reason=s.stop_reason)
+                   for s, (message, reason) in zip(summaries, messages)]
         return encode_json(ChatCompletionResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
-                                                  choices=choices, usage=usage_info(self.choices)))
+                                                  choices=choices, usage=usage_info(self.choices),
+                                                  prompt_logprobs=response_prompt_logprobs(self.choices, summaries,
+                                                                                           self.texts)))

@@ -19,6 +19,8 @@ from tokenmill.frontend.limits import check_sampling_limits
 from tokenmill.frontend.tokenizer import encode_texts
 from tokenmill.frontend.structured_outputs import structured_outputs_params
 from tokenmill.frontend.unsupported import refuse_unsupported
+from tokenmill.frontend.prompt_logprobs import (echo_logprobs, engine_max_tokens, engine_prompt_logprobs, join_logprobs,
+                                                vllm_prompt_logprobs)
 
 
 async def prompt_inputs(ctx: ServingContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -58,17 +60,17 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     ctx.check_model(request.model)
     refuse_unsupported(request)
     check_sampling_limits(request, ctx.config.server, logprobs=request.logprobs, logprobs_param="logprobs")
-    if request.echo and request.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
+    max_tokens = engine_max_tokens(request)
     inputs = await prompt_inputs(ctx, request)
     params = [to_sampling_params(request, logprobs=request.logprobs, vocab_size=ctx.vocab_size,
                                  defaults=ctx.config.model.generation_defaults,
-                                 max_tokens=resolve_max_tokens(request.max_tokens, len(ids), ctx.max_model_len,
+                                 max_tokens=resolve_max_tokens(max_tokens, len(ids), ctx.max_model_len,
                                                                prompt_param="prompt"))
               for _, ids in inputs]
     structured_outputs = await structured_outputs_params(ctx, request)
     for prompt_params in params:
         prompt_params.structured_outputs = structured_outputs
+        prompt_params.prompt_logprobs = engine_prompt_logprobs(request)
     ctx.admission.check(ctx.engine, len(inputs) * request.n)
     request_id = new_request_id("cmpl")
     choices = build_choices(ctx.tokenizer, request_id, [ids for _, ids in inputs], params, request.n,
@@ -106,19 +108,29 @@ class CompletionRenderer:
         self.texts = TokenTexts(ctx.tokenizer)
         self.text_offsets = [len(echo) for echo in echoes]
         self.echo_sent = [not echo for echo in echoes]
+        self.echo_only = request.echo and request.max_tokens == 0  # the prompt alone comes back (as vLLM)
+        self.prompt_logprobs_sent = [False] * len(choices)
 
-    def _logprobs(self, index: int, token_ids: list[int], entries: list | None):
-        if self.request.logprobs is None or not entries:
+    def _logprobs(self, index: int, token_ids: list[int], entries: list | None, prompt_entries: list | None = None):
+        """The choice's next completions logprobs: with echo, the prompt tokens' lead its first ones."""
+        if self.request.logprobs is None:
             return None
+        echoed = None
+        if self.request.echo and not self.prompt_logprobs_sent[index]:
+            self.prompt_logprobs_sent[index] = True
+            echoed, self.text_offsets[index] = echo_logprobs(self.choices[index].request.prompt_token_ids,
+                                                             prompt_entries, self.request.logprobs, self.texts)
+        if self.echo_only or not entries:
+            return echoed
         logprobs, self.text_offsets[index] = completion_logprobs(token_ids, entries, self.texts,
                                                                  self.text_offsets[index])
-        return logprobs
+        return join_logprobs(echoed, logprobs)
 
     def chunk(self, delta: ChoiceDelta) -> bytes | None:
-        text = delta.text
+        text = "" if self.echo_only else delta.text
         if not self.echo_sent[delta.index]:
             text, self.echo_sent[delta.index] = self.echoes[delta.index] + text, True
-        logprobs = self._logprobs(delta.index, delta.token_ids, delta.logprobs)
+        logprobs = self._logprobs(delta.index, delta.token_ids, delta.logprobs, delta.prompt_logprobs)
         keep_ids = self.request.return_token_ids and delta.token_ids
         if not text and delta.finish_reason is None and logprobs is None and not keep_ids:
             return None
@@ -141,9 +153,13 @@ class CompletionRenderer:
                                               choices=[], usage=usage_info(self.choices)))
 
     def full_response(self, summaries: list[CompletionOutput]) -> bytes:
-        choices = [CompletionChoice(index=s.index, text=self.echoes[s.index] + s.text,
-                                    logprobs=self._logprobs(s.index, s.token_ids, s.logprobs),
+        choices = [CompletionChoice(index=s.index, text=self.echoes[s.index] + ("" if self.echo_only else s.text),
+                                    logprobs=self._logprobs(s.index, s.token_ids, s.logprobs, s.prompt_logprobs),
                                     finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in summaries]
+        for choice, summary in zip(choices, summaries):
+            if summary.prompt_logprobs is not None:  # as vLLM, whenever the engine computed them
+                choice.prompt_logprobs = vllm_prompt_logprobs(self.choices[summary.index].request.prompt_token_ids,
+                                                              summary.prompt_logprobs, self.texts)
         if self.request.return_token_ids:
             for choice, summary in zip(choices, summaries):
                 choice.token_ids = summary.token_ids

@@ -2,9 +2,9 @@
 than an answer that silently ignores it.
 
 A field counts as used when it holds anything but its no-op value: null, false, an empty list or object, `best_of`
-1, `modalities` ["text"], `tool_choice` "none" or "auto" (tools are rendered
-into the prompt, but tool calls are never parsed, so "required" or a named function cannot be honoured), and
-`parallel_tool_calls` unless tools are given. Fields no schema declares are still ignored (`frontend/protocol.py`).
+1, `modalities` ["text"]. Fields no schema declares are still ignored (`frontend/protocol.py`). Tool calling
+(`tools`, `tool_choice`, `parallel_tool_calls`) is checked in `frontend/tool_choice.py`; OpenAI's deprecated
+`functions` / `function_call` are refused here.
 """
 
 from __future__ import annotations
@@ -27,17 +27,12 @@ def _not(*no_ops: Any) -> Callable[[Any, Any], bool]:
 RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "best_of": (_not(1), "best_of is not implemented; use n"),
     "suffix": (_set, "suffix (insertion) is not implemented"),
-    "prompt_logprobs": (_set, "prompt logprobs are not implemented"),
     "use_beam_search": (_set, "beam search is not implemented"),
     "truncate_prompt_tokens": (_set, "prompt truncation is implemented for /v1/embeddings only"),
     "allowed_token_ids": (_set, "allowed_token_ids is not implemented; logit_bias can do the same"),
     "bad_words": (_set, "bad_words is not implemented"),
-    "tool_choice": (_not("none", "auto"), "tool calls are not parsed, so only tool_choice 'none' or 'auto' can be "
-                                          "honoured"),
-    "parallel_tool_calls": (lambda value, request: value is True and bool(getattr(request, "tools", None)),
-                            "tool calls are not parsed"),
-    "functions": (_set, "function calling is not implemented"),
-    "function_call": (_not("none"), "function calling is not implemented"),
+    "functions": (_set, "the deprecated `functions` are not implemented; use `tools`"),
+    "function_call": (_not("none"), "the deprecated `function_call` is not implemented; use `tool_choice`"),
     "audio": (_set, "audio output is not implemented"),
     "modalities": (_not(["text"]), "only text output is implemented"),
     "prediction": (_set, "predicted outputs are not implemented"),

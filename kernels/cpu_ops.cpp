@@ -424,6 +424,30 @@ int tm_rotary(int dtype, void* q, int64_t q_token_stride, int64_t num_q_heads, v
                                num_k_heads, head_dim, positions, table, rot_dim, num_tokens))
 }
 
+// Structured outputs: logits[logit_rows[i], t] = -inf wherever bit t of bitmask row mask_rows[i] is clear (ids past
+// the bitmask's width too). A bitmask row with no bit set is skipped (the scheduler handles that request).
+int tm_apply_token_bitmask(float* logits, int64_t logits_row_stride, int64_t vocab, const uint32_t* bitmask,
+                           int64_t words, const int64_t* mask_rows, const int64_t* logit_rows, int64_t num_rows) {
+  const float ninf = -__builtin_inff();
+  const int64_t covered = std::min(vocab, words * 32);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const uint32_t* mask = bitmask + mask_rows[i] * words;
+    float* row = logits + logit_rows[i] * logits_row_stride;
+    bool any = false;
+    for (int64_t w = 0; w < words && !any; ++w) any = mask[w] != 0;
+    if (!any) continue;
+    for (int64_t w = 0; w * 32 < covered; ++w) {
+      const uint32_t bits = mask[w];
+      if (bits == 0xffffffffu) continue;
+      const int64_t base = w * 32, end = std::min<int64_t>(base + 32, covered);
+      for (int64_t t = base; t < end; ++t)
+        if (!((bits >> (t - base)) & 1u)) row[t] = ninf;
+    }
+    for (int64_t t = covered; t < vocab; ++t) row[t] = ninf;
+  }
+  return 0;
+}
+
 int tm_silu_and_mul(int dtype, void* out, const void* x, int64_t x_stride, int64_t num_rows, int64_t width) {
   TM_DISPATCH(dtype, silu_and_mul<T>(static_cast<T*>(out), static_cast<const T*>(x), x_stride, num_rows, width))
 }

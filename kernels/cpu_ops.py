@@ -42,6 +42,7 @@ _SIGNATURES = {
     "tm_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float],
     "tm_rotary": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64],
     "tm_silu_and_mul": [_I32, _PTR, _PTR, _I64, _I64, _I64],
+    "tm_apply_token_bitmask": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64],
 }
 
 
@@ -227,3 +228,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], width), dtype=x.dtype)
     _call("tm_silu_and_mul", x.dtype, out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], width)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask, mask_rows: list[int], logit_rows: list[int]) -> None:
+    """In place: `logits[logit_rows[i]]` (float32, [N, V]) gets -inf wherever row `mask_rows[i]` of `bitmask` (a C
+    contiguous int32 numpy array, [R, ceil(V / 32)], llguidance's layout) does not allow the token; a row allowing
+    nothing is left as it is. The torch code it replaces: `workers/grammar_mask.py`."""
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError("apply_token_bitmask needs float32 logits with contiguous rows")
+    mask_index = torch.tensor(mask_rows, dtype=torch.int64)
+    logit_index = torch.tensor(logit_rows, dtype=torch.int64)
+    library().tm_apply_token_bitmask(logits.data_ptr(), logits.stride(0), logits.shape[1], bitmask.ctypes.data,
+                                     bitmask.shape[1], mask_index.data_ptr(), logit_index.data_ptr(), len(mask_rows))

@@ -21,6 +21,8 @@ from typing import Iterable, Sequence
 import msgspec
 
 ROOT_CONTENT_ID = 0  # the "parent" of a request's first block; indexed contents are numbered from 1
+# what `BlockPool.state` says of a block (the dashboard's block map starts from it)
+BLOCK_FREE, BLOCK_CACHED, BLOCK_IN_USE = 0, 1, 2
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -60,6 +62,9 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}  # hash -> the block holding that content
         self.root_hash = os.urandom(32)  # the parent key of every request's first block, secret to this pool
         self._content_ids = itertools.count(ROOT_CONTENT_ID + 1)
+        # one byte per block, kept as blocks move: BLOCK_FREE, BLOCK_CACHED (free, content still indexed) or
+        # BLOCK_IN_USE; a copy is the dashboard's block map, at no cost per summary beyond the copy
+        self.state = bytearray(num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,10 +80,12 @@ class BlockPool:
         if count > len(self.free_queue):
             raise ValueError(f"asked for {count} blocks, only {len(self.free_queue)} free")
         taken = []
+        state = self.state
         for _ in range(count):
             _, block = self.free_queue.popitem(last=False)
             self._evict(block)
             block.ref_count = 1
+            state[block.block_id] = BLOCK_IN_USE
             taken.append(block)
         return taken
 
@@ -87,6 +94,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 del self.free_queue[block.block_id]
+                self.state[block.block_id] = BLOCK_IN_USE
             block.ref_count += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -100,6 +108,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
+                self.state[block.block_id] = BLOCK_FREE if block.hash is None else BLOCK_CACHED
 
     def get_cached(self, block_hash: bytes, content: BlockContent) -> Block | None:
         """The indexed block holding exactly `content`, or None (a key held by other content is a miss)."""

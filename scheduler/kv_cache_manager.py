@@ -46,8 +46,12 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached full blocks that starts the request's tokens, leaving its last token to compute
-        (the step needs logits to sample from). Counts nothing and takes no references: call allocate_slots next."""
-        if not self.enable_prefix_caching or request.is_embedding:
+        (the step needs logits to sample from). Counts nothing and takes no references: call allocate_slots next.
+
+        A request that asks for prompt logprobs reads nothing from the cache (as vLLM V1): a cached prefix has no
+        hidden states to score its tokens with, so its whole prompt is computed. Its blocks are still cached for
+        others once computed."""
+        if not self.enable_prefix_caching or request.is_embedding or request.sampling.prompt_logprobs is not None:
             return []
         self._extend_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

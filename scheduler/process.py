@@ -17,11 +17,12 @@ import msgspec
 import zmq
 
 from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.scheduler.step_summary import StepSummarizer
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, grammar_tokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, FrontendMessage, Ping, Pong, RequestOutput,
-                                Shutdown, StepOutputs, StepResult, WorkerError, WorkerMessage, WorkerReady,
-                                choice_requests, decoder, encode)
+                                Shutdown, StepOutputs, StepResult, WatchSteps, WorkerError, WorkerMessage,
+                                WorkerReady, choice_requests, decoder, encode)
 from tokenmill.processes import become_child_process, make_socket
 
 IDLE_POLL_MS = 1000
@@ -53,6 +54,8 @@ class SchedulerLoop:
         self.step_time_since_report = 0.0
         self.model_time_since_report = 0.0
         self.num_steps = 0
+        # the dashboard's feed: every step recorded, a StepSummary sent while a WatchSteps asks for them
+        self.summaries = StepSummarizer(lambda summary: self.to_frontend.send(encode(summary)))
 
     # ------------------------------------------------------------------ start-up
 
@@ -93,6 +96,8 @@ class SchedulerLoop:
             self.publish(self.scheduler.abort_requests(msg.request_ids))
         elif isinstance(msg, Ping):
             self.to_frontend.send(encode(Pong(msg.nonce)))
+        elif isinstance(msg, WatchSteps):
+            self.summaries.watch(msg.interval_s)
 
     def drain_frontend(self, timeout_ms: int) -> None:
         """Handle buffered messages, then everything queued on the socket (waiting up to timeout_ms for the first)."""
@@ -165,6 +170,7 @@ class SchedulerLoop:
             plan = sched.schedule()
             if plan is None:
                 self.publish(sched.take_pending_outputs())  # also keeps stats flowing while idle
+                self.summaries.maybe_publish(sched)
                 if sched.has_unfinished_requests():
                     self.drain_frontend(10)
                 continue
@@ -172,7 +178,9 @@ class SchedulerLoop:
             result = self.wait_for_result(plan.step_id)
             self.num_steps += 1
             self.publish(sched.update(plan, result))
-            # counted after publishing, so the overhead figure includes encoding and sending the outputs
+            self.summaries.record(plan, time.perf_counter() - step_start, sched.counter_totals()[2])
+            self.summaries.maybe_publish(sched)
+            # counted after publishing, so the overhead figure includes encoding and sending the outputs and summaries
             self.steps_since_report += 1
             self.step_time_since_report += time.perf_counter() - step_start
             self.model_time_since_report += result.model_time_s

@@ -63,6 +63,7 @@ class Scheduler:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._num_preemptions = 0
+        self._reported_counters = (0, 0, 0)  # the three counters above, summed over every stats() report
         self._pending_outputs: list[RequestOutput] = []  # outputs found while planning (grammars that failed)
 
     # ------------------------------------------------------------------ admission and aborts
@@ -395,6 +396,13 @@ class Scheduler:
         stats = SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
-            num_preemptions=self._num_preemptions)
+            num_preemptions=self._num_preemptions,
+            grammar_mask_time_s=self.grammars.take_mask_time() if self.grammars is not None else 0.0)
+        self._reported_counters = self.counter_totals()
         self._prefix_queries = self._prefix_hits = self._num_preemptions = 0
         return stats
+
+    def counter_totals(self) -> tuple[int, int, int]:
+        """(prefix-cache query tokens, hit tokens, preemptions) since start-up, whatever stats() has reported."""
+        queries, hits, preemptions = self._reported_counters
+        return queries + self._prefix_queries, hits + self._prefix_hits, preemptions + self._num_preemptions

@@ -82,6 +82,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--enable-log-requests", action="store_true", help="log one access line per HTTP request")
     h.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
                    help="no access log (the default; accepted for vLLM's command lines)")
+    h.add_argument("--disable-dashboard", action="store_true",
+                   help="serve no /dashboard (the live view of the KV blocks, queues and steps) and no /debug/steps")
 
     defaults = ServerConfig()
     t = parser.add_argument_group("chat templates")
@@ -106,8 +108,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-json-depth", type=int, default=defaults.max_json_depth,
                    help="nesting depth of free-form JSON fields (tools, chat_template_kwargs, ...)")
 
+    tools = parser.add_argument_group("tool calling and reasoning")
+    tools.add_argument("--tool-call-parser", default=None, choices=_tool_call_parsers(),
+                       help="read tool calls from the output in this model family's format (with "
+                            "--enable-auto-tool-choice it serves tool_choice \"auto\")")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto" (the default when a request has tools): the model decides, '
+                            "and its calls are read with --tool-call-parser")
+    tools.add_argument("--reasoning-parser", default=None, choices=_reasoning_parsers(),
+                       help="split the model's thinking (reasoning_content) from its answer (content)")
+
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _tool_call_parsers() -> list[str]:
+    from tokenmill.frontend.tool_parsers import tool_parser_names
+
+    return tool_parser_names()
+
+
+def _reasoning_parsers() -> list[str]:
+    from tokenmill.frontend.reasoning_parsers import reasoning_parser_names
+
+    return reasoning_parser_names()
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -116,14 +140,16 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     origins = json.loads(args.allowed_origins) if hasattr(args, "allowed_origins") else []
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_request_body_bytes=args.max_request_body_bytes,
-                          enable_log_requests=args.enable_log_requests,
+                          enable_log_requests=args.enable_log_requests, disable_dashboard=args.disable_dashboard,
                           trust_request_chat_template=args.trust_request_chat_template,
                           chat_template_timeout_s=args.chat_template_timeout_s,
                           max_chat_template_chars=args.max_chat_template_chars, max_n=args.max_n,
                           max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
                           max_stop_string_chars=args.max_stop_string_chars,
                           max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
-                          max_json_depth=args.max_json_depth) if hasattr(args, "host") else ServerConfig()
+                          max_json_depth=args.max_json_depth, tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          reasoning_parser=args.reasoning_parser) if hasattr(args, "host") else ServerConfig()
     return EngineConfig(
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
@@ -154,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser (choose from "
+                     f"{', '.join(_tool_call_parsers())})")
 
     from tokenmill.model_source import ModelSourceError, resolve_config
     from tokenmill.processes import setup_logging

@@ -69,6 +69,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     allowed_origins: list[str] = []
     max_request_body_bytes: int = 32 << 20
     enable_log_requests: bool = False  # the HTTP access log, one line per request
+    disable_dashboard: bool = False  # no /dashboard, /dashboard/stream, /debug/steps (frontend/dashboard.py)
     # chat templates: a request's own `chat_template` is rendered only with this (vLLM's flag); a render that runs
     # longer or builds more characters than the limits ends with a 400
     trust_request_chat_template: bool = False
@@ -82,6 +83,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_stop_token_ids: int = 256
     max_logit_bias: int = 1024  # entries
     max_json_depth: int = 64  # nesting of free-form JSON (tools, chat_template_kwargs, ...)
+    # tool calling and reasoning (vLLM's flags): which parser reads tool calls from the output, whether
+    # tool_choice "auto" is served, and which parser splits reasoning from the answer (frontend/tool_choice.py)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,7 +11,7 @@ import atexit
 import itertools
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace as copied
 from typing import Any, Callable, Iterator, Sequence
 
 import msgspec
@@ -20,6 +20,9 @@ from tqdm import tqdm
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.frontend.outputs import CompletionOutput, next_delta
+from tokenmill.frontend.logprobs import TokenTexts
+from tokenmill.frontend.prompt_logprobs import vllm_prompt_logprobs
+from tokenmill.frontend.protocol import PromptLogprobs
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
 from tokenmill.launcher import EngineProcesses, kv_capacity_error
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
@@ -38,6 +41,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # with SamplingParams(prompt_logprobs=k), as vLLM: None for the first prompt token, then {token id: Logprob}
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,16 +76,19 @@ class EngineStats:
     num_steps: int = 0
     step_time_s: float = 0.0
     model_time_s: float = 0.0
+    grammar_mask_time_s: float = 0.0  # of the scheduling time: filling structured-output bitmasks
 
     def add(self, stats: SchedulerStats) -> None:
         self.num_steps += stats.num_steps
         self.step_time_s += stats.step_time_s
         self.model_time_s += stats.model_time_s
+        self.grammar_mask_time_s += stats.grammar_mask_time_s
 
     def since(self, earlier: "EngineStats") -> "EngineStats":
         """The steps reported after the snapshot `earlier` was taken."""
         return EngineStats(self.num_steps - earlier.num_steps, self.step_time_s - earlier.step_time_s,
-                           self.model_time_s - earlier.model_time_s)
+                           self.model_time_s - earlier.model_time_s,
+                           self.grammar_mask_time_s - earlier.grammar_mask_time_s)
 
     @property
     def overhead_time_s(self) -> float:
@@ -169,7 +177,7 @@ class LLM:
 
     def engine_stats(self) -> EngineStats:
         """A snapshot of the step timings reported so far (subtract two with `since` to time one call)."""
-        return EngineStats(self._stats.num_steps, self._stats.step_time_s, self._stats.model_time_s)
+        return copied(self._stats)
 
     # ------------------------------------------------------------------ generation
 
@@ -211,11 +219,14 @@ class LLM:
             return requests
 
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        texts = TokenTexts(self.tokenizer)
 
         def on_output(out: RequestOutput, choice: tuple) -> bool:
             result, completion, detok = choice
             if out.error is not None:
                 raise ValueError(out.error)
+            if out.prompt_logprobs is not None and result.prompt_logprobs is None:  # every choice has them: the first
+                result.prompt_logprobs = vllm_prompt_logprobs(result.prompt_token_ids, out.prompt_logprobs, texts)
             completion.add(next_delta(completion.index, detok, out))
             if not completion.finished:
                 return False

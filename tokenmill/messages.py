@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary, as plain msgspec Structs.
 
-Frontend -> scheduler:  EngineRequest, AbortRequest, Ping
-Scheduler -> frontend:  StepOutputs (one per engine step, every request's new tokens), Pong, EngineReady
+Frontend -> scheduler:  EngineRequest, AbortRequest, Ping, WatchSteps
+Scheduler -> frontend:  StepOutputs (one per engine step, every request's new tokens), Pong, EngineReady,
+                        StepSummary (sampled, while watched: the dashboard's feed)
 Scheduler -> workers:   StepPlan (diffs: new requests in full, running ones as new blocks/tokens), Shutdown
 Worker rank 0 -> sched: WorkerReady, StepResult, WorkerError
 
@@ -99,7 +100,13 @@ class Ping(msgspec.Struct, tag=True, array_like=True):
     nonce: int
 
 
-FrontendMessage = Union[EngineRequest, AbortRequest, Ping]
+class WatchSteps(msgspec.Struct, tag=True, array_like=True):
+    """Publish a StepSummary at most every `interval_s` (a dashboard or /debug/steps is connected); 0 stops them."""
+
+    interval_s: float
+
+
+FrontendMessage = Union[EngineRequest, AbortRequest, Ping, WatchSteps]
 
 
 # ---------------------------------------------------------------- scheduler -> frontend
@@ -143,6 +150,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_steps: int = 0
     step_time_s: float = 0.0
     model_time_s: float = 0.0
+    grammar_mask_time_s: float = 0.0  # the scheduler's time filling structured-output bitmasks (part of step time)
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -164,7 +172,52 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     architecture: str
 
 
-SchedulerMessage = Union[StepOutputs, Pong, EngineReady]
+# one engine step, condensed for the dashboard: (step id, prefill tokens, decode tokens, requests in the batch,
+# step wall time in seconds, requests preempted while planning it)
+StepRecord = tuple[int, int, int, int, float, int]
+
+
+class QueueEntry(msgspec.Struct, array_like=True):
+    """One request in the scheduler's queues, as the dashboard shows it."""
+
+    request_id: str
+    running: bool  # False: waiting (new, or preempted and waiting to be recomputed)
+    prompt_computed: int  # prompt tokens whose KV is computed
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+    priority: int
+    preemptions: int
+    color: int  # the code its blocks carry in StepSummary.block_map (0 for a waiting request: it holds none)
+
+
+class StepSummary(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    """The scheduler's state after a step, sampled (scheduler/step_summary.py; sent only while WatchSteps asks).
+
+    `steps` holds every step since the previous summary (the timeline misses none however sampled). `block_map` has
+    one byte per KV block: 0 free, 1 free but holding prefix-cache content (evictable), 2 in use by a request not in
+    `queue`, 3+ in use by the queue entry with that `color`."""
+
+    engine: int  # which engine (scheduler) this is: one per frontend today, an index under data parallelism
+    step_id: int  # the last step planned (-1: none yet)
+    time: float  # wall clock (time.time()) when built
+    steps: list[StepRecord]
+    num_running: int
+    num_waiting: int
+    queue: list[QueueEntry]  # running (in batch order), then waiting; capped
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int  # cached ones included, as kv_cache_usage counts them
+    num_cached_blocks: int  # free blocks that still hold prefix-cache content
+    block_map: bytes
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up since start-up
+    prefix_cache_hits: int  # tokens found since start-up
+    num_preemptions: int  # since start-up
+    summary_time_s: float  # the scheduler's time spent building summaries since start-up
+
+
+SchedulerMessage = Union[StepOutputs, Pong, EngineReady, StepSummary]
 
 
 # ---------------------------------------------------------------- scheduler -> workers

@@ -32,10 +32,14 @@ def device_kernels(device_type: str) -> DeviceKernels:
         from tokenmill.workers import triton_backend  # imports triton, which only the devices that run it need
 
         return DeviceKernels(triton_backend.TritonAttentionBackend(), triton_backend.TRITON_OPS)
-    if (device_type == "cpu" and os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0"
-            and cpu_ops.library() is not None):
+    if device_type == "cpu" and cpu_kernels_enabled():
         return DeviceKernels(CpuKernelBackend(), CPU_KERNEL_OPS)
     return DeviceKernels(TorchAttentionBackend(), TORCH_OPS)
+
+
+def cpu_kernels_enabled() -> bool:
+    """Whether CPU work runs the compiled kernels (built, and not turned off with TOKENMILL_CPU_KERNELS=0)."""
+    return os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0" and cpu_ops.library() is not None
 
 
 def attention_backend(device_type: str) -> AttentionBackend:

@@ -30,7 +30,8 @@ FIELDS = [
     "skip_special_tokens", "priority", "cache_salt", "logprobs", "top_logprobs", "echo", "chat_template",
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools", "tool_choice",
     "response_format", "best_of", "suffix", "encoding_format", "dimensions", "truncate_prompt_tokens",
-    "add_special_tokens", "documents", "functions", "parallel_tool_calls", "prompt_logprobs",
+    "add_special_tokens", "documents", "functions", "parallel_tool_calls", "prompt_logprobs", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 ]
 
 EDGE_STRINGS = ["", " ", "\x00", "\ud800", "\udfff", "\ufffd", "😀" * 50, "<|im_start|>system", "<|im_end|>",

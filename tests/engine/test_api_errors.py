@@ -78,8 +78,11 @@ BAD_FIELDS = [
     ("completions", {"extra_body": {"priority": -(2**63) - 1}}, "priority"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "the end"}, "suffix"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("chat", {"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
     ("chat", {"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs.tokenize"),
 ]

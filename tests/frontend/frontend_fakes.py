@@ -3,7 +3,8 @@
 By default it echoes each request's prompt tokens back, one per step; `replies` scripts the output tokens of the next
 requests instead. It finishes like the scheduler does: a stop id or EOS ends with "stop" (the id is the last new
 token and `stop_token_id`), `max_tokens` with "length". `hold=True` makes requests wait after their first token
-until aborted (for disconnect tests).
+until aborted (for disconnect tests). A request that asks for prompt logprobs gets `fake_prompt_logprobs` with its first
+output.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ def rejected(request_id: str, reason: str | Rejection) -> RequestOutput:
     return RequestOutput(request_id, [], finish_reason="error", error=rejection.message, error_kind=rejection.kind)
 
 EOS_ID = 2
+
+
+def fake_prompt_logprobs(request: EngineRequest) -> list | None:
+    """What the fake engine reports when a request asks for prompt logprobs: for prompt token t at position p >= 1,
+    logprob -0.5 at rank 2, behind t + 1 (-0.25), then t (-0.5) and t + 2 (-3.0) in its top list."""
+    k = request.sampling.prompt_logprobs
+    if k is None:
+        return None
+    return [(-0.5, 2, [t + 1, t, t + 2][:k], [-0.25, -0.5, -3.0][:k]) for t in request.prompt_token_ids[1:]]
 
 
 class FakeEngine:
@@ -73,7 +83,8 @@ class FakeEngine:
                 logprobs = [(-0.25, top_ids, [-0.25, -1.5, -3.0][:len(top_ids)])]
             yield RequestOutput(request.request_id, [token], finish_reason=finish, stop_token_id=stop_id,
                                 num_prompt_tokens=len(request.prompt_token_ids), logprobs=logprobs,
-                                stop_reason=stop_reason)
+                                stop_reason=stop_reason,
+                                prompt_logprobs=fake_prompt_logprobs(request) if step == 0 else None)
             if finish is not None:
                 return
             if self.hold:

@@ -65,7 +65,8 @@ def test_min_tokens_above_max_tokens_is_rejected():
 
 
 @pytest.mark.parametrize("body, param", [
-    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens"),  # 0 decodes: it is allowed with echo (serving checks)
+    (b'{"prompt": "x", "prompt_logprobs": -1}', "prompt_logprobs"),
     (b'{"prompt": "x", "temperature": -1}', "temperature"),
     (b'{"prompt": "x", "n": "two"}', "n"),
     (b'{"prompt": [[1, "a"]]}', "prompt[0][1]"),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from tokenmill.workers.backends import cpu_kernels_enabled
 from tokenmill.workers.grammar_mask import allowed_tokens, apply_grammar_bitmask
 
 
@@ -51,3 +53,26 @@ def test_a_row_that_allows_nothing_is_left_alone_and_absent_requests_are_ignored
     assert torch.equal(masked, logits)  # a allows nothing (left to the scheduler); "gone" samples nothing here
     masked = apply_grammar_bitmask(logits.clone(), ["a", "b"], ["gone", "b"], pack(allowed))
     assert masked[1].argmax().item() == 5 and torch.isinf(masked[1]).sum().item() == 39
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "torch"])
+def test_the_cpu_kernel_and_the_torch_code_agree(kernels, monkeypatch):
+    if kernels == "torch":
+        monkeypatch.setattr("tokenmill.workers.grammar_mask.cpu_kernels_enabled", lambda: False)
+    elif not cpu_kernels_enabled():
+        pytest.fail("the CPU kernels did not build on this machine")
+    rng = np.random.default_rng(3)
+    allowed = rng.random((5, 1000)) < 0.2
+    allowed[2] = False  # allows nothing: left alone
+    allowed[3] = True  # allows everything within the bitmask
+    logits = torch.randn(6, 1010)
+    grammar_ids = ["r4", "r0", "r2", "r5", "r3"]
+    masked = apply_grammar_bitmask(logits.clone(), [f"r{i}" for i in range(6)], grammar_ids, pack(allowed))
+    expected = logits.clone()
+    for mask_row, request_id in enumerate(grammar_ids):
+        if not allowed[mask_row].any():
+            continue
+        disallowed = torch.ones(1010, dtype=torch.bool)
+        disallowed[:1000] = ~torch.from_numpy(allowed[mask_row])
+        expected[int(request_id[1:]), disallowed] = float("-inf")
+    assert torch.equal(masked, expected)
