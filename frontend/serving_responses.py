@@ -43,7 +43,7 @@ from tokenmill.frontend.serving_chat import chat_prompt_ids
 from tokenmill.frontend.sse import open_event_stream
 from tokenmill.frontend.tool_choice import apply_tool_plan, plan_tool_calling
 from tokenmill.frontend.tool_parsers import StreamDelta, ToolCallDelta, ToolParser
-from tokenmill.frontend.structured_outputs import check_structured_outputs, requested_structured_outputs
+from tokenmill.frontend.structured_outputs import checked_constraint, requested_structured_outputs
 from tokenmill.frontend.unsupported import refuse_unsupported
 from tokenmill.messages import SamplingParams, StructuredOutputsParams
 
@@ -121,11 +121,7 @@ async def output_constraint(ctx: ServingContext, request: ResponsesRequest) -> S
         found = from_text, "text.format.schema" if from_text.json is not None else "text.format"
     else:
         found = requested_structured_outputs(request)
-    if found is None:
-        return None
-    params, param = found
-    await ctx.offload.render(check_structured_outputs, params, param)
-    return params
+    return await checked_constraint(ctx, found)
 
 
 async def stream_events(http_request: web.Request, deltas: Any, builder: "ResponseBuilder") -> web.StreamResponse:

@@ -118,7 +118,12 @@ def check_structured_outputs(params: StructuredOutputsParams, param: str) -> Non
 
 async def structured_outputs_params(ctx: Any, request: Any) -> StructuredOutputsParams | None:
     """The request's constraint, validated off the event loop; None when it sets none."""
-    found = requested_structured_outputs(request)
+    return await checked_constraint(ctx, requested_structured_outputs(request))
+
+
+async def checked_constraint(ctx: Any, found: tuple[StructuredOutputsParams, str] | None
+                             ) -> StructuredOutputsParams | None:
+    """A (constraint, field) pair's constraint, validated on a template thread (a 400 naming the field)."""
     if found is None:
         return None
     params, source = found

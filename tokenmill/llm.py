@@ -26,7 +26,8 @@ from tokenmill.frontend.protocol import PromptLogprobs
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
 from tokenmill.launcher import EngineProcesses, kv_capacity_error
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
-                                SchedulerMessage, SchedulerStats, StepOutputs, choice_requests, decoder, encode)
+                                SchedulerMessage, SchedulerStats, StepOutputs, StepSummary, WatchSteps,
+                                choice_requests, decoder, encode)
 from tokenmill.processes import make_socket
 
 READY_TIMEOUT_S = 600.0
@@ -129,6 +130,7 @@ class LLM:
         # called with every StepOutputs as it arrives (one per engine step that produced output); benchmarks use it
         # to time individual steps
         self.step_listener: Callable[[StepOutputs], None] | None = None
+        self.summary_listener: Callable[[StepSummary], None] | None = None  # see watch_steps
         atexit.register(self.shutdown)
         try:
             self.processes.start()
@@ -174,6 +176,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def watch_steps(self, listener: Callable[[StepSummary], None] | None, interval_s: float = 0.05) -> None:
+        """Have the scheduler send a StepSummary (what the dashboard shows) at most every `interval_s`, handed to
+        `listener` while generate() runs; None stops them."""
+        self.summary_listener = listener
+        self._to_scheduler.send(encode(WatchSteps(interval_s if listener is not None else 0.0)))
 
     def engine_stats(self) -> EngineStats:
         """A snapshot of the step timings reported so far (subtract two with `since` to time one call)."""
@@ -316,6 +324,8 @@ class LLM:
     def _step_outputs(self) -> list[RequestOutput]:
         """The outputs of the next engine step (none after a quiet poll); feeds the stats and the step listener."""
         msg = self._receive()
+        if isinstance(msg, StepSummary) and self.summary_listener is not None:
+            self.summary_listener(msg)
         if not isinstance(msg, StepOutputs):
             return []
         if msg.stats is not None:

@@ -232,3 +232,14 @@ class ToolParser:
             self._committed = False
             return taken, "done"
         return taken, "more"
+
+    def _advance_call(self, text: str, mode_after: str) -> str | None:
+        """Feed the current call object and switch to `mode_after` once it is complete. Returns the text after what
+        it took, or None when the call broke (what is left has then become content)."""
+        taken, status = self._feed_call_object(text)
+        if status == "broken":
+            self._break(text[taken:])
+            return None
+        if status == "done":
+            self._mode = mode_after
+        return text[taken:]

@@ -44,13 +44,9 @@ class RequiredToolCallsParser(ToolParser):
     def _feed(self, text: str) -> None:
         while text and not self._plain:
             if self._mode == "call":
-                taken, status = self._feed_call_object(text)
-                if status == "broken":
-                    self._break(text[taken:])
+                text = self._advance_call(text, "separator")
+                if text is None:
                     return
-                text = text[taken:]
-                if status == "done":
-                    self._mode = "separator"
                 continue
             char = text[0]
             if char in WHITESPACE:

@@ -29,16 +29,12 @@ class HermesToolParser(ToolParser):
                 text = self._text_until(text, START)
                 if text is None:
                     return
-                self._mode = "call"
+                self._mode, self._close = "call", ""
                 self._new_call_object()
             elif self._mode == "call":
-                taken, status = self._feed_call_object(text)
-                if status == "broken":
-                    self._break(text[taken:])
+                text = self._advance_call(text, "close")
+                if text is None:
                     return
-                text = text[taken:]
-                if status == "done":
-                    self._mode, self._close = "close", ""
             else:
                 text = self._feed_close(text)
 

@@ -28,13 +28,9 @@ class Llama3JsonToolParser(ToolParser):
             if self._mode == "lead":
                 text = self._feed_lead(text)
             elif self._mode == "call":
-                taken, status = self._feed_call_object(text)
-                if status == "broken":
-                    self._break(text[taken:])
+                text = self._advance_call(text, "between")
+                if text is None:
                     return
-                text = text[taken:]
-                if status == "done":
-                    self._mode = "between"
             elif self._mode == "between":
                 text = self._feed_between(text)
             else:

@@ -49,13 +49,9 @@ class MistralToolParser(ToolParser):
                     return
                 self._mode = "after_marker"
             elif mode == "call":
-                taken, status = self._feed_call_object(text)
-                if status == "broken":
-                    self._break(text[taken:])
+                text = self._advance_call(text, "list_sep")
+                if text is None:
                     return
-                text = text[taken:]
-                if status == "done":
-                    self._mode = "list_sep"
             elif mode == "name":
                 text = self._feed_name(text)
             elif mode == "args_marker":
