@@ -135,14 +135,21 @@ constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead, in blocks, a pass pref
 // in table order, prefetching PREFETCH_BLOCKS ahead, for all query heads sharing each kv head. Scores of all query
 // heads are kept (seq_len floats each), softmaxed, then used to sum V one block at a time, so a block's values are
 // read from memory once and from L1 for the other query heads.
+// With a sliding window (window > 0) the query, at position seq_len - 1, sees keys [seq_len - window, seq_len): the
+// passes start at the block holding the first of them (blocks before it may have been freed and reused), and the
+// keys of that block before the window get probability 0.
 // HEAD_DIM > 0 fixes the head size at compile time, which keeps a head's accumulator in registers and scores 16 keys
 // at a time (`dot16`); HEAD_DIM == 0 is the general case.
 template <typename T, int HEAD_DIM>
 void decode_attention(T* out, const T* query, int64_t query_token_stride, const T* k_cache, const T* v_cache,
                       int64_t block_size, int64_t num_kv_heads, int64_t num_heads, int64_t runtime_head_dim,
                       const int32_t* block_tables, int64_t block_table_stride, const int32_t* query_start_loc,
-                      const int32_t* seq_lens, int64_t num_seqs, float scale) {
+                      const int32_t* seq_lens, int64_t num_seqs, float scale, int64_t window) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+  // the first block a sequence of seq_len tokens reads
+  auto first_block_of = [&](int64_t seq_len) -> int64_t {
+    return window > 0 && seq_len > window ? (seq_len - window) / block_size : 0;
+  };
   const int64_t group = num_heads / num_kv_heads;
   const int64_t cache_token_stride = num_kv_heads * head_dim;
   const int64_t cache_block_stride = block_size * cache_token_stride;
@@ -166,26 +173,32 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
       const T* q_in = query + token * query_token_stride + first_head * group * head_dim;
       q.resize(rows * head_dim);
       for (int64_t i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
-      scores.resize(rows * seq_len);
+      // Keys [key_start, seq_len) are read (whole blocks from first_block on); scores are kept from key_start, and
+      // the first `lead` of them (older than the window) are dropped.
+      const int64_t first_block = first_block_of(seq_len), key_start = first_block * block_size;
+      const int64_t span = seq_len - key_start;
+      const int64_t lead = window > 0 && seq_len > window ? seq_len - window - key_start : 0;
+      scores.resize(rows * span);
       inv_sums.resize(rows);
 
       auto block_start = [&](const T* cache, int64_t start) {
         return cache + table[start / block_size] * cache_block_stride + first_head * head_dim;
       };
-      // Block `block` of the pass order (the K blocks, the V blocks, then the K blocks of this thread's next item)
-      // and its token count; count 0 past the end.
-      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+      // Block `block` of the pass order (the K blocks, the V blocks, then the K blocks of this thread's next item),
+      // counted from first_block, and its token count; count 0 past the end.
+      const int64_t num_blocks = (seq_len + block_size - 1) / block_size - first_block;
       auto pass_block = [&](int64_t block, int64_t* count) -> const T* {
         *count = 0;
         if (block < 2 * num_blocks) {
           const bool is_key = block < num_blocks;
-          const int64_t start = (is_key ? block : block - num_blocks) * block_size;
+          const int64_t start = key_start + (is_key ? block : block - num_blocks) * block_size;
           *count = std::min(block_size, seq_len - start);
           return block_start(is_key ? k_cache : v_cache, start);
         }
-        const int64_t next = item + item_stride, next_block = block - 2 * num_blocks;
+        const int64_t next = item + item_stride;
         if (next >= num_items) return nullptr;
         const int64_t next_seq = next / head_splits, next_first_head = next % head_splits * heads_per_item;
+        const int64_t next_block = first_block_of(seq_lens[next_seq]) + block - 2 * num_blocks;
         const int64_t start = next_block * block_size;
         if (query_start_loc[next_seq + 1] - query_start_loc[next_seq] != 1 || start >= seq_lens[next_seq]) {
           return nullptr;
@@ -194,16 +207,16 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
         return k_cache + block_tables[next_seq * block_table_stride + next_block] * cache_block_stride +
                next_first_head * head_dim;
       };
-      for (int64_t start = 0; start < seq_len; start += block_size) {
+      for (int64_t start = key_start; start < seq_len; start += block_size) {
         const T* keys = block_start(k_cache, start);
         const int64_t count = std::min(block_size, seq_len - start);
         int64_t ahead_count;
-        const T* ahead = pass_block(start / block_size + PREFETCH_BLOCKS, &ahead_count);
+        const T* ahead = pass_block((start - key_start) / block_size + PREFETCH_BLOCKS, &ahead_count);
         for (int64_t row = 0; row < rows; ++row) {
           prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
           const float* __restrict__ qr = q.data() + row * head_dim;
           const T* head_keys = keys + row / group * head_dim;
-          float* __restrict__ s = scores.data() + row * seq_len + start;
+          float* __restrict__ s = scores.data() + row * span + (start - key_start);
           int64_t i = 0;
           if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
             for (; i + 16 <= count; i += 16) {
@@ -221,28 +234,29 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
       }
 
       for (int64_t row = 0; row < rows; ++row) {
-        float* s = scores.data() + row * seq_len;
-        float max_score = s[0];
+        float* s = scores.data() + row * span;
+        float max_score = s[lead];
 #pragma omp simd reduction(max : max_score)
-        for (int64_t t = 0; t < seq_len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
+        for (int64_t t = lead; t < span; ++t) max_score = s[t] > max_score ? s[t] : max_score;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < seq_len; ++t) {
+        for (int64_t t = lead; t < span; ++t) {
           s[t] = exp_nonpositive(s[t] - max_score);
           sum += s[t];
         }
+        for (int64_t t = 0; t < lead; ++t) s[t] = 0.0f;
         inv_sums[row] = 1.0f / sum;
       }
 
       acc.assign(rows * head_dim, 0.0f);
-      for (int64_t start = 0; start < seq_len; start += block_size) {
+      for (int64_t start = key_start; start < seq_len; start += block_size) {
         const T* values = block_start(v_cache, start);
         const int64_t count = std::min(block_size, seq_len - start);
         int64_t ahead_count;
-        const T* ahead = pass_block(num_blocks + start / block_size + PREFETCH_BLOCKS, &ahead_count);
+        const T* ahead = pass_block(num_blocks + (start - key_start) / block_size + PREFETCH_BLOCKS, &ahead_count);
         for (int64_t row = 0; row < rows; ++row) {
           prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
-          const float* __restrict__ p = scores.data() + row * seq_len + start;
+          const float* __restrict__ p = scores.data() + row * span + (start - key_start);
           const T* head_values = values + row / group * head_dim;
           float* __restrict__ a = acc.data() + row * head_dim;
           for (int64_t i = 0; i < count; ++i) {
@@ -266,12 +280,12 @@ template <typename T>
 void decode_attention_any(T* out, const T* query, int64_t query_token_stride, const T* k_cache, const T* v_cache,
                           int64_t block_size, int64_t num_kv_heads, int64_t num_heads, int64_t head_dim,
                           const int32_t* block_tables, int64_t block_table_stride, const int32_t* query_start_loc,
-                          const int32_t* seq_lens, int64_t num_seqs, float scale) {
+                          const int32_t* seq_lens, int64_t num_seqs, float scale, int64_t window) {
   auto run = [&](auto fixed_head_dim) {
     decode_attention<T, decltype(fixed_head_dim)::value>(out, query, query_token_stride, k_cache, v_cache,
                                                           block_size, num_kv_heads, num_heads, head_dim,
                                                           block_tables, block_table_stride, query_start_loc,
-                                                          seq_lens, num_seqs, scale);
+                                                          seq_lens, num_seqs, scale, window);
   };
   if (head_dim == 64) return run(std::integral_constant<int, 64>{});
   if (head_dim == 128) return run(std::integral_constant<int, 128>{});
@@ -394,11 +408,12 @@ int tm_omp_max_threads() { return omp_get_max_threads(); }
 int tm_decode_attention(int dtype, void* out, const void* query, int64_t query_token_stride, const void* k_cache,
                         const void* v_cache, int64_t block_size, int64_t num_kv_heads, int64_t num_heads,
                         int64_t head_dim, const int32_t* block_tables, int64_t block_table_stride,
-                        const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs, float scale) {
+                        const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs, float scale,
+                        int64_t window) {
   TM_DISPATCH(dtype, decode_attention_any<T>(static_cast<T*>(out), static_cast<const T*>(query), query_token_stride,
                                          static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_size,
                                          num_kv_heads, num_heads, head_dim, block_tables, block_table_stride,
-                                         query_start_loc, seq_lens, num_seqs, scale))
+                                         query_start_loc, seq_lens, num_seqs, scale, window))
 }
 
 int tm_write_kv(int dtype, const void* key, int64_t key_token_stride, const void* value, int64_t value_token_stride,

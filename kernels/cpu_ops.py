@@ -37,7 +37,7 @@ _PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "tm_omp_max_threads": [],
     "tm_decode_attention": [_I32, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-                            _I64, ctypes.c_float],
+                            _I64, ctypes.c_float, _I64],
     "tm_write_kv": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
     "tm_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float],
     "tm_rotary": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64],
@@ -160,9 +160,11 @@ def decode_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Into `out [T, Hq, D]` (contiguous), the attention of every sequence with a single query token over its
-    `seq_lens[b]` cached tokens; rows of multi-token sequences are left as they are.
+    `seq_lens[b]` cached tokens (the last `sliding_window` of them, reading no block before the window's first);
+    rows of multi-token sequences are left as they are.
 
     query `[T, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]` already holding this step's K/V; block_tables
     `[B, max_blocks]`, query_start_loc `[B + 1]` and seq_lens `[B]` int32.
@@ -177,7 +179,7 @@ def decode_attention(
     _call("tm_decode_attention", query.dtype, out.data_ptr(), query.data_ptr(), query.stride(0), k_cache.data_ptr(),
           v_cache.data_ptr(), block_size, num_kv_heads, num_heads, head_dim, block_tables.data_ptr(),
           block_tables.stride(0), query_start_loc.contiguous().data_ptr(), seq_lens.contiguous().data_ptr(),
-          seq_lens.shape[0], scale)
+          seq_lens.shape[0], scale, sliding_window or 0)
     return out
 
 

@@ -8,6 +8,10 @@ handled by packing all query heads that share a kv head into the rows of one til
 is read once per kv head rather than once per query head. `tl.dot` needs tiles of at least 16 on
 every side, so rows are padded up to 16 and the head dim up to a power of two, with masks.
 
+Sliding window (`sliding_window`, per layer, as transformers): a query at position p sees keys
+p - window < k <= p. Both kernels start their key loop at the first key any of their rows can see,
+so blocks that slid out of the window (which the scheduler may have freed) are never read.
+
 Decode: one program per (sequence, kv head); rows are the group's query heads.
 Prefill: one program per (query tile, kv head); rows are (query token, head in group) pairs, and a
 program finds its sequence by binary search over `query_start_loc`, so the launch grid depends only
@@ -49,14 +53,18 @@ def _attend_kv_tile(
     stride_v_head,
     dims,
     dim_mask,
+    window,
     CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_KEYS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
     """Fold keys [tile_start, tile_start + TILE_KEYS) (< num_keys) into the online softmax state.
 
-    Each key's physical block comes from the block table, so a tile may span several blocks.
+    Each key's physical block comes from the block table, so a tile may span several blocks. With SLIDING (and
+    CAUSAL) a row sees only keys within `window` of its query position; a row may then see nothing in a tile, which
+    the softmax state survives (its max stays -inf, its sum and accumulator 0).
     """
     key_positions = tile_start + tl.arange(0, TILE_KEYS)
     key_mask = key_positions < num_keys
@@ -77,15 +85,23 @@ def _attend_kv_tile(
     else:
         scores = tl.dot(q, tl.trans(k))
     if CAUSAL:
-        # Position 0 is visible to every row, so no row is all -inf after the first tile.
+        # Without a window position 0 is visible to every row, so no row is all -inf after the first tile.
         visible = key_mask[None, :] & (key_positions[None, :] <= query_positions[:, None])
+        if SLIDING:
+            visible = visible & (key_positions[None, :] > query_positions[:, None] - window)
     else:
         visible = key_mask[None, :]
     scores = tl.where(visible, scores, float("-inf"))
 
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    probs = tl.exp2(scores - new_max[:, None])
-    correction = tl.exp2(running_max - new_max)
+    if SLIDING:
+        # a row with nothing visible yet has max -inf: subtract 0 instead, so exp2 gives 0 rather than NaN
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        correction = tl.exp2(running_max - safe_max)
+    else:
+        probs = tl.exp2(scores - new_max[:, None])
+        correction = tl.exp2(running_max - new_max)
     running_sum = running_sum * correction + tl.sum(probs, axis=1)
     v = tl.load(
         v_cache_ptr
@@ -112,6 +128,7 @@ def _decode_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2,
+    window,
     stride_q_token,
     stride_q_head,
     stride_k_block,
@@ -130,6 +147,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_KEYS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -152,11 +170,15 @@ def _decode_kernel(
     running_sum = tl.zeros([BLOCK_GROUP], dtype=tl.float32)
     acc = tl.zeros([BLOCK_GROUP, BLOCK_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    for tile_start in range(0, seq_len, TILE_KEYS):
+    # The one query sits at seq_len - 1: with a window it sees keys [seq_len - window, seq_len), so start there.
+    first_key = 0
+    if SLIDING:
+        first_key = tl.maximum(seq_len - window, 0)
+    for tile_start in range(first_key, seq_len, TILE_KEYS):
         running_max, running_sum, acc = _attend_kv_tile(
             q, running_max, running_sum, acc, k_cache_ptr, v_cache_ptr, table_row, tile_start, seq_len,
             rows, kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset,
-            stride_v_head, dims, dim_mask, False, BLOCK_SIZE, TILE_KEYS, IEEE_DOT,
+            stride_v_head, dims, dim_mask, window, False, False, BLOCK_SIZE, TILE_KEYS, IEEE_DOT,
         )  # fmt: skip
 
     # seq_len == 0 leaves running_sum at 0: write zeros rather than NaN.
@@ -197,6 +219,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2,
+    window,
     num_seqs,
     stride_q_token,
     stride_q_head,
@@ -217,6 +240,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_KEYS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -254,11 +278,15 @@ def _prefill_kernel(
 
     # Keys past the tile's last query position are masked for every row, so stop there.
     num_keys = context_len + tl.minimum((tile_in_seq + 1) * TOKENS_PER_TILE, query_len)
-    for tile_start in range(0, num_keys, TILE_KEYS):
+    # With a window, keys before the tile's first query position - window + 1 are masked for every row.
+    first_key = 0
+    if SLIDING:
+        first_key = tl.maximum(context_len + tile_in_seq * TOKENS_PER_TILE - window + 1, 0)
+    for tile_start in range(first_key, num_keys, TILE_KEYS):
         running_max, running_sum, acc = _attend_kv_tile(
             q, running_max, running_sum, acc, k_cache_ptr, v_cache_ptr, table_row, tile_start, num_keys,
             query_positions, kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block,
-            stride_v_offset, stride_v_head, dims, dim_mask, True, BLOCK_SIZE, TILE_KEYS, IEEE_DOT,
+            stride_v_offset, stride_v_head, dims, dim_mask, window, True, SLIDING, BLOCK_SIZE, TILE_KEYS, IEEE_DOT,
         )  # fmt: skip
 
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
@@ -295,8 +323,10 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence, `[B, Hq, D]`, attending to its `seq_lens[b]` cached tokens."""
+    """One query token per sequence, `[B, Hq, D]`, attending to its `seq_lens[b]` cached tokens (the last
+    `sliding_window` of them with a window)."""
     group, block_size = _check_shapes(query, k_cache, v_cache)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_seqs, _, head_dim = query.shape
@@ -312,6 +342,7 @@ def paged_attention_decode(
         seq_lens,
         out,
         scale * _LOG2E,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -330,6 +361,7 @@ def paged_attention_decode(
         BLOCK_SIZE=block_size,
         TILE_KEYS=DECODE_TILE_KEYS,
         IEEE_DOT=k_cache.dtype == torch.float32,
+        SLIDING=sliding_window is not None,
     )
     return out
 
@@ -348,8 +380,10 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Packed varlen queries `[T, Hq, D]` attending causally to cache positions <= their own.
+    """Packed varlen queries `[T, Hq, D]` attending causally to cache positions <= their own (and, with a
+    `sliding_window`, > their own - window).
 
     Sequence b's queries are rows `query_start_loc[b]:query_start_loc[b+1]` and sit at the last
     q_len positions of its `seq_lens[b]` tokens, whose K/V (including this step's) are already in
@@ -375,6 +409,7 @@ def paged_attention_prefill(
         seq_lens,
         out,
         scale * _LOG2E,
+        sliding_window or 0,
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -395,6 +430,7 @@ def paged_attention_prefill(
         BLOCK_SIZE=block_size,
         TILE_KEYS=PREFILL_TILE_KEYS,
         IEEE_DOT=k_cache.dtype == torch.float32,
+        SLIDING=sliding_window is not None,
     )
     return out
 
@@ -410,15 +446,23 @@ def _gather_sequence_kv(
 
 
 def _attend_ref(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_positions: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Plain softmax attention in fp32 of `[q, Hq, D]` over `[n, Hkv, D]` with a causal mask."""
+    """Plain softmax attention in fp32 of `[q, Hq, D]` over `[n, Hkv, D]` with a causal (sliding-window) mask."""
     group = query.shape[1] // key.shape[1]
     key = key.float().repeat_interleave(group, dim=1)
     value = value.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale
     key_positions = torch.arange(key.shape[0], device=query.device)
     scores = scores.masked_fill(key_positions[None, None, :] > query_positions[None, :, None], float("-inf"))
+    if sliding_window is not None:
+        hidden = key_positions[None, None, :] <= query_positions[None, :, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), value)
 
 
@@ -429,8 +473,9 @@ def paged_attention_decode_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Torch reference for `paged_attention_decode`, one sequence at a time."""
+    """Torch reference for `paged_attention_decode`, one sequence at a time (gathering all its keys, then masking)."""
     out = torch.zeros_like(query)
     for seq, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
@@ -438,7 +483,7 @@ def paged_attention_decode_ref(
         key = _gather_sequence_kv(k_cache, block_tables[seq], seq_len)
         value = _gather_sequence_kv(v_cache, block_tables[seq], seq_len)
         position = torch.tensor([seq_len - 1], device=query.device)
-        out[seq] = _attend_ref(query[seq : seq + 1], key, value, position, scale)[0].to(query.dtype)
+        out[seq] = _attend_ref(query[seq : seq + 1], key, value, position, scale, sliding_window)[0].to(query.dtype)
     return out
 
 
@@ -450,8 +495,9 @@ def paged_attention_prefill_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Torch reference for `paged_attention_prefill`, one sequence at a time."""
+    """Torch reference for `paged_attention_prefill`, one sequence at a time (gathering all its keys, then masking)."""
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):
@@ -461,5 +507,5 @@ def paged_attention_prefill_ref(
         key = _gather_sequence_kv(k_cache, block_tables[seq], seq_len)
         value = _gather_sequence_kv(v_cache, block_tables[seq], seq_len)
         positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
-        out[start:end] = _attend_ref(query[start:end], key, value, positions, scale).to(query.dtype)
+        out[start:end] = _attend_ref(query[start:end], key, value, positions, scale, sliding_window).to(query.dtype)
     return out

@@ -5,6 +5,12 @@ chains the parent block's hash with the block's token ids and the request's cach
 they are indexed in the pool so a later request with the same prefix reuses them instead of recomputing. A hit must
 also match the block's recorded content (tokens, salt, and the very parent block matched before it), so the hash only
 finds candidates and never decides what KV a request reads.
+
+Sliding window (a model whose every layer attends to at most `window` keys): `free_leading_blocks` returns the blocks
+at the front of a running request's table that no later query can see. They leave `req_blocks` (which holds the live
+tail); `num_freed_blocks` counts them, so table positions stay absolute. A freed block keeps its prefix-cache entry
+until evicted: its KV is still exactly that prefix's, so a later request may hit it (hits always run from the first
+block, through intact content).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.req_blocks: dict[str, list[Block]] = {}
+        self.req_blocks: dict[str, list[Block]] = {}  # each request's live blocks (after its freed leading ones)
+        self.num_freed_blocks: dict[str, int] = {}  # leading blocks of a request freed as they left the window
         self.num_indexed_blocks: dict[str, int] = {}  # leading blocks of each request already in the prefix cache
         # content id of the indexed block holding each request's prefix up to there; None once a colliding key
         # stopped its indexing (its later blocks then stay private)
@@ -72,7 +79,8 @@ class KVCacheManager:
         to its table, or None, changing nothing, when the pool is short."""
         blocks = self.req_blocks.get(request.request_id, [])
         num_tokens_after = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        num_fresh = self.num_blocks_for(num_tokens_after) - len(blocks) - len(cached_blocks)
+        num_table_blocks = len(blocks) + self.num_freed_blocks.get(request.request_id, 0)
+        num_fresh = self.num_blocks_for(num_tokens_after) - num_table_blocks - len(cached_blocks)
         # hits that sit in the free queue stop being allocatable once we take them
         num_free_hits = sum(1 for b in cached_blocks if b.ref_count == 0)
         if max(num_fresh, 0) + num_free_hits > self.pool.num_free_blocks:
@@ -99,8 +107,13 @@ class KVCacheManager:
             return
         self._extend_block_hashes(request)
         blocks = self.req_blocks[request_id]
+        num_freed = self.num_freed_blocks.get(request_id, 0)
+        if start < num_freed:  # blocks freed before they were indexed: the chain cannot go on past them
+            self.last_indexed_id[request_id] = None
+            return
         for i in range(start, num_full):
-            holder = self.pool.cache(blocks[i], request.block_hashes[i], self._content(request, i, parent_id))
+            holder = self.pool.cache(blocks[i - num_freed], request.block_hashes[i],
+                                     self._content(request, i, parent_id))
             parent_id = holder.content_id if holder is not None else None
             if parent_id is None:
                 break
@@ -110,9 +123,25 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return the request's blocks to the pool, tail first; cached content stays reusable until evicted."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_freed_blocks.pop(request.request_id, None)
         self.num_indexed_blocks.pop(request.request_id, None)
         self.last_indexed_id.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+
+    def free_leading_blocks(self, request: Request, num_blocks: int) -> int:
+        """Free the request's first `num_blocks` table blocks (those not freed yet), which no later query of it reads
+        (they slid out of every layer's window); returns how many were freed now. Their table positions stay
+        counted, so the request's later blocks keep their positions."""
+        request_id = request.request_id
+        blocks = self.req_blocks.get(request_id)
+        num_freed = self.num_freed_blocks.get(request_id, 0)
+        count = min(num_blocks - num_freed, len(blocks or ()))
+        if count <= 0:
+            return 0
+        self.pool.free(reversed(blocks[:count]))  # newest first, so the oldest are evicted last (as `free`)
+        del blocks[:count]
+        self.num_freed_blocks[request_id] = num_freed + count
+        return count
 
     def _extend_block_hashes(self, request: Request) -> None:
         """Hash every full block of the request's known tokens that is not hashed yet (tokens only ever grow)."""

@@ -77,7 +77,8 @@ class SchedulerLoop:
         if first.vocab_size:  # a language model: structured outputs can constrain it
             grammars = GrammarCompiler(lambda: grammar_tokenizer(self.config.model, first.vocab_size,
                                                                  first.eos_token_ids))
-        self.scheduler = Scheduler(self.config, num_blocks, first.eos_token_ids, grammars=grammars)
+        self.scheduler = Scheduler(self.config, num_blocks, first.eos_token_ids, grammars=grammars,
+                                   sliding_window=first.sliding_window)
         self.to_frontend.send(encode(EngineReady(
             num_kv_blocks=num_blocks, block_size=self.config.cache.block_size,
             max_model_len=self.config.model.max_model_len, weight_bytes=sum(r.weight_bytes for r in readies),

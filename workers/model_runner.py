@@ -120,6 +120,8 @@ class ModelRunner:
         """Build the model on the target device and dtype, then stream the checkpoint into it."""
         model_cfg = self.config.model
         self.hf_config = load_hf_config(model_cfg)
+        # the rotary table's length, and LongRoPE's short/long choice (workers/models/rope.py)
+        self.hf_config.tokenmill_max_model_len = self.max_model_len()
         self.architecture = model_cfg.architecture or architecture_of(self.hf_config)
         self.dtype = resolve_dtype(model_cfg, self.hf_config, self.device)
         started = time.perf_counter()
@@ -157,15 +159,21 @@ class ModelRunner:
             with open(generation_config) as f:
                 eos = json.load(f).get("eos_token_id")
         if eos is None:
-            eos = getattr(self.hf_config, "eos_token_id", None)
+            eos = getattr(self.hf_config, "eos_token_id", None) or getattr(self.text_config, "eos_token_id", None)
         if eos is None:
             return []
         return [int(eos)] if isinstance(eos, int) else [int(token) for token in eos]
 
     @property
+    def text_config(self):
+        """The language model's config: a multimodal config's `text_config` (Gemma 3), else the config itself."""
+        get_text_config = getattr(self.hf_config, "get_text_config", None)
+        return get_text_config() if get_text_config is not None else self.hf_config
+
+    @property
     def vocab_size(self) -> int:
         """The width of the logits the sampler sees."""
-        return int(self.hf_config.vocab_size)
+        return int(self.text_config.vocab_size)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across every layer, K and V."""
@@ -178,7 +186,7 @@ class ModelRunner:
         return max(1, DECODE_GATHER_BYTES * self.model.num_layers * self.block_size // self.kv_block_bytes())
 
     def max_model_len(self) -> int:
-        return self.config.model.max_model_len or int(self.hf_config.max_position_embeddings)
+        return self.config.model.max_model_len or int(self.text_config.max_position_embeddings)
 
     def num_kv_blocks_for_budget(self) -> int:
         """How many KV blocks fit: the configured count, the CPU byte budget, or what the GPU has left.

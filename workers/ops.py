@@ -19,6 +19,8 @@ class LayerOps:
     rotary: Callable | None = None
     # silu_and_mul(x [T, 2 * I]) -> silu(x[:, :I]) * x[:, I:]
     silu_and_mul: Callable | None = None
+    # moe_experts(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k]) -> [T, H]
+    moe_experts: Callable | None = None
 
 
 TORCH_OPS = LayerOps()

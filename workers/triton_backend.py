@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.moe_grouped_gemm import moe_experts
 from tokenmill.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from tokenmill.kernels.rms_norm import rms_norm
 from tokenmill.kernels.rotary import apply_rotary
@@ -34,12 +35,17 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`."""
+    """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`.
+
+    With `sliding_window`, a query at position p sees keys p - window < k <= p (the kernels start at the window)."""
     if metadata.is_decode_only:
-        return paged_attention_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale)
+        return paged_attention_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale,
+                                      sliding_window)
     return paged_attention_prefill(
-        query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale
+        query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale,
+        sliding_window,
     )
 
 
@@ -52,4 +58,5 @@ class TritonAttentionBackend:
     attend = staticmethod(paged_attention_triton)
 
 
-TRITON_OPS = LayerOps(rms_norm=rms_norm, rotary=rotate_in_place)  # SiLU-and-mul stays torch (one fused op there)
+# SiLU-and-mul stays torch (one fused op there); MoE experts run the grouped GEMM
+TRITON_OPS = LayerOps(rms_norm=rms_norm, rotary=rotate_in_place, moe_experts=moe_experts)

@@ -10,16 +10,18 @@ TOKENMILL_DASHBOARD_SCREENSHOT=docs/dashboard.png also saves the screenshot take
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import requests
 
-from tests.engine.api_helpers import metric_samples, run_concurrently
+from tests.engine.api_helpers import metric_samples
 from tests.server import Server
 
 pytestmark = pytest.mark.slow
@@ -99,17 +101,20 @@ def test_dashboard_in_a_browser_under_load(browser, server, tmp_path):
     num_blocks = int(idle["blocksTotal"])
     assert num_blocks > 100 and idle["blocksUsed"] == "0" and idle["running"] == "0"
 
-    def workload(client):
-        return {f"q{i}": client.completions.create(
-            model="SmolLM2-135M-Instruct", prompt=SHARED_PREFIX + question, max_tokens=120, temperature=0,
-            extra_body={"ignore_eos": True, "priority": i % 3}) for i, question in enumerate(QUESTIONS)}
+    async def workload() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=600) as client:
+            return await asyncio.gather(*[client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt=SHARED_PREFIX + question, max_tokens=120, temperature=0,
+                extra_body={"ignore_eos": True, "priority": i % 3}) for i, question in enumerate(QUESTIONS)],
+                return_exceptions=True)
 
-    results: dict = {}
-    worker = threading.Thread(target=lambda: results.update(run_concurrently(server.url, workload)))
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(asyncio.run(workload())))
     worker.start()
     try:
-        busy = wait_for(browser, lambda s: int(s.get("running", 0)) >= 1 and int(s.get("blocksUsed", 0)) > 0,
-                        120, "requests running")
+        busy = wait_for(browser, lambda s: not worker.is_alive() or
+                        (int(s.get("running", 0)) >= 1 and int(s.get("blocksUsed", 0)) > 0), 120, "requests running")
+        assert worker.is_alive(), f"the workload ended before the page saw it run: {results}"
         # the page keeps receiving updates while the workload runs, and draws what they carry
         seen_steps = {int(busy["stepId"])}
         samples = []
@@ -132,8 +137,9 @@ def test_dashboard_in_a_browser_under_load(browser, server, tmp_path):
     finally:
         worker.join(300)
     assert not worker.is_alive()
-    for name, value in results.items():
-        assert not isinstance(value, Exception), f"{name}: {value!r}"
+    assert len(results) == len(QUESTIONS)
+    for value in results:
+        assert not isinstance(value, Exception), repr(value)
         assert value.usage.completion_tokens == 120
     assert len(seen_steps) >= 5, f"the page saw too few distinct steps: {sorted(seen_steps)}"
     assert full is not None, "the page never showed a full pool with running and waiting requests"

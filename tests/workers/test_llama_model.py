@@ -54,8 +54,8 @@ def test_rope_parameters_accept_the_old_spelling():
     assert plain == {"rope_theta": 1e4, "rope_type": "default"}
     unscaled = rope_inverse_frequencies(8, {"rope_type": "default", "rope_theta": 500000.0}, 512)
     torch.testing.assert_close(rope_inverse_frequencies(8, rope_parameters(old), 512) * 2.0, unscaled)
-    with pytest.raises(NotImplementedError):
-        rope_inverse_frequencies(8, {"rope_type": "yarn", "rope_theta": 1e4}, 512)
+    with pytest.raises(NotImplementedError, match="'su'"):
+        rope_inverse_frequencies(8, {"rope_type": "su", "rope_theta": 1e4}, 512)
 
 
 def test_load_weights_rejects_missing_unknown_and_misshapen(tiny_checkpoint):

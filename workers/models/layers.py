@@ -28,6 +28,8 @@ from torch import nn
 
 from tokenmill.workers.backends import layer_ops
 from tokenmill.workers.models.packed_linear import can_pack, linear, packed
+from tokenmill.workers.models import rope as _rope
+from tokenmill.workers.models.rope import rope_parameters  # noqa: F401  (re-exported)
 
 
 class HeadShard(NamedTuple):
@@ -109,21 +111,28 @@ class ReplicatedLoad:
 
 
 class RMSNorm(ReplicatedLoad, nn.Module):
-    """Root-mean-square norm, computed in float32 as Hugging Face does; optionally fuses the residual add."""
+    """Root-mean-square norm, computed in float32 as Hugging Face does; optionally fuses the residual add.
 
-    def __init__(self, size: int, eps: float):
+    `unit_offset=True` is Gemma's variant: it scales by (1 + weight), in float32 before the cast back
+    (transformers' `Gemma3RMSNorm`), and always runs the torch code (the fused kernels compute Llama's order).
+    """
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = new_parameter(size)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         x_float = x.float()
         x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x_float * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x_float.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); with no residual, x itself is the new residual."""
-        kernel = layer_ops(x.device.type).rms_norm
+        kernel = None if self.unit_offset else layer_ops(x.device.type).rms_norm
         if kernel is not None:
             return kernel(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -311,62 +320,30 @@ def pack_linear_weights(model: nn.Module) -> None:
 # ---------------------------------------------------------------- rotary position embeddings
 
 
-def rope_parameters(config) -> dict:
-    """The rope settings of a HF config as one dict with at least `rope_type` and `rope_theta`.
-
-    transformers 5 spells them `config.rope_parameters`; older configs use `rope_theta` plus `rope_scaling`.
-    """
-    params = getattr(config, "rope_parameters", None)
-    if not isinstance(params, dict) or not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-    params = dict(params)
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
-    return params
-
-
 def rope_inverse_frequencies(head_dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
-    """float32 [head_dim / 2] inverse frequencies for the default, `linear` or `llama3` rope types."""
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("partial rotary embeddings are not supported")
-    base = float(params["rope_theta"])
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (base**exponents)
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if rope_type == "llama3":
-        return _llama3_scaled(inv_freq, params, max_position_embeddings)
-    raise NotImplementedError(f"rope type {rope_type!r} is not supported")
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, params: dict, max_position_embeddings: int) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
-    factor = float(params["factor"])
-    low_freq_factor = float(params["low_freq_factor"])
-    high_freq_factor = float(params["high_freq_factor"])
-    old_context_len = float(params.get("original_max_position_embeddings", max_position_embeddings))
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    """float32 `[rot_dim / 2]` inverse frequencies of any supported rope type (`workers/models/rope.py`)."""
+    return _rope.inverse_frequencies(head_dim, params, max_position_embeddings)[0]
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding. `for_step` runs once per step; every layer reuses its result."""
+    """Neox-style (rotate-half) rotary embedding over the first `rot_dim` dims of each head (partial rotary leaves
+    the rest as they are). `for_step` runs once per step; every layer reuses its result.
 
-    def __init__(self, head_dim: int, params: dict, max_position_embeddings: int):
+    Every rope type is a table lookup (`workers/models/rope.py` computes the table as transformers does, attention
+    factor included); `max_model_len` sizes the table (default max_position_embeddings) and fixes LongRoPE's factor.
+    """
+
+    def __init__(self, head_dim: int, params: dict, max_position_embeddings: int, max_model_len: int | None = None):
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, params, max_position_embeddings)
+        inv_freq, self.attention_factor = _rope.inverse_frequencies(
+            head_dim, params, max_position_embeddings, max_model_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.params = params
+        self.head_dim = head_dim
+        self.rot_dim = 2 * inv_freq.numel()
         self.max_position_embeddings = max_position_embeddings
+        self.max_model_len = max_model_len
+        self.num_positions = max_model_len or max_position_embeddings
         self._cos_sin_table: torch.Tensor | None = None
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
@@ -378,19 +355,19 @@ class RotaryEmbedding(nn.Module):
         return RotaryStep(positions=positions, cos_sin_table=self.cos_sin_table(), kernel=kernel)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[T, 1, head_dim / 2]` for the positions, in float32 then cast like Hugging Face does."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        """cos and sin `[T, 1, rot_dim / 2]` for the positions: float32 table rows cast like Hugging Face does."""
+        cos, sin = self.cos_sin_table()[positions.long()].chunk(2, dim=-1)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def cos_sin_table(self) -> torch.Tensor:
-        """float32 `[max_position_embeddings, head_dim]` (cos half, then sin half) for the rotary kernel; built once.
+        """float32 `[num_positions, rot_dim]` (cos half, then sin half) for the rotary kernel; built once.
 
         It is first needed by the start-up profiling step, before any CUDA graph is captured.
         """
         if self._cos_sin_table is None:
-            positions = torch.arange(self.max_position_embeddings, device=self.inv_freq.device)
-            cos, sin = self.cos_sin(positions, torch.float32)
-            self._cos_sin_table = torch.cat([cos[:, 0], sin[:, 0]], dim=-1).contiguous()
+            table = _rope.rope_table(self.head_dim, self.params, self.max_position_embeddings, self.num_positions,
+                                     self.max_model_len)
+            self._cos_sin_table = table.to(self.inv_freq.device)
         return self._cos_sin_table
 
 
@@ -412,6 +389,9 @@ class RotaryStep:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, head_dim / 2]`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate the first rot_dim dims of x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, rot_dim / 2]`."""
+    rot_dim = 2 * cos.shape[-1]
+    x_rot, x_pass = (x, None) if rot_dim == x.shape[-1] else (x[..., :rot_dim], x[..., rot_dim:])
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated if x_pass is None else torch.cat((rotated, x_pass), dim=-1)

@@ -46,6 +46,8 @@ _FUSED_PROJECTIONS = {
 
 
 class DecoderAttention(nn.Module):
+    sliding_window: int | None = None  # this layer's window (keys a query sees, itself included); None: global
+
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
         super().__init__()
         hidden_size = config.hidden_size
@@ -75,7 +77,7 @@ class DecoderAttention(nn.Module):
             q = self.q_norm.normalize(q)
             k = self.k_norm.normalize(k)
         q, k = rotary.rotate(q, k)
-        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale)
+        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 
@@ -91,12 +93,12 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config, tp)
+        self.mlp = mlp if mlp is not None else DecoderMLP(config, tp)  # a model may swap in its own (MoE)
 
     def forward(
         self,
@@ -113,15 +115,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, make_mlp=None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, qk_norm, tp, make_mlp(index) if make_mlp else None)
+            for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings,
+                                      getattr(config, "tokenmill_max_model_len", None))
 
     def forward(
         self,
@@ -150,8 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         qkv_bias = self.QKV_BIAS if self.QKV_BIAS is not None else bool(getattr(config, "attention_bias", False))
-        _warn_if_sliding_window(config)
-        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp)
+        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied_to)
@@ -159,6 +162,11 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = len(self.model.layers)
         self.num_kv_heads = attention.num_kv_heads  # per rank
         self.head_dim = attention.head_dim
+        windows = layer_sliding_windows(config)
+        for layer, window in zip(self.model.layers, windows, strict=True):
+            layer.self_attn.sliding_window = window
+        # what the scheduler may free by: the largest window when every layer has one, else None
+        self.kv_sliding_window = max(windows) if windows and None not in windows else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (or V) cache."""
@@ -176,6 +184,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def make_mlp(self, layer_index: int) -> nn.Module | None:
+        """The MLP of layer `layer_index`; None for the dense `DecoderMLP` (MoE models override this)."""
+        return None
+
+    def weight_target(self, name: str) -> tuple[str, str, object]:
+        """(module path, parameter name, shard id) that the checkpoint tensor `name` loads into."""
+        module_path, _, param_name = name.rpartition(".")
+        parent_path, _, module_name = module_path.rpartition(".")
+        shard_id = None
+        if module_name in _FUSED_PROJECTIONS:
+            module_name, shard_id = _FUSED_PROJECTIONS[module_name]
+            module_path = f"{parent_path}.{module_name}"
+        return module_path, param_name, shard_id
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused, per-rank) parameters; fail if any is left unfilled."""
         params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as the embedding
@@ -183,12 +205,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            module_path, _, param_name = name.rpartition(".")
-            parent_path, _, module_name = module_path.rpartition(".")
-            shard_id = None
-            if module_name in _FUSED_PROJECTIONS:
-                module_name, shard_id = _FUSED_PROJECTIONS[module_name]
-                module_path = f"{parent_path}.{module_name}"
+            module_path, param_name, shard_id = self.weight_target(name)
             target = f"{module_path}.{param_name}"
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
@@ -214,12 +231,22 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     QK_NORM = True
 
 
-def _warn_if_sliding_window(config) -> None:
+def layer_sliding_windows(config) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it, None for a full-attention layer.
+
+    `sliding_window` unset (or `use_sliding_window` false, Qwen2/Qwen3): none. Else `layer_types` decides where the
+    config has it ("sliding_attention" layers; transformers derives it for Qwen2/Qwen3 from `max_window_layers`:
+    layers from that index on slide), then `max_window_layers` alone, else every layer slides (Mistral).
+    """
+    num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    uses_window = window is not None and getattr(config, "use_sliding_window", True)
-    if uses_window and window < config.max_position_embeddings:
-        log.warning(
-            "config has sliding_window=%d; attention here is full-context, so outputs differ past %d tokens",
-            window,
-            window,
-        )
+    if window is None or not getattr(config, "use_sliding_window", True):
+        return [None] * num_layers
+    window = int(window)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types[:num_layers]]
+    max_window_layers = getattr(config, "max_window_layers", None)
+    if max_window_layers is not None:
+        return [window if i >= max_window_layers else None for i in range(num_layers)]
+    return [window] * num_layers

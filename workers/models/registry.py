@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the architecture table is read torch-free by `tokenmill serve` before any process starts
+    from torch import nn
 
 # HF architecture name -> (module, class)
 _MODEL_CLASSES: dict[str, tuple[str, str]] = {
@@ -12,6 +14,12 @@ _MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("tokenmill.workers.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.workers.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.workers.models.llama", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("tokenmill.workers.models.mixtral", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tokenmill.workers.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Phi3ForCausalLM": ("tokenmill.workers.models.phi3", "Phi3ForCausalLM"),
+    "Gemma3ForCausalLM": ("tokenmill.workers.models.gemma3", "Gemma3ForCausalLM"),
+    # served text-only: the vision tower and projector are skipped at load
+    "Gemma3ForConditionalGeneration": ("tokenmill.workers.models.gemma3", "Gemma3ForConditionalGeneration"),
     # encoders, served as embedding models only (task heads in the checkpoint are skipped at load)
     "BertModel": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
     "BertForMaskedLM": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
@@ -26,6 +34,11 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 
