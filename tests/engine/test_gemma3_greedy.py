@@ -1,7 +1,7 @@
 """Gemma 3 through the whole engine (offline `LLM`, float32, chunked prefill with a small token budget, prefix
 caching on): greedy tokens identical to transformers' `generate`, for a text-only checkpoint (Gemma3ForCausalLM)
 and for the multimodal layout (Gemma3ForConditionalGeneration: text_config, language_model. prefixes, a vision
-tower that is skipped). The tiny models have local layers with a 48-key window; some prompts are longer than it."""
+tower that is skipped). The tiny models have local layers with a 32-key window; some prompts are longer than it."""
 
 from __future__ import annotations
 

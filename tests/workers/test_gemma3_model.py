@@ -86,6 +86,75 @@ def test_logits_match_hf_at_every_position(gemma3, use_cpu_backend, backend, kin
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+# HF name (after `model.layers.N.`) -> llama.cpp's gemma3 tensor name
+_GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_gemma3_gguf(hf_model, file):
+    """What llama.cpp's convert_hf_to_gguf.py writes for a Gemma 3 text model (F32): its names, norms as 1 + w."""
+    import gguf
+
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(file), "gemma3")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(1e6)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_vocab_size(c.vocab_size)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        base = name.removesuffix(".weight")
+        if base in ("model.embed_tokens", "model.norm"):
+            gguf_name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}[base]
+        else:
+            parts = base.split(".")
+            gguf_name = f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:])]}"
+        array = tensor.float().numpy().copy()
+        writer.add_tensor(f"{gguf_name}.weight", array + 1 if name.endswith("norm.weight") else array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_loads_and_matches_transformers_reading_it(gemma3, tmp_path):
+    """llama.cpp's names and 1 + w norms map back to the HF weights; logits equal transformers' own GGUF load (whose
+    config, read from GGUF metadata, has the default layer pattern and query_pre_attn_scalar)."""
+    from transformers import AutoModelForCausalLM
+
+    path, hf_model = gemma3("text")
+    write_gemma3_gguf(hf_model, tmp_path / "tiny.gguf")
+    model_cfg = ModelConfig(path=str(tmp_path), gguf_file="tiny.gguf")
+    expected_weights = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    got_weights = dict(iter_weights(model_cfg))
+    assert got_weights.keys() == expected_weights.keys()
+    for name, tensor in got_weights.items():
+        torch.testing.assert_close(tensor, expected_weights[name], msg=name)
+
+    hf_config = load_hf_config(model_cfg)
+    assert architecture_of(hf_config) == "Gemma3ForCausalLM"
+    ours = model_class(architecture_of(hf_config))(hf_config)
+    ours.load_weights(iter_weights(model_cfg))
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    input_ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference(input_ids[None]).logits[0].float()
+    got = logits_in_chunks(ours.eval(), input_ids, [0, 17, 18, 40])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_load_rejects_a_missing_norm(gemma3):
     path, _ = gemma3("text")
     weights = dict(iter_weights(ModelConfig(path=str(path))))

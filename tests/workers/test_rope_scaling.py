@@ -21,7 +21,6 @@ from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.models.rope import (
     UnsupportedRopeType,
     inverse_frequencies,
-    max_context_for_rope,
     rope_parameters,
     rope_table,
 )
@@ -154,13 +153,19 @@ def test_unknown_rope_types_fail_naming_them():
         inverse_frequencies(16, rope_parameters(SimpleNamespace(rope_scaling={"type": "mrope"})), 64)
 
 
-def test_max_context_for_rope_follows_vllm():
-    assert max_context_for_rope({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-                                32768) == 131072
-    assert max_context_for_rope({"rope_type": "linear", "factor": 2.0}, 4096) == 8192
-    assert max_context_for_rope({"rope_type": "longrope", "original_max_position_embeddings": 4096}, 131072) == 131072
-    assert max_context_for_rope({"rope_type": "llama3", "factor": 8.0}, 131072) == 131072
-    assert max_context_for_rope({"rope_type": "default"}, 2048) == 2048
+def test_the_context_a_rope_scaling_is_made_for_follows_vllm():
+    from tokenmill.model_source import rope_scaled_context
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert rope_scaled_context({"rope_scaling": yarn}, 32768) == 131072
+    assert rope_scaled_context({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 4096) == 8192
+    assert rope_scaled_context({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 4096) == 8192
+    longrope = {"rope_type": "longrope", "original_max_position_embeddings": 4096}
+    assert rope_scaled_context({"rope_scaling": longrope}, 131072) == 131072
+    assert rope_scaled_context({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072) == 131072
+    gemma3 = {"model_type": "gemma3_text", "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert rope_scaled_context(gemma3, 131072) == 131072
+    assert rope_scaled_context({}, 2048) == 2048
 
 
 # ---------------------------------------------------------------- whole models past the original context

@@ -108,3 +108,25 @@ def test_a_non_positive_window_is_refused(use_cpu_backend):
     use_cpu_backend("torch")
     with pytest.raises(ValueError, match="sliding_window"):
         run_case([1], [5], 0)
+
+
+def test_layer_windows_follow_transformers_configs():
+    from transformers import MistralConfig, Qwen2Config
+
+    from tokenmill.workers.models.llama import LlamaForCausalLM, MistralForCausalLM, layer_sliding_windows
+
+    tiny = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                num_hidden_layers=4)
+    mistral = MistralForCausalLM(MistralConfig(sliding_window=24, **tiny))
+    assert [layer.self_attn.sliding_window for layer in mistral.model.layers] == [24] * 4
+    assert mistral.kv_sliding_window == 24
+    assert MistralForCausalLM(MistralConfig(sliding_window=None, **tiny)).kv_sliding_window is None
+    # Qwen2: only with use_sliding_window, and then the layers from max_window_layers on
+    assert layer_sliding_windows(Qwen2Config(sliding_window=32, **tiny)) == [None] * 4
+    mixed = Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=2, **tiny)
+    assert layer_sliding_windows(mixed) == [None, None, 32, 32]
+    model = LlamaForCausalLM(mixed)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, None, 32, 32]
+    assert model.kv_sliding_window is None  # a global layer keeps every block
+    everywhere = Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=0, **tiny)
+    assert LlamaForCausalLM(everywhere).kv_sliding_window == 32

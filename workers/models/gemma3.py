@@ -16,7 +16,6 @@ Parameter names follow the HF checkpoints (`model.layers.N...`), with q/k/v and 
 
 from __future__ import annotations
 
-import inspect
 import logging
 from types import SimpleNamespace
 from typing import Iterable, Sequence
@@ -46,9 +45,6 @@ log = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-# Whether the attention backends take a sliding window yet (the keyword is being added in workers/attention.py).
-_ATTENTION_TAKES_WINDOW = "sliding_window" in inspect.signature(write_kv_and_attend).parameters
 
 # Checkpoint prefixes of Gemma3ForConditionalGeneration: old hub layout and transformers 5's layout.
 _TEXT_PREFIXES = (
@@ -118,10 +114,7 @@ class Gemma3Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, rotary: RotaryStep, kv_cache: KVCache, attn: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden)
         q, k = rotary.rotate(self.q_norm.normalize(q), self.k_norm.normalize(k))
-        if _ATTENTION_TAKES_WINDOW:
-            out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window)
-        else:
-            out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale)
+        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 
@@ -216,10 +209,6 @@ class Gemma3ForCausalLM(nn.Module):
         text_config = getattr(config, "text_config", None) or config
         self.config = text_config
         self.tp = tp
-        window = getattr(text_config, "sliding_window", None)
-        if not _ATTENTION_TAKES_WINDOW and window is not None and SLIDING in layer_types(text_config):
-            log.warning("config has sliding_window=%d but the attention backends do not take a window yet: "
-                        "local layers attend to the full context, so outputs differ past %d tokens", window, window)
         max_model_len = getattr(config, "tokenmill_max_model_len", None)  # set by the model runner
         self.model = Gemma3Model(text_config, tp, max_model_len)
         self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", True))

@@ -203,16 +203,3 @@ def rope_table(
                                max_position_embeddings, past + 1)
         freqs[max_position_embeddings:] = past.float()[:, None] * per_row
     return torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1).contiguous()
-
-
-def max_context_for_rope(params: dict, max_position_embeddings: int) -> int:
-    """The longest context the rope scaling is meant for, as vLLM derives it: max_position_embeddings, times the
-    factor for `linear` and `dynamic`, original_max_position_embeddings times the factor for `yarn`."""
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    factor = params.get("factor")
-    if rope_type in ("linear", "dynamic") and factor:
-        return int(max_position_embeddings * float(factor))
-    if rope_type == "yarn" and factor:
-        original = params.get("original_max_position_embeddings") or max_position_embeddings
-        return max(max_position_embeddings, int(original * float(factor)))
-    return max_position_embeddings
