@@ -193,6 +193,10 @@ class Subscriber:
             self.updates.append(payload)
         self._wakeup.set()
 
+    def close(self) -> None:
+        self.closed = True
+        self._wakeup.set()
+
     async def take(self, timeout_s: float) -> list[bytes]:
         """Every update waiting (after waiting up to timeout_s for one); [] on timeout or once dropped."""
         if not self.updates and not self.dropped and not self.closed:
@@ -245,8 +249,7 @@ class DashboardHub:
     def close(self) -> None:
         """End every stream (the server is shutting down)."""
         for subscriber in self.subscribers:
-            subscriber.closed = True
-            subscriber._wakeup.set()
+            subscriber.close()
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self.subscribers.discard(subscriber)
