@@ -88,7 +88,7 @@ def run_rounds(llm, args: argparse.Namespace) -> dict:
             record["summary_steps"] = sum(len(s.steps) for s in summaries[:-1])
             record["summaries_per_s"] = len(summaries) / wall
             record["max_batch_seen"] = max(len(s.queue) for s in summaries)
-            record["num_blocks"] = last.num_blocks
+            record["num_blocks"] = summaries[-1].num_blocks
         rounds[mode].append(record)
         print(f"round {index + 1}/{len(order)} {mode:>3}: {stats.num_steps} steps, mean step "
               f"{record['mean_step_ms']:.1f} ms, {len(summaries)} summaries", flush=True)

@@ -23,7 +23,7 @@ from tokenmill.frontend.outputs import CompletionOutput, next_delta
 from tokenmill.frontend.logprobs import TokenTexts
 from tokenmill.frontend.prompt_logprobs import vllm_prompt_logprobs
 from tokenmill.frontend.protocol import PromptLogprobs
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenmill.launcher import EngineProcesses, kv_capacity_error
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
                                 SchedulerMessage, SchedulerStats, StepOutputs, StepSummary, WatchSteps,

@@ -9,7 +9,7 @@ As vLLM's streaming parser: an output that does not start so is plain content. T
 from __future__ import annotations
 
 from tokenmill.frontend.tool_parsers.base import ToolParser
-from tokenmill.frontend.tool_parsers.scan import WHITESPACE, held_prefix
+from tokenmill.frontend.tool_parsers.scan import WHITESPACE
 
 PYTHON_TAG = "<|python_tag|>"
 ARGS_KEYS = ("parameters", "arguments")

@@ -12,7 +12,8 @@ from tests.workers.runner_driver import logits_in_chunks
 from tests.workers.tiny_models import TINY_CONFIGS
 from tokenmill.config import ModelConfig
 from tokenmill.workers.model_loader import iter_weights
-from tokenmill.workers.models.layers import TensorParallel, rope_inverse_frequencies, rope_parameters
+from tokenmill.workers.models.layers import TensorParallel, rope_inverse_frequencies
+from tokenmill.workers.models.rope import rope_parameters
 from tokenmill.workers.models.registry import architecture_of, model_class
 
 CPU = torch.device("cpu")

@@ -36,8 +36,8 @@ from tokenmill.workers.models.layers import (
     TensorParallel,
     VocabEmbedding,
     copy_checked,
-    rope_parameters,
 )
+from tokenmill.workers.models.rope import rope_parameters
 from tokenmill.workers.models.llama import _FUSED_PROJECTIONS
 from tokenmill.workers.models.packed_linear import linear
 

@@ -17,7 +17,6 @@ verify that every parameter was filled exactly once.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -29,7 +28,6 @@ from torch import nn
 from tokenmill.workers.backends import layer_ops
 from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 from tokenmill.workers.models import rope as _rope
-from tokenmill.workers.models.rope import rope_parameters  # noqa: F401  (re-exported)
 
 
 class HeadShard(NamedTuple):

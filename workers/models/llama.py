@@ -10,7 +10,6 @@ that q/k/v and gate/up are fused into single matmuls at load time (`qkv_proj`, `
 
 from __future__ import annotations
 
-import logging
 from typing import Iterable, Sequence
 
 import torch
@@ -28,10 +27,9 @@ from tokenmill.workers.models.layers import (
     TensorParallel,
     VocabEmbedding,
     copy_checked,
-    rope_parameters,
 )
+from tokenmill.workers.models.rope import rope_parameters
 
-log = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
