@@ -35,10 +35,9 @@ from tokenmill.workers.models.layers import (
     RowParallelLinear,
     TensorParallel,
     VocabEmbedding,
-    copy_checked,
 )
 from tokenmill.workers.models.rope import rope_parameters
-from tokenmill.workers.models.llama import _FUSED_PROJECTIONS
+from tokenmill.workers.models.llama import fused_projection_target, load_hf_weights
 from tokenmill.workers.models.packed_linear import linear
 
 log = logging.getLogger(__name__)
@@ -246,28 +245,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors in (text-only or multimodal layout; vision weights skipped), every parameter filled once."""
-        params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as the embedding
-        filled = dict.fromkeys(params, 0)
-        for name, tensor in _text_weights(weights):
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            module_path, _, param_name = name.rpartition(".")
-            parent_path, _, module_name = module_path.rpartition(".")
-            shard_id = None
-            if module_name in _FUSED_PROJECTIONS:
-                module_name, shard_id = _FUSED_PROJECTIONS[module_name]
-                module_path = f"{parent_path}.{module_name}"
-            target = f"{module_path}.{param_name}"
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            module = self.get_submodule(module_path)
-            if hasattr(module, "load"):
-                filled[target] += module.load(param_name, tensor, shard_id)
-            else:
-                filled[target] += copy_checked(params[target].data, tensor, name)
-        wrong = [name for name, count in filled.items() if count != params[name].numel()]
-        if wrong:
-            raise ValueError(f"parameters not filled exactly once by the checkpoint: {wrong[:8]}")
+        load_hf_weights(self, _text_weights(weights), fused_projection_target)
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

@@ -10,7 +10,7 @@ that q/k/v and gate/up are fused into single matmuls at load time (`qkv_proj`, `
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -188,33 +188,44 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_target(self, name: str) -> tuple[str, str, object]:
         """(module path, parameter name, shard id) that the checkpoint tensor `name` loads into."""
-        module_path, _, param_name = name.rpartition(".")
-        parent_path, _, module_name = module_path.rpartition(".")
-        shard_id = None
-        if module_name in _FUSED_PROJECTIONS:
-            module_name, shard_id = _FUSED_PROJECTIONS[module_name]
-            module_path = f"{parent_path}.{module_name}"
-        return module_path, param_name, shard_id
+        return fused_projection_target(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into the (fused, per-rank) parameters; fail if any is left unfilled."""
-        params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as the embedding
-        filled = dict.fromkeys(params, 0)
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            module_path, param_name, shard_id = self.weight_target(name)
-            target = f"{module_path}.{param_name}"
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            module = self.get_submodule(module_path)
-            if hasattr(module, "load"):
-                filled[target] += module.load(param_name, tensor, shard_id)
-            else:
-                filled[target] += copy_checked(params[target].data, tensor, name)
-        wrong = [name for name, count in filled.items() if count != params[name].numel()]
-        if wrong:
-            raise ValueError(f"parameters not filled exactly once by the checkpoint: {wrong[:8]}")
+        load_hf_weights(self, weights, self.weight_target)
+
+
+def fused_projection_target(name: str) -> tuple[str, str, object]:
+    """(module path, parameter name, shard id) of an HF tensor name: q/k/v and gate/up go into their fused modules."""
+    module_path, _, param_name = name.rpartition(".")
+    parent_path, _, module_name = module_path.rpartition(".")
+    shard_id = None
+    if module_name in _FUSED_PROJECTIONS:
+        module_name, shard_id = _FUSED_PROJECTIONS[module_name]
+        module_path = f"{parent_path}.{module_name}"
+    return module_path, param_name, shard_id
+
+
+def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    weight_target: Callable[[str], tuple[str, str, object]]) -> None:
+    """Copy HF-named checkpoint tensors into the model's (fused, per-rank) parameters, each where `weight_target`
+    says; fail unless every parameter is filled exactly once."""
+    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
+    filled = dict.fromkeys(params, 0)
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (model.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        module_path, param_name, shard_id = weight_target(name)
+        target = f"{module_path}.{param_name}"
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        module = model.get_submodule(module_path)
+        if hasattr(module, "load"):
+            filled[target] += module.load(param_name, tensor, shard_id)
+        else:
+            filled[target] += copy_checked(params[target].data, tensor, name)
+    wrong = [name for name, count in filled.items() if count != params[name].numel()]
+    if wrong:
+        raise ValueError(f"parameters not filled exactly once by the checkpoint: {wrong[:8]}")
 
 
 class MistralForCausalLM(LlamaForCausalLM):
