@@ -343,6 +343,7 @@ class Scheduler:
         outputs: list[RequestOutput] = self.take_pending_outputs()
         answered: set[str] = set()
         logprobs = result.logprobs
+        prompt_logprobs = result.prompt_logprobs or {}
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
             req = self.requests.get(request_id)
             # only a request whose scheduled tokens reached its end samples; anything else is stale
@@ -362,7 +363,7 @@ class Scheduler:
             outputs.append(RequestOutput(
                 request_id, [token_id], finish_reason, stop_token_id, req.num_prompt_tokens,
                 max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs else None, error=error,
-                stop_reason=stop_reason, prompt_logprobs=(result.prompt_logprobs or {}).get(request_id)))
+                stop_reason=stop_reason, prompt_logprobs=prompt_logprobs.get(request_id)))
             if finish_reason is not None:
                 self._finish(req, finish_reason)
 

@@ -38,7 +38,7 @@ def run_worker_process(config_bytes: bytes, rank: int) -> None:
             rank=rank, num_kv_blocks=num_blocks, weight_bytes=runner.weight_bytes, device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."), architecture=runner.architecture,
             eos_token_ids=list(runner.eos_token_ids), vocab_size=runner.vocab_size,
-            sliding_window=getattr(getattr(runner, "model", None), "kv_sliding_window", None))))
+            sliding_window=getattr(runner.model, "kv_sliding_window", None))))
         commands = decoder(WorkerCommand)
         while True:
             command = commands.decode(plans.recv())

@@ -37,7 +37,7 @@ from tokenmill.workers.models.layers import (
     VocabEmbedding,
 )
 from tokenmill.workers.models.rope import rope_parameters
-from tokenmill.workers.models.llama import fused_projection_target, load_hf_weights
+from tokenmill.workers.models.llama import PagedCausalLM, fused_projection_target, load_hf_weights
 from tokenmill.workers.models.packed_linear import linear
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class Gemma3Model(nn.Module):
         return hidden
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(PagedCausalLM):
     """Gemma 3's text decoder; built from a gemma3_text config, or from a gemma3 config's `text_config`."""
 
     FINAL_LOGIT_SOFTCAPPING = True  # whether `config.final_logit_softcapping` applies (see the subclass)
@@ -218,23 +218,7 @@ class Gemma3ForCausalLM(nn.Module):
             log.warning("final_logit_softcapping=%s is ignored, as transformers' %s ignores it",
                         self.final_logit_softcapping, type(self).__name__)
             self.final_logit_softcapping = None
-        attention = self.model.layers[0].self_attn
-        self.num_layers = len(self.model.layers)
-        self.num_kv_heads = attention.num_kv_heads  # per rank
-        self.head_dim = attention.head_dim
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of one layer's K (or V) cache."""
-        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: Sequence[KVCache],
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn, kv_caches)
+        self._adopt_layers()  # global layers keep every block: kv_sliding_window stays None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

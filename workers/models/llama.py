@@ -141,30 +141,17 @@ class DecoderModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama and its close relatives; subclasses only flip the two architectural switches below."""
+class PagedCausalLM(nn.Module):
+    """What the model runner needs of a decoder: `self.model` (layers whose `self_attn` has `num_kv_heads` and
+    `head_dim`) run over the paged KV caches, and `self.lm_head`. Subclasses build both, then call `_adopt_layers`."""
 
-    QKV_BIAS: bool | None = None  # None: follow config.attention_bias
-    QK_NORM = False
+    kv_sliding_window: int | None = None  # what the scheduler may free blocks by (every layer windowed), else None
 
-    def __init__(self, config, tp: TensorParallel = TensorParallel()):
-        super().__init__()
-        self.config = config
-        self.tp = tp
-        qkv_bias = self.QKV_BIAS if self.QKV_BIAS is not None else bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index))
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied_to)
+    def _adopt_layers(self) -> None:
         attention = self.model.layers[0].self_attn
         self.num_layers = len(self.model.layers)
         self.num_kv_heads = attention.num_kv_heads  # per rank
         self.head_dim = attention.head_dim
-        windows = layer_sliding_windows(config)
-        for layer, window in zip(self.model.layers, windows, strict=True):
-            layer.self_attn.sliding_window = window
-        # what the scheduler may free by: the largest window when every layer has one, else None
-        self.kv_sliding_window = max(windows) if windows and None not in windows else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (or V) cache."""
@@ -181,6 +168,29 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+class LlamaForCausalLM(PagedCausalLM):
+    """Llama and its close relatives; subclasses only flip the two architectural switches below."""
+
+    QKV_BIAS: bool | None = None  # None: follow config.attention_bias
+    QK_NORM = False
+
+    def __init__(self, config, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        qkv_bias = self.QKV_BIAS if self.QKV_BIAS is not None else bool(getattr(config, "attention_bias", False))
+        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied_to)
+        self._adopt_layers()
+        windows = layer_sliding_windows(config)
+        for layer, window in zip(self.model.layers, windows, strict=True):
+            layer.self_attn.sliding_window = window
+        # what the scheduler may free by: the largest window when every layer has one, else None
+        self.kv_sliding_window = max(windows) if windows and None not in windows else None
 
     def make_mlp(self, layer_index: int) -> nn.Module | None:
         """The MLP of layer `layer_index`; None for the dense `DecoderMLP` (MoE models override this)."""
