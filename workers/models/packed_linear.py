@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.workers.quantization.base import QuantizedWeight
+
 # The row count the reorder is tuned for; any number of rows works with the packed weight.
 ROWS_HINT = 32
 
@@ -36,7 +38,11 @@ def packed(weight: torch.Tensor) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` through oneDNN wherever it can run (a packed weight, or a dense one it reorders per call)."""
+    """`F.linear` through oneDNN wherever it can run (a packed weight, or a dense one it reorders per call); a
+    quantized weight runs its own kernel."""
+    if isinstance(weight, QuantizedWeight):
+        out = weight.matmul(x)
+        return out if bias is None else out + bias
     if weight.is_mkldnn or can_pack(weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
