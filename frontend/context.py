@@ -45,7 +45,8 @@ class ServingContext:
         task = "embed" if model.task == "embed" else "generate"
         check_parser_names(config.server)
         return cls(config=config, engine=engine, tokenizer=tokenizer, metrics=FrontendMetrics(engine, name),
-                   admission=AdmissionControl(config.scheduler.max_waiting_requests), model_name=name,
+                   admission=AdmissionControl(config.scheduler.max_waiting_requests  # per scheduler
+                                              * config.parallel.data_parallel_size), model_name=name,
                    max_model_len=model.max_model_len, vocab_size=vocab_size(tokenizer), task=task,
                    created=int(time.time()), offload=Offload())
 

@@ -28,7 +28,13 @@ log = logging.getLogger("tokenmill.engine_client")
 HEALTH_PING_TIMEOUT_S = 5.0
 CHILD_WATCH_INTERVAL_S = 0.2
 COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "step_time_s",
-                  "model_time_s")
+                  "model_time_s", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+
+
+def add_per_position(total: list[int], more: list[int]) -> list[int]:
+    """Per-position counters summed element by element (the shorter padded with zeros)."""
+    longer, shorter = (total, more) if len(total) >= len(more) else (more, total)
+    return [a + (shorter[i] if i < len(shorter) else 0) for i, a in enumerate(longer)]
 
 
 class EngineDeadError(RuntimeError):
@@ -124,6 +130,8 @@ class AsyncEngineClient:
     def _accumulate(self, stats: SchedulerStats) -> None:
         if self.latest_stats is not None:
             totals = {f: getattr(self.latest_stats, f) + getattr(stats, f) for f in COUNTER_FIELDS}
+            totals["spec_accepted_per_pos"] = add_per_position(self.latest_stats.spec_accepted_per_pos,
+                                                               stats.spec_accepted_per_pos)
             stats = msgspec.structs.replace(stats, **totals)
         self.latest_stats = stats
 

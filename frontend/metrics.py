@@ -6,7 +6,7 @@ fields as running totals); token counters and latency histograms are fed by the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -31,6 +31,10 @@ class SchedulerStatsCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator[Any]:
+        replica_stats = getattr(self.engine, "replica_stats", None)
+        if replica_stats is not None:  # data parallel: one sample per replica, labelled engine="i" as in vLLM
+            yield from per_engine_metrics(self.engine, replica_stats(), self.model_name)
+            return
         stats = getattr(self.engine, "latest_stats", None)
         labels = [self.model_name]
 
@@ -54,12 +58,83 @@ class SchedulerStatsCollector(Collector):
                       stats.prefix_cache_hits if stats else 0)
         yield counter("vllm:num_preemptions", "Requests preempted (their KV blocks freed for recompute).",
                       stats.num_preemptions if stats else 0)
+        yield from spec_decode_metrics(stats, self.model_name)
         ready = getattr(self.engine, "ready", None)  # EngineReady, once the engine is up
         if ready is not None:  # as vLLM: the KV cache's shape in the labels, value 1
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                      labels=["block_size", "num_gpu_blocks"])
             info.add_metric([str(ready.block_size), str(ready.num_kv_blocks)], 1.0)
             yield info
+
+
+def per_engine_metrics(engine: Any, replicas: list, model_name: str) -> Iterator[Any]:
+    """The scheduler metrics of data-parallel replicas, `(index, alive, SchedulerStats | None)` each: gauges read 0
+    once a replica has died (counters keep their totals), and `tokenmill:engine_alive` says which are serving."""
+    labels = ["model_name", "engine"]
+
+    def family(kind: type, name: str, doc: str, value: Callable[[Any], float], dead_value: bool = False):
+        metric = kind(name, doc, labels=labels)
+        for rank, alive, stats in replicas:
+            keep = alive or dead_value
+            metric.add_metric([model_name, str(rank)], value(stats) if stats is not None and keep else 0)
+        return metric
+
+    yield family(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.",
+                 lambda s: s.num_running)
+    yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                 lambda s: s.num_waiting)
+    yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100%).",
+                 lambda s: s.kv_cache_usage)
+    yield family(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 lambda s: s.prefix_cache_queries, dead_value=True)
+    yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 lambda s: s.prefix_cache_hits, dead_value=True)
+    yield family(CounterMetricFamily, "vllm:num_preemptions",
+                 "Requests preempted (their KV blocks freed for recompute).", lambda s: s.num_preemptions,
+                 dead_value=True)
+    alive = GaugeMetricFamily("tokenmill:engine_alive", "1 while the data-parallel replica serves, 0 once it died.",
+                              labels=labels)
+    for rank, is_alive, _ in replicas:
+        alive.add_metric([model_name, str(rank)], 1.0 if is_alive else 0.0)
+    yield alive
+    router = getattr(engine, "router", None)
+    if router is not None:
+        routed = CounterMetricFamily("tokenmill:data_parallel_routed_requests",
+                                     "Requests sent to each replica, by why the router chose it (prefix: longest "
+                                     "cached prefix; new-prefix: smallest prefix index; load: least loaded; balance: "
+                                     "loads too uneven; round-robin).",
+                                     labels=[*labels, "reason"])
+        for reason, counts in sorted(router.decisions.items()):
+            for rank, count in enumerate(counts):
+                routed.add_metric([model_name, str(rank), reason], count)
+        yield routed
+    yield from spec_decode_metrics(getattr(engine, "latest_stats", None), model_name)  # the replicas' summed
+    ready = getattr(engine, "ready", None)
+    if ready is not None:
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(ready.block_size), str(ready.num_kv_blocks)], 1.0)
+        yield info
+
+
+def spec_decode_metrics(stats: Any, model_name: str) -> Iterator[CounterMetricFamily]:
+    """vLLM's speculative-decoding counters (running totals), when the engine speculates."""
+    if stats is None or not stats.spec_accepted_per_pos:
+        return
+    for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Requests that verified draft tokens, summed over steps.",
+             stats.spec_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens)):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft (0 = first).",
+                                  labels=["model_name", "position"])
+    for position, value in enumerate(stats.spec_accepted_per_pos):
+        per_pos.add_metric([model_name, str(position)], value)
+    yield per_pos
 
 
 class FrontendMetrics:

@@ -58,7 +58,9 @@ async def detokenize(ctx: ServingContext, request: web.Request) -> web.Response:
 
 async def health(ctx: ServingContext, request: web.Request) -> web.Response:
     if await ctx.engine.check_health():
-        return web.Response(status=200)
+        # data parallel with a replica down: still serving, and saying which replica is gone
+        detail = getattr(ctx.engine, "health_detail", lambda: None)()
+        return web.Response(status=200) if detail is None else json_response(encode_json(detail))
     reason = getattr(ctx.engine, "dead_reason", None)
     return error_response(503, f"The engine stopped: {reason}." if reason else "The engine is not ready.")
 

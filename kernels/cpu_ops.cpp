@@ -7,7 +7,8 @@
 // torch.set_num_threads applies here too.
 //
 // Every kernel takes float32, bfloat16 or float16 tensors (dtype code 0, 1, 2) and computes in float32. Shapes and
-// strides are checked by the Python wrappers, not here.
+// strides are checked by the Python wrappers, not here. The KV cache may instead be fp8 (cache dtype code 3: e4m3fn,
+// 4: e5m2, stored as bytes) holding value / scale, vLLM's per-tensor scaled fp8 KV cache (kernels/kv_quant.py).
 
 #include <omp.h>
 
@@ -46,6 +47,82 @@ inline bf16 from_float<bf16>(float x) {  // round to nearest even, as torch does
   if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((bits >> 16) | 0x40u)};  // NaN
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return bf16{static_cast<uint16_t>(bits >> 16)};
+}
+
+// fp8, as torch's float8_e4m3fn (no infinities, largest finite 448, NaN 0x7f) and float8_e5m2 (IEEE-like).
+struct fp8e4m3 {
+  uint8_t bits;
+};
+struct fp8e5m2 {
+  uint8_t bits;
+};
+
+inline uint32_t float_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+inline float bits_float(uint32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// Exact, branch-free (so loops over it vectorize): normal numbers rebias the exponent, subnormals are m * 2^-9.
+inline float to_float(fp8e4m3 x) {
+  const uint32_t magnitude = x.bits & 0x7fu;
+  const float normal = bits_float((magnitude << 20) + (120u << 23));
+  const float subnormal = static_cast<float>(magnitude & 7u) * 0x1p-9f;
+  const float value = magnitude == 0x7fu ? __builtin_nanf("") : (magnitude >> 3) == 0 ? subnormal : normal;
+  return x.bits & 0x80u ? -value : value;
+}
+// e5m2 is the top byte of a float16.
+inline float to_float(fp8e5m2 x) {
+  const uint16_t bits = static_cast<uint16_t>(x.bits) << 8;
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof h);
+  return static_cast<float>(h);
+}
+
+// Round to nearest even as torch does (c10's fp8 conversions): a number below the smallest normal is rounded by the
+// float adder itself (adding 2^k whose float ulp is the fp8 subnormal step), a normal one by adding half an fp8 ulp
+// (less one when the kept mantissa is even) and truncating. e4m3fn saturates: anything from 448 up, infinity
+// included, is 448 (torch's CPU conversion; vLLM's kernels saturate too); NaN stays NaN. e5m2 overflows to infinity.
+template <>
+inline fp8e4m3 from_float<fp8e4m3>(float x) {
+  const uint32_t bits = float_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  uint8_t result;
+  if (magnitude > 0x7f800000u) {
+    result = 0x7f;
+  } else if (magnitude >= 0x43e00000u) {  // 448
+    result = 0x7e;
+  } else if (magnitude < (121u << 23)) {  // below 2^-6
+    constexpr uint32_t denormal_mask = 141u << 23;  // 2^14, whose float ulp is 2^-9
+    result = static_cast<uint8_t>(float_bits(bits_float(magnitude) + bits_float(denormal_mask)) - denormal_mask);
+  } else {
+    const uint32_t odd = (magnitude >> 20) & 1u;
+    result = static_cast<uint8_t>((magnitude + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + odd) >> 20);
+  }
+  return fp8e4m3{static_cast<uint8_t>(result | sign)};
+}
+template <>
+inline fp8e5m2 from_float<fp8e5m2>(float x) {
+  const uint32_t bits = float_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  uint8_t result;
+  if (magnitude >= (143u << 23)) {  // 65536 and up: infinity, or NaN
+    result = magnitude > 0x7f800000u ? 0x7f : 0x7c;
+  } else if (magnitude < (113u << 23)) {  // below 2^-14
+    constexpr uint32_t denormal_mask = 134u << 23;  // 2^7, whose float ulp is 2^-16
+    result = static_cast<uint8_t>(float_bits(bits_float(magnitude) + bits_float(denormal_mask)) - denormal_mask);
+  } else {
+    const uint32_t odd = (magnitude >> 21) & 1u;
+    result = static_cast<uint8_t>((magnitude + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + odd) >> 21);
+  }
+  return fp8e5m2{static_cast<uint8_t>(result | sign)};
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the row max, SiLU on -|x|): Cephes' expf polynomial, within 2 ulp of
@@ -140,11 +217,15 @@ constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead, in blocks, a pass pref
 // keys of that block before the window get probability 0.
 // HEAD_DIM > 0 fixes the head size at compile time, which keeps a head's accumulator in registers and scores 16 keys
 // at a time (`dot16`); HEAD_DIM == 0 is the general case.
-template <typename T, int HEAD_DIM>
-void decode_attention(T* out, const T* query, int64_t query_token_stride, const T* k_cache, const T* v_cache,
+// The caches hold C: T, or fp8 holding key / k_scale and value / v_scale. k_scale is folded into the query's scale
+// (q . (k_scale k) = (k_scale q) . k) and v_scale into the output, so the loops only convert; 1.0 for a T cache.
+template <typename T, typename C, int HEAD_DIM>
+void decode_attention(T* out, const T* query, int64_t query_token_stride, const C* k_cache, const C* v_cache,
                       int64_t block_size, int64_t num_kv_heads, int64_t num_heads, int64_t runtime_head_dim,
                       const int32_t* block_tables, int64_t block_table_stride, const int32_t* query_start_loc,
-                      const int32_t* seq_lens, int64_t num_seqs, float scale, int64_t window) {
+                      const int32_t* seq_lens, int64_t num_seqs, float scale, int64_t window, float k_scale,
+                      float v_scale) {
+  const float query_scale = scale * k_scale;
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
   // the first block a sequence of seq_len tokens reads
   auto first_block_of = [&](int64_t seq_len) -> int64_t {
@@ -168,11 +249,11 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
       const int64_t seq_len = seq_lens[seq];
       if (seq_len <= 0) continue;  // cannot happen (the token itself is cached); keeps s[0] below in bounds
       const int64_t rows = heads_per_item * group;  // query heads of this item, each a row of scores
-      const int64_t row_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));
+      const int64_t row_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(C));
       const int32_t* table = block_tables + seq * block_table_stride;
       const T* q_in = query + token * query_token_stride + first_head * group * head_dim;
       q.resize(rows * head_dim);
-      for (int64_t i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
+      for (int64_t i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * query_scale;
       // Keys [key_start, seq_len) are read (whole blocks from first_block on); scores are kept from key_start, and
       // the first `lead` of them (older than the window) are dropped.
       const int64_t first_block = first_block_of(seq_len), key_start = first_block * block_size;
@@ -181,13 +262,13 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
       scores.resize(rows * span);
       inv_sums.resize(rows);
 
-      auto block_start = [&](const T* cache, int64_t start) {
+      auto block_start = [&](const C* cache, int64_t start) {
         return cache + table[start / block_size] * cache_block_stride + first_head * head_dim;
       };
       // Block `block` of the pass order (the K blocks, the V blocks, then the K blocks of this thread's next item),
       // counted from first_block, and its token count; count 0 past the end.
       const int64_t num_blocks = (seq_len + block_size - 1) / block_size - first_block;
-      auto pass_block = [&](int64_t block, int64_t* count) -> const T* {
+      auto pass_block = [&](int64_t block, int64_t* count) -> const C* {
         *count = 0;
         if (block < 2 * num_blocks) {
           const bool is_key = block < num_blocks;
@@ -208,23 +289,23 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
                next_first_head * head_dim;
       };
       for (int64_t start = key_start; start < seq_len; start += block_size) {
-        const T* keys = block_start(k_cache, start);
+        const C* keys = block_start(k_cache, start);
         const int64_t count = std::min(block_size, seq_len - start);
         int64_t ahead_count;
-        const T* ahead = pass_block((start - key_start) / block_size + PREFETCH_BLOCKS, &ahead_count);
+        const C* ahead = pass_block((start - key_start) / block_size + PREFETCH_BLOCKS, &ahead_count);
         for (int64_t row = 0; row < rows; ++row) {
           prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
           const float* __restrict__ qr = q.data() + row * head_dim;
-          const T* head_keys = keys + row / group * head_dim;
+          const C* head_keys = keys + row / group * head_dim;
           float* __restrict__ s = scores.data() + row * span + (start - key_start);
           int64_t i = 0;
           if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
             for (; i + 16 <= count; i += 16) {
-              dot16<T, HEAD_DIM>(qr, head_keys + i * cache_token_stride, cache_token_stride, s + i);
+              dot16<C, HEAD_DIM>(qr, head_keys + i * cache_token_stride, cache_token_stride, s + i);
             }
           }
           for (; i < count; ++i) {
-            const T* __restrict__ key = head_keys + i * cache_token_stride;
+            const C* __restrict__ key = head_keys + i * cache_token_stride;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(key[d]);
@@ -250,17 +331,17 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
 
       acc.assign(rows * head_dim, 0.0f);
       for (int64_t start = key_start; start < seq_len; start += block_size) {
-        const T* values = block_start(v_cache, start);
+        const C* values = block_start(v_cache, start);
         const int64_t count = std::min(block_size, seq_len - start);
         int64_t ahead_count;
-        const T* ahead = pass_block(num_blocks + (start - key_start) / block_size + PREFETCH_BLOCKS, &ahead_count);
+        const C* ahead = pass_block(num_blocks + (start - key_start) / block_size + PREFETCH_BLOCKS, &ahead_count);
         for (int64_t row = 0; row < rows; ++row) {
           prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
           const float* __restrict__ p = scores.data() + row * span + (start - key_start);
-          const T* head_values = values + row / group * head_dim;
+          const C* head_values = values + row / group * head_dim;
           float* __restrict__ a = acc.data() + row * head_dim;
           for (int64_t i = 0; i < count; ++i) {
-            const T* __restrict__ value = head_values + i * cache_token_stride;
+            const C* __restrict__ value = head_values + i * cache_token_stride;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p[i] * to_float(value[d]);
           }
@@ -269,23 +350,24 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
       T* o = out + (token * num_heads + first_head * group) * head_dim;
       for (int64_t row = 0; row < rows; ++row) {
         for (int64_t d = 0; d < head_dim; ++d) {
-          o[row * head_dim + d] = from_float<T>(acc[row * head_dim + d] * inv_sums[row]);
+          o[row * head_dim + d] = from_float<T>(acc[row * head_dim + d] * inv_sums[row] * v_scale);
         }
       }
     }
   }
 }
 
-template <typename T>
-void decode_attention_any(T* out, const T* query, int64_t query_token_stride, const T* k_cache, const T* v_cache,
+template <typename T, typename C>
+void decode_attention_any(T* out, const T* query, int64_t query_token_stride, const C* k_cache, const C* v_cache,
                           int64_t block_size, int64_t num_kv_heads, int64_t num_heads, int64_t head_dim,
                           const int32_t* block_tables, int64_t block_table_stride, const int32_t* query_start_loc,
-                          const int32_t* seq_lens, int64_t num_seqs, float scale, int64_t window) {
+                          const int32_t* seq_lens, int64_t num_seqs, float scale, int64_t window, float k_scale,
+                          float v_scale) {
   auto run = [&](auto fixed_head_dim) {
-    decode_attention<T, decltype(fixed_head_dim)::value>(out, query, query_token_stride, k_cache, v_cache,
-                                                          block_size, num_kv_heads, num_heads, head_dim,
-                                                          block_tables, block_table_stride, query_start_loc,
-                                                          seq_lens, num_seqs, scale, window);
+    decode_attention<T, C, decltype(fixed_head_dim)::value>(out, query, query_token_stride, k_cache, v_cache,
+                                                             block_size, num_kv_heads, num_heads, head_dim,
+                                                             block_tables, block_table_stride, query_start_loc,
+                                                             seq_lens, num_seqs, scale, window, k_scale, v_scale);
   };
   if (head_dim == 64) return run(std::integral_constant<int, 64>{});
   if (head_dim == 128) return run(std::integral_constant<int, 128>{});
@@ -293,14 +375,24 @@ void decode_attention_any(T* out, const T* query, int64_t query_token_stride, co
 }
 
 // Copy token t's key and value rows ([num_kv_heads * head_dim], contiguous) to flat slot slots[t]; slot < 0 skips.
-template <typename T>
-void write_kv(const T* key, int64_t key_token_stride, const T* value, int64_t value_token_stride, T* k_cache,
-              T* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row_size) {
+// An fp8 cache (C other than T) stores key / k_scale and value / v_scale, divided in float32 as torch would.
+template <typename T, typename C>
+void write_kv(const T* key, int64_t key_token_stride, const T* value, int64_t value_token_stride, C* k_cache,
+              C* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row_size, float k_scale, float v_scale) {
 #pragma omp parallel for if (num_tokens > 64)
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slots[t] < 0) continue;
-    std::memcpy(k_cache + slots[t] * row_size, key + t * key_token_stride, row_size * sizeof(T));
-    std::memcpy(v_cache + slots[t] * row_size, value + t * value_token_stride, row_size * sizeof(T));
+    if constexpr (std::is_same_v<T, C>) {
+      std::memcpy(k_cache + slots[t] * row_size, key + t * key_token_stride, row_size * sizeof(T));
+      std::memcpy(v_cache + slots[t] * row_size, value + t * value_token_stride, row_size * sizeof(T));
+    } else {
+      const T* key_row = key + t * key_token_stride;
+      const T* value_row = value + t * value_token_stride;
+      C* k_row = k_cache + slots[t] * row_size;
+      C* v_row = v_cache + slots[t] * row_size;
+      for (int64_t i = 0; i < row_size; ++i) k_row[i] = from_float<C>(to_float(key_row[i]) / k_scale);
+      for (int64_t i = 0; i < row_size; ++i) v_row[i] = from_float<C>(to_float(value_row[i]) / v_scale);
+    }
   }
 }
 
@@ -401,26 +493,60 @@ void silu_and_mul(T* out, const T* x, int64_t x_stride, int64_t num_rows, int64_
     default: return -1;                                                 \
   }
 
+// The KV cache's element type C for the activations' T: the cache dtype code equals the dtype's (C = T), or names fp8.
+#define TM_CACHE_TYPES(cache_dtype, dtype, ...)                         \
+  if (cache_dtype == dtype) { using C = T; __VA_ARGS__; return 0; }     \
+  if (cache_dtype == 3) { using C = fp8e4m3; __VA_ARGS__; return 0; }   \
+  if (cache_dtype == 4) { using C = fp8e5m2; __VA_ARGS__; return 0; }   \
+  return -1;
+#define TM_DISPATCH_KV(dtype, cache_dtype, ...)                                          \
+  switch (dtype) {                                                                       \
+    case 0: { using T = float; TM_CACHE_TYPES(cache_dtype, dtype, __VA_ARGS__) }         \
+    case 1: { using T = bf16; TM_CACHE_TYPES(cache_dtype, dtype, __VA_ARGS__) }          \
+    case 2: { using T = _Float16; TM_CACHE_TYPES(cache_dtype, dtype, __VA_ARGS__) }      \
+    default: return -1;                                                                  \
+  }
+
 extern "C" {
 
 int tm_omp_max_threads() { return omp_get_max_threads(); }
 
-int tm_decode_attention(int dtype, void* out, const void* query, int64_t query_token_stride, const void* k_cache,
-                        const void* v_cache, int64_t block_size, int64_t num_kv_heads, int64_t num_heads,
-                        int64_t head_dim, const int32_t* block_tables, int64_t block_table_stride,
+int tm_decode_attention(int dtype, int cache_dtype, void* out, const void* query, int64_t query_token_stride,
+                        const void* k_cache, const void* v_cache, int64_t block_size, int64_t num_kv_heads,
+                        int64_t num_heads, int64_t head_dim, const int32_t* block_tables, int64_t block_table_stride,
                         const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs, float scale,
-                        int64_t window) {
-  TM_DISPATCH(dtype, decode_attention_any<T>(static_cast<T*>(out), static_cast<const T*>(query), query_token_stride,
-                                         static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_size,
-                                         num_kv_heads, num_heads, head_dim, block_tables, block_table_stride,
-                                         query_start_loc, seq_lens, num_seqs, scale, window))
+                        int64_t window, float k_scale, float v_scale) {
+  TM_DISPATCH_KV(dtype, cache_dtype,
+                 decode_attention_any<T, C>(static_cast<T*>(out), static_cast<const T*>(query), query_token_stride,
+                                            static_cast<const C*>(k_cache), static_cast<const C*>(v_cache), block_size,
+                                            num_kv_heads, num_heads, head_dim, block_tables, block_table_stride,
+                                            query_start_loc, seq_lens, num_seqs, scale, window, k_scale, v_scale))
 }
 
-int tm_write_kv(int dtype, const void* key, int64_t key_token_stride, const void* value, int64_t value_token_stride,
-                void* k_cache, void* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row_size) {
-  TM_DISPATCH(dtype, write_kv<T>(static_cast<const T*>(key), key_token_stride, static_cast<const T*>(value),
-                                 value_token_stride, static_cast<T*>(k_cache), static_cast<T*>(v_cache), slots,
-                                 num_tokens, row_size))
+int tm_write_kv(int dtype, int cache_dtype, const void* key, int64_t key_token_stride, const void* value,
+                int64_t value_token_stride, void* k_cache, void* v_cache, const int64_t* slots, int64_t num_tokens,
+                int64_t row_size, float k_scale, float v_scale) {
+  TM_DISPATCH_KV(dtype, cache_dtype,
+                 write_kv<T, C>(static_cast<const T*>(key), key_token_stride, static_cast<const T*>(value),
+                                value_token_stride, static_cast<C*>(k_cache), static_cast<C*>(v_cache), slots,
+                                num_tokens, row_size, k_scale, v_scale))
+}
+
+// float32 <-> fp8 (fp8_dtype 3: e4m3fn, 4: e5m2) of n values, to fp8 when to_fp8 is set: the conversions the KV
+// kernels use, exposed for the tests that hold them to torch's bit for bit.
+int tm_fp8_convert(int fp8_dtype, int to_fp8, const void* in, void* out, int64_t n) {
+  auto convert = [&](auto fp8) {
+    using F = decltype(fp8);
+    if (to_fp8) {
+      for (int64_t i = 0; i < n; ++i) static_cast<F*>(out)[i] = from_float<F>(static_cast<const float*>(in)[i]);
+    } else {
+      for (int64_t i = 0; i < n; ++i) static_cast<float*>(out)[i] = to_float(static_cast<const F*>(in)[i]);
+    }
+    return 0;
+  };
+  if (fp8_dtype == 3) return convert(fp8e4m3{});
+  if (fp8_dtype == 4) return convert(fp8e5m2{});
+  return -1;
 }
 
 int tm_rms_norm(int dtype, void* out, int64_t out_stride, void* residual_out, int64_t residual_out_stride,

@@ -32,13 +32,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FP8_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}  # KV cache dtypes (kernels/kv_quant.py)
 
 _PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "tm_omp_max_threads": [],
-    "tm_decode_attention": [_I32, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-                            _I64, ctypes.c_float, _I64],
-    "tm_write_kv": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
+    "tm_decode_attention": [_I32, _I32, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
+                            _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_float],
+    "tm_write_kv": [_I32, _I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_float],
+    "tm_fp8_convert": [_I32, _I32, _PTR, _PTR, _I64],
     "tm_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float],
     "tm_rotary": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64],
     "tm_silu_and_mul": [_I32, _PTR, _PTR, _I64, _I64, _I64],
@@ -73,28 +75,31 @@ def require_private(path: Path) -> None:
         raise UntrustedCache(f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})")
 
 
-def library_name(compiler: str) -> str:
+def library_name(compiler: str, source: Path | None = None, flags: tuple[str, ...] | None = None) -> str:
     """The cached library's file name: it names the source, the compiler, the flags and the CPU."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+    source, flags = source or SOURCE, flags or FLAGS
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), compiler.encode(), " ".join(flags).encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
-    return f"cpu_ops-{key}.so"
+    return f"{source.stem}-{key}.so"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile `cpu_ops.cpp` unless this exact build is cached; returns the shared library's path, checked private.
+def build(compiler: str | None = None, source: Path | None = None, flags: tuple[str, ...] | None = None) -> Path:
+    """Compile `source` (default `cpu_ops.cpp`) with `flags` (default FLAGS) unless this exact build is cached;
+    returns the shared library's path, checked private. Other kernel sources (`gguf_ops.py`) build through here too.
 
     Raises `RuntimeError` with the compiler's message when the build fails.
     """
     compiler = compiler or os.environ.get("CXX", "g++")
-    name = library_name(compiler)
+    source, flags = source or SOURCE, flags or FLAGS
+    name = library_name(compiler, source, flags)
     try:
-        return _cached_or_built(cache_dir(), name, compiler)
+        return _cached_or_built(cache_dir(), name, compiler, source, flags)
     except UntrustedCache as exc:
         log.warning("refusing the CPU kernel cache (%s); building into a fresh private directory instead", exc)
-        return _cached_or_built(Path(tempfile.mkdtemp(prefix="tokenmill-cpu-ops-")), name, compiler)
+        return _cached_or_built(Path(tempfile.mkdtemp(prefix="tokenmill-cpu-ops-")), name, compiler, source, flags)
 
 
-def _cached_or_built(directory: Path, name: str, compiler: str) -> Path:
+def _cached_or_built(directory: Path, name: str, compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     require_private(directory)
     target = directory / name
@@ -105,13 +110,13 @@ def _cached_or_built(directory: Path, name: str, compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, str(source), "-o", partial], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{compiler} could not build {source.name}: {done.stderr.strip()[-2000:]}")
         os.chmod(partial, 0o755)
         os.replace(partial, target)
     except FileNotFoundError as exc:
-        raise RuntimeError(f"no C++ compiler {compiler!r} to build {SOURCE.name}") from exc
+        raise RuntimeError(f"no C++ compiler {compiler!r} to build {source.name}") from exc
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
@@ -140,6 +145,28 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
         raise ValueError(f"{name}: unsupported dtype {dtype}")
 
 
+def _call_kv(name: str, dtype: torch.dtype, cache_dtype: torch.dtype, *args) -> None:
+    """A KV kernel: the cache holds `dtype` or fp8 (then `args` end with the k and v scales it applies)."""
+    codes = (DTYPE_CODES.get(dtype, -1), FP8_CODES.get(cache_dtype, DTYPE_CODES.get(cache_dtype, -1)))
+    if getattr(library(), name)(*codes, *args) != 0:
+        raise ValueError(f"{name}: unsupported dtypes {dtype} with a {cache_dtype} KV cache")
+
+
+def _kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The scales a kernel applies: an fp8 cache's, else none (a cache in the model's dtype ignores them)."""
+    return (float(k_scale), float(v_scale)) if cache_dtype in FP8_CODES else (1.0, 1.0)
+
+
+def fp8_convert(x: torch.Tensor, to_fp8: bool, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> fp8 (to_fp8) or fp8 -> float32 with the kernels' own conversion (tests hold it to torch's)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=fp8_dtype if to_fp8 else torch.float32)
+    assert x.dtype == (torch.float32 if to_fp8 else fp8_dtype)
+    if library().tm_fp8_convert(FP8_CODES[fp8_dtype], int(to_fp8), x.data_ptr(), out.data_ptr(), x.numel()) != 0:
+        raise ValueError(f"fp8_convert: unsupported dtype {fp8_dtype}")
+    return out
+
+
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
     """`[T, heads, D]` whose heads and dims are packed within a token (a slice of a fused qkv row qualifies)."""
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
@@ -161,38 +188,49 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Into `out [T, Hq, D]` (contiguous), the attention of every sequence with a single query token over its
     `seq_lens[b]` cached tokens (the last `sliding_window` of them, reading no block before the window's first);
     rows of multi-token sequences are left as they are.
 
     query `[T, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]` already holding this step's K/V; block_tables
-    `[B, max_blocks]`, query_start_loc `[B + 1]` and seq_lens `[B]` int32.
+    `[B, max_blocks]`, query_start_loc `[B + 1]` and seq_lens `[B]` int32. The caches hold the query's dtype, or
+    fp8 holding keys / k_scale and values / v_scale.
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = query.shape[1]
     assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
-    assert query.dtype == out.dtype == k_cache.dtype == v_cache.dtype and num_heads % num_kv_heads == 0
+    assert query.dtype == out.dtype and k_cache.dtype == v_cache.dtype and num_heads % num_kv_heads == 0
     query = _heads_contiguous(query)
     block_tables = _rows(block_tables)
-    _call("tm_decode_attention", query.dtype, out.data_ptr(), query.data_ptr(), query.stride(0), k_cache.data_ptr(),
-          v_cache.data_ptr(), block_size, num_kv_heads, num_heads, head_dim, block_tables.data_ptr(),
-          block_tables.stride(0), query_start_loc.contiguous().data_ptr(), seq_lens.contiguous().data_ptr(),
-          seq_lens.shape[0], scale, sliding_window or 0)
+    _call_kv("tm_decode_attention", query.dtype, k_cache.dtype, out.data_ptr(), query.data_ptr(), query.stride(0),
+             k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_kv_heads, num_heads, head_dim,
+             block_tables.data_ptr(), block_tables.stride(0), query_start_loc.contiguous().data_ptr(),
+             seq_lens.contiguous().data_ptr(), seq_lens.shape[0], scale, sliding_window or 0,
+             *_kv_scales(k_cache.dtype, k_scale, v_scale))
     return out
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Copy key/value `[T, Hkv, D]` into the caches at flat slots `slot_mapping [T]` (int64; -1 skips), in place."""
-    assert key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
+    """Copy key/value `[T, Hkv, D]` into the caches at flat slots `slot_mapping [T]` (int64; -1 skips), in place;
+    an fp8 cache stores key / k_scale and value / v_scale (rounded as torch's `.to(fp8)`)."""
+    assert key.dtype == value.dtype and k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     key, value = _heads_contiguous(key), _heads_contiguous(value)
-    _call("tm_write_kv", key.dtype, key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-          k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), key.shape[0],
-          key.shape[1] * key.shape[2])
+    _call_kv("tm_write_kv", key.dtype, k_cache.dtype, key.data_ptr(), key.stride(0), value.data_ptr(),
+             value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(),
+             key.shape[0], key.shape[1] * key.shape[2], *_kv_scales(k_cache.dtype, k_scale, v_scale))
 
 
 def rms_norm(

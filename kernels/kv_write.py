@@ -4,6 +4,9 @@ Cache layout (shared with `workers/attention.py`): per layer a K and a V cache, 
 `[num_blocks, block_size, num_kv_heads, head_dim]`. Token t goes to flat slot
 `slot_mapping[t] = block_id * block_size + offset`; slot -1 marks a padding token that is skipped.
 The Triton kernel runs one program per token and writes all of its kv heads at once.
+
+An fp8 cache (`kernels/kv_quant.py`) stores `key / k_scale` and `value / v_scale`, divided in float32 and rounded
+to nearest even with saturation; any other cache stores the values cast to its dtype and ignores the scales.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.kernels.kv_quant import is_fp8, quantize
 
 
 @triton.jit
@@ -20,6 +25,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale,
+    v_scale,
     stride_key_token,
     stride_key_head,
     stride_value_token,
@@ -35,6 +42,7 @@ def _write_kv_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -55,6 +63,10 @@ def _write_kv_kernel(
         value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
         mask=mask,
     )
+    if FP8:
+        # div_rn: IEEE division, as torch's; `/` compiles to an approximate one on the GPU
+        key = tl.math.div_rn(key.to(tl.float32), k_scale)
+        value = tl.math.div_rn(value.to(tl.float32), v_scale)
     k_dest = k_cache_ptr + block_id * stride_k_block + block_offset * stride_k_offset
     v_dest = v_cache_ptr + block_id * stride_v_block + block_offset * stride_v_offset
     tl.store(
@@ -81,8 +93,11 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write key/value `[T, Hkv, D]` into the caches at `slot_mapping[T]` (int64; -1 skips), in place."""
+    """Write key/value `[T, Hkv, D]` into the caches at `slot_mapping[T]` (int64; -1 skips), in place; fp8 caches
+    store them divided by k_scale and v_scale."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -96,6 +111,8 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -111,6 +128,7 @@ def write_kv(
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        FP8=is_fp8(k_cache.dtype),
     )
 
 
@@ -120,10 +138,12 @@ def write_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Torch reference for `write_kv`: index the caches as `[num_blocks * block_size, Hkv, D]`."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = quantize(key[keep], k_scale, k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = quantize(value[keep], v_scale, v_cache.dtype)

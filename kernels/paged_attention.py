@@ -12,6 +12,10 @@ Sliding window (`sliding_window`, per layer, as transformers): a query at positi
 p - window < k <= p. Both kernels start their key loop at the first key any of their rows can see,
 so blocks that slid out of the window (which the scheduler may have freed) are never read.
 
+FP8 caches (`kernels/kv_quant.py`): a K or V tile is loaded as fp8 and converted to the query's dtype, in which the
+dots run; the per-tensor scales are applied outside the loop, k_scale folded into the softmax scale (q . (k_scale k) =
+(k_scale q) . k) and v_scale into the output (sum p (v_scale v) = v_scale sum p v).
+
 Decode: one program per (sequence, kv head); rows are the group's query heads.
 Prefill: one program per (query tile, kv head); rows are (query token, head in group) pairs, and a
 program finds its sequence by binary search over `query_start_loc`, so the launch grid depends only
@@ -25,6 +29,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.kernels.kv_quant import dequantize, is_fp8
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_SIZE = 16  # the smallest tile side tl.dot accepts
@@ -79,7 +85,7 @@ def _attend_kv_tile(
         + dims[None, :],
         mask=kv_mask,
         other=0.0,
-    )
+    ).to(q.dtype)  # fp8 caches: dequantized here (their scale is applied outside the loop); else a no-op
     if IEEE_DOT:
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -111,7 +117,7 @@ def _attend_kv_tile(
         + dims[None, :],
         mask=kv_mask,
         other=0.0,
-    )
+    ).to(q.dtype)
     if IEEE_DOT:
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
     else:
@@ -128,6 +134,7 @@ def _decode_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2,
+    v_scale,
     window,
     stride_q_token,
     stride_q_head,
@@ -164,7 +171,7 @@ def _decode_kernel(
         mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    q = (q.to(tl.float32) * scale_log2).to(k_cache_ptr.dtype.element_ty)
+    q = (q.to(tl.float32) * scale_log2).to(query_ptr.dtype.element_ty)
 
     running_max = tl.full([BLOCK_GROUP], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_GROUP], dtype=tl.float32)
@@ -182,7 +189,7 @@ def _decode_kernel(
         )  # fmt: skip
 
     # seq_len == 0 leaves running_sum at 0: write zeros rather than NaN.
-    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(running_sum > 0, running_sum, 1.0))[:, None]
     tl.store(
         out_ptr + seq * stride_out_token + q_heads[:, None] * stride_out_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -219,6 +226,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2,
+    v_scale,
     window,
     num_seqs,
     stride_q_token,
@@ -269,7 +277,7 @@ def _prefill_kernel(
         mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    q = (q.to(tl.float32) * scale_log2).to(k_cache_ptr.dtype.element_ty)
+    q = (q.to(tl.float32) * scale_log2).to(query_ptr.dtype.element_ty)
 
     running_max = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -289,7 +297,7 @@ def _prefill_kernel(
             stride_v_offset, stride_v_head, dims, dim_mask, window, True, SLIDING, BLOCK_SIZE, TILE_KEYS, IEEE_DOT,
         )  # fmt: skip
 
-    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(running_sum > 0, running_sum, 1.0))[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_out_token + q_heads[:, None] * stride_out_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -312,6 +320,11 @@ def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return num_q_heads // num_kv_heads, block_size
 
 
+def _kv_scale(cache: torch.Tensor, scale: float) -> float:
+    """The scale a cache's values are multiplied by when read: fp8 caches hold value / scale, others the value."""
+    return float(scale) if is_fp8(cache.dtype) else 1.0
+
+
 def _padded_dims(head_dim: int) -> int:
     return max(_MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
 
@@ -324,9 +337,11 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence, `[B, Hq, D]`, attending to its `seq_lens[b]` cached tokens (the last
-    `sliding_window` of them with a window)."""
+    `sliding_window` of them with a window). An fp8 cache holds keys / k_scale and values / v_scale."""
     group, block_size = _check_shapes(query, k_cache, v_cache)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_seqs, _, head_dim = query.shape
@@ -341,7 +356,8 @@ def paged_attention_decode(
         block_tables,
         seq_lens,
         out,
-        scale * _LOG2E,
+        scale * _LOG2E * _kv_scale(k_cache, k_scale),
+        _kv_scale(v_cache, v_scale),
         sliding_window or 0,
         query.stride(0),
         query.stride(1),
@@ -360,7 +376,7 @@ def paged_attention_decode(
         BLOCK_DIM=_padded_dims(head_dim),
         BLOCK_SIZE=block_size,
         TILE_KEYS=DECODE_TILE_KEYS,
-        IEEE_DOT=k_cache.dtype == torch.float32,
+        IEEE_DOT=query.dtype == torch.float32,
         SLIDING=sliding_window is not None,
     )
     return out
@@ -381,13 +397,16 @@ def paged_attention_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Packed varlen queries `[T, Hq, D]` attending causally to cache positions <= their own (and, with a
     `sliding_window`, > their own - window).
 
     Sequence b's queries are rows `query_start_loc[b]:query_start_loc[b+1]` and sit at the last
     q_len positions of its `seq_lens[b]` tokens, whose K/V (including this step's) are already in
-    the cache. Covers full prefill, chunked prefill, prefix-cache hits and (q_len 1) decode.
+    the cache. Covers full prefill, chunked prefill, prefix-cache hits and (q_len 1) decode. An fp8 cache holds
+    keys / k_scale and values / v_scale.
     """
     group, block_size = _check_shapes(query, k_cache, v_cache)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -408,7 +427,8 @@ def paged_attention_prefill(
         query_start_loc,
         seq_lens,
         out,
-        scale * _LOG2E,
+        scale * _LOG2E * _kv_scale(k_cache, k_scale),
+        _kv_scale(v_cache, v_scale),
         sliding_window or 0,
         num_seqs,
         query.stride(0),
@@ -429,7 +449,7 @@ def paged_attention_prefill(
         BLOCK_DIM=_padded_dims(head_dim),
         BLOCK_SIZE=block_size,
         TILE_KEYS=PREFILL_TILE_KEYS,
-        IEEE_DOT=k_cache.dtype == torch.float32,
+        IEEE_DOT=query.dtype == torch.float32,
         SLIDING=sliding_window is not None,
     )
     return out
@@ -455,8 +475,8 @@ def _attend_ref(
 ) -> torch.Tensor:
     """Plain softmax attention in fp32 of `[q, Hq, D]` over `[n, Hkv, D]` with a causal (sliding-window) mask."""
     group = query.shape[1] // key.shape[1]
-    key = key.float().repeat_interleave(group, dim=1)
-    value = value.float().repeat_interleave(group, dim=1)
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale
     key_positions = torch.arange(key.shape[0], device=query.device)
     scores = scores.masked_fill(key_positions[None, None, :] > query_positions[None, :, None], float("-inf"))
@@ -474,14 +494,16 @@ def paged_attention_decode_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch reference for `paged_attention_decode`, one sequence at a time (gathering all its keys, then masking)."""
     out = torch.zeros_like(query)
     for seq, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        key = _gather_sequence_kv(k_cache, block_tables[seq], seq_len)
-        value = _gather_sequence_kv(v_cache, block_tables[seq], seq_len)
+        key = dequantize(_gather_sequence_kv(k_cache, block_tables[seq], seq_len), k_scale, torch.float32)
+        value = dequantize(_gather_sequence_kv(v_cache, block_tables[seq], seq_len), v_scale, torch.float32)
         position = torch.tensor([seq_len - 1], device=query.device)
         out[seq] = _attend_ref(query[seq : seq + 1], key, value, position, scale, sliding_window)[0].to(query.dtype)
     return out
@@ -496,6 +518,8 @@ def paged_attention_prefill_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch reference for `paged_attention_prefill`, one sequence at a time (gathering all its keys, then masking)."""
     out = torch.zeros_like(query)
@@ -504,8 +528,8 @@ def paged_attention_prefill_ref(
         start, end = starts[seq], starts[seq + 1]
         if end == start:
             continue
-        key = _gather_sequence_kv(k_cache, block_tables[seq], seq_len)
-        value = _gather_sequence_kv(v_cache, block_tables[seq], seq_len)
+        key = dequantize(_gather_sequence_kv(k_cache, block_tables[seq], seq_len), k_scale, torch.float32)
+        value = dequantize(_gather_sequence_kv(v_cache, block_tables[seq], seq_len), v_scale, torch.float32)
         positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         out[start:end] = _attend_ref(query[start:end], key, value, positions, scale, sliding_window).to(query.dtype)
     return out

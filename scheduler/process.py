@@ -17,13 +17,14 @@ import msgspec
 import zmq
 
 from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.scheduler.spec_decode import SpecDecodeLogger
 from tokenmill.scheduler.step_summary import StepSummarizer
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, grammar_tokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, FrontendMessage, Ping, Pong, RequestOutput,
                                 Shutdown, StepOutputs, StepResult, WatchSteps, WorkerError, WorkerMessage,
                                 WorkerReady, choice_requests, decoder, encode)
-from tokenmill.processes import become_child_process, make_socket
+from tokenmill.processes import become_child_process, make_socket, worker_socket_address
 
 IDLE_POLL_MS = 1000
 STATS_INTERVAL_S = 0.5
@@ -43,8 +44,8 @@ class SchedulerLoop:
         self.ctx = zmq.Context()
         self.from_frontend = make_socket(self.ctx, zmq.PULL, config.ipc_address("requests"), bind=True)
         self.to_frontend = make_socket(self.ctx, zmq.PUSH, config.ipc_address("outputs"), bind=True)
-        self.to_workers = make_socket(self.ctx, zmq.PUB, config.ipc_address("plans"), bind=True)
-        self.from_workers = make_socket(self.ctx, zmq.PULL, config.ipc_address("results"), bind=True)
+        self.to_workers = make_socket(self.ctx, zmq.PUB, worker_socket_address(config, "plans"), bind=True)
+        self.from_workers = make_socket(self.ctx, zmq.PULL, worker_socket_address(config, "results"), bind=True)
         self.frontend_decoder = decoder(FrontendMessage)
         self.worker_decoder = decoder(WorkerMessage)
         self.pending: list[FrontendMessage] = []  # arrived while a step was running
@@ -55,13 +56,15 @@ class SchedulerLoop:
         self.model_time_since_report = 0.0
         self.num_steps = 0
         # the dashboard's feed: every step recorded, a StepSummary sent while a WatchSteps asks for them
-        self.summaries = StepSummarizer(lambda summary: self.to_frontend.send(encode(summary)))
+        self.spec_log = SpecDecodeLogger(log) if config.speculative.method is not None else None
+        self.summaries = StepSummarizer(lambda summary: self.to_frontend.send(encode(summary)),
+                                        engine_index=config.parallel.data_parallel_rank)
 
     # ------------------------------------------------------------------ start-up
 
     def wait_for_workers(self) -> list[WorkerReady]:
         readies: dict[int, WorkerReady] = {}
-        while len(readies) < self.config.parallel.tensor_parallel_size:
+        while len(readies) < self.config.parallel.world_size:
             msg = self.worker_decoder.decode(self.from_workers.recv())
             if isinstance(msg, WorkerError):
                 raise WorkerFailed(f"worker {msg.rank} failed to start: {msg.message}")
@@ -123,6 +126,8 @@ class SchedulerLoop:
                 self.scheduler.stats(), num_steps=self.steps_since_report,
                 step_time_s=self.step_time_since_report, model_time_s=self.model_time_since_report)
             self.steps_since_report, self.step_time_since_report, self.model_time_since_report = 0, 0.0, 0.0
+            if self.spec_log is not None:
+                self.spec_log.observe(stats)
             self.last_stats_time = now
         if outputs or stats is not None:
             self.to_frontend.send(encode(StepOutputs(outputs, stats)))

@@ -25,7 +25,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling", "task", "priority", "cache_salt", "arrival_seq",
         "enqueue_time", "max_tokens", "all_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
         "finish_reason", "block_hashes", "num_preemptions", "on_worker", "num_tokens_on_worker",
-        "num_blocks_on_worker", "grammar",
+        "num_blocks_on_worker", "grammar", "spec",
     )
 
     def __init__(self, engine_request: EngineRequest, arrival_seq: int, enqueue_time: float, max_tokens: int) -> None:
@@ -50,6 +50,7 @@ class Request:
         self.num_tokens_on_worker = 0
         self.num_blocks_on_worker = 0
         self.grammar: RequestGrammar | None = None  # its structured-output matcher, when it has a constraint
+        self.spec = None  # speculative decoding: its SpecDecodeState (scheduler/spec_decode.py) once it proposes
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, NamedTuple
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
 from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.scheduler.spec_decode import Speculator
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, GrammarError, RequestGrammar
 from tokenmill.config import EngineConfig
 from tokenmill.messages import (EngineRequest, ErrorKind, FinishReason, NewRequestData, RequestOutput,
@@ -75,6 +76,9 @@ class Scheduler:
         self._num_preemptions = 0
         self._reported_counters = (0, 0, 0)  # the three counters above, summed over every stats() report
         self._pending_outputs: list[RequestOutput] = []  # outputs found while planning (grammars that failed)
+        # speculative decoding (scheduler/spec_decode.py): None when off; the drafts scheduled by the step being planned
+        self.speculator = Speculator(config.speculative) if config.speculative.method == "ngram" else None
+        self._step_drafts: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ admission and aborts
 
@@ -160,6 +164,7 @@ class Scheduler:
         now = self.clock()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
+        self._step_drafts = {}
         preempted_any = False
 
         # running requests first; when blocks run out, preempt from the back of the policy order
@@ -173,7 +178,10 @@ class Scheduler:
             if num_new <= 0:
                 continue
             self._free_slid_out_blocks(req)
-            while self.kv.allocate_slots(req, num_new) is None:
+            drafts = self._propose_drafts(req, budget) if num_new == 1 else []
+            if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
+                drafts = []  # the pool is short: no speculation rather than a preemption
+            while not drafts and self.kv.allocate_slots(req, num_new) is None:
                 victim = next(r for r in reversed(order) if r.status is RequestStatus.RUNNING and not r.is_embedding)
                 budget += self._preempt(victim, scheduled)
                 preempted_any = True
@@ -181,6 +189,9 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: everything after it in the order is preempted too
+            if drafts:
+                self._step_drafts[req.request_id] = drafts
+                num_new += len(drafts)
             scheduled[req.request_id] = num_new
             budget -= num_new
 
@@ -191,6 +202,15 @@ class Scheduler:
         if not scheduled:
             return None
         return self._build_plan(scheduled)
+
+    def _propose_drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens to verify after a decoding request's next token: none when speculation is off or the request
+        is not on the workers yet; never more than the budget after its token, than could still become outputs
+        under max_tokens, or than fit in the context with the token sampled after them."""
+        if self.speculator is None or not req.on_worker:
+            return []
+        limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_seq_len - req.num_tokens - 1)
+        return self.speculator.propose(req, limit)
 
     def _admit_waiting(self, now: float, budget: int, scheduled: dict[str, int]) -> int:
         """Admit waiting requests in policy order until one does not fit; returns the budget left."""
@@ -287,6 +307,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.waiting.insert(0, req)
+        self._step_drafts.pop(req.request_id, None)
         if req.on_worker:
             self._finished_on_workers.append(req.request_id)
             req.forget_worker_state()
@@ -310,10 +331,11 @@ class Scheduler:
                 running.append(RunningRequestData(
                     request_id, req.all_token_ids[req.num_tokens_on_worker:],
                     [b.block_id for b in blocks[req.num_blocks_on_worker - num_freed:]], req.num_computed_tokens,
-                    num_scheduled))
+                    num_scheduled, self._step_drafts.get(request_id, [])))
             req.num_tokens_on_worker = req.num_tokens
             req.num_blocks_on_worker = num_freed + len(blocks)
-            req.num_computed_tokens += num_scheduled
+            # drafts are not computed tokens until update() knows how many were accepted
+            req.num_computed_tokens += num_scheduled - len(self._step_drafts.get(request_id, ()))
         plan = StepPlan(self._next_step_id, new_requests, running, self._finished_on_workers)
         self._add_grammar_bitmask(plan, scheduled)
         self._next_step_id += 1
@@ -344,6 +366,8 @@ class Scheduler:
         answered: set[str] = set()
         logprobs = result.logprobs
         prompt_logprobs = result.prompt_logprobs or {}
+        accepted = result.accepted_token_ids
+        drafts = {r.request_id: r.spec_token_ids for r in plan.running if r.spec_token_ids}
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
             req = self.requests.get(request_id)
             # only a request whose scheduled tokens reached its end samples; anything else is stale
@@ -351,19 +375,34 @@ class Scheduler:
                     or req.num_computed_tokens != req.num_tokens or request_id in answered):
                 continue
             answered.add(request_id)
-            req.all_token_ids.append(token_id)
-            finish_reason, stop_token_id, stop_reason = self._stop_reason(req, token_id)
-            error = None
-            if req.grammar is not None and finish_reason is None:
-                error = req.grammar.accept(token_id, req.output_token_ids)
-                if error is not None:
-                    finish_reason = "error"
-                elif req.grammar.finished:
-                    finish_reason = "stop"  # the grammar is complete: nothing but end of sequence could follow
+            # speculative decoding: the accepted drafts then the token sampled after them; stop conditions are checked
+            # after each, and the tokens after a stop are dropped
+            token_ids = accepted[i] if accepted is not None else [token_id]
+            if request_id in drafts and self.speculator is not None:
+                self.speculator.record(req, len(drafts[request_id]), len(token_ids) - 1)
+            new_token_ids: list[int] = []
+            for token_id in token_ids:
+                req.all_token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                finish_reason, stop_token_id, stop_reason = self._stop_reason(req, token_id)
+                error = None
+                if req.grammar is not None and finish_reason is None:
+                    error = req.grammar.accept(token_id, req.output_token_ids)
+                    if error is not None:
+                        finish_reason = "error"
+                    elif req.grammar.finished:
+                        finish_reason = "stop"  # the grammar is complete: nothing but end of sequence could follow
+                if finish_reason is not None:
+                    break
+            if len(new_token_ids) > 1:
+                # the accepted drafts' KV was written in the verification: computed; the rejected drafts' slots
+                # are overwritten when their positions are computed again
+                req.num_computed_tokens = req.num_tokens - 1
+                self.kv.cache_computed_blocks(req)
             outputs.append(RequestOutput(
-                request_id, [token_id], finish_reason, stop_token_id, req.num_prompt_tokens,
-                max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs else None, error=error,
-                stop_reason=stop_reason, prompt_logprobs=prompt_logprobs.get(request_id)))
+                request_id, new_token_ids, finish_reason, stop_token_id, req.num_prompt_tokens,
+                max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs and len(new_token_ids) == 1 else None,
+                error=error, stop_reason=stop_reason, prompt_logprobs=prompt_logprobs.get(request_id)))
             if finish_reason is not None:
                 self._finish(req, finish_reason)
 
@@ -422,6 +461,9 @@ class Scheduler:
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
             num_preemptions=self._num_preemptions,
             grammar_mask_time_s=self.grammars.take_mask_time() if self.grammars is not None else 0.0)
+        if self.speculator is not None:
+            (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+             stats.spec_accepted_per_pos) = self.speculator.take_stats()
         self._reported_counters = self.counter_totals()
         self._prefix_queries = self._prefix_hits = self._num_preemptions = 0
         return stats

@@ -3,7 +3,7 @@
 Decode attention is memory-bound, so it is reported as achieved bandwidth (bytes of K/V, query,
 output and block table moved per second) and as a fraction of the GPU's peak HBM bandwidth (from a
 table of known devices, or --peak-tbps). The other kernels are timed against their torch
-references. Each kernel's output is first checked against its reference on the same inputs.
+references; the int4 (AWQ/GPTQ) and FP8 GEMMs against torch's dense matmul of the same weight. Each kernel's output is first checked against its reference on the same inputs.
 On a machine without CUDA it says so and exits 0.
 
     python scripts/bench_kernels.py [--dtype bf16] [--batch-sizes 1,8,32,128] [--context-len 1024]
@@ -173,6 +173,55 @@ def bench_others(args, dtype: torch.dtype) -> list[Result]:
     return results
 
 
+def bench_quantized_gemm(args, dtype: torch.dtype, peak: float | None) -> list[Result]:
+    """Weight-only int4 (AWQ, GPTQ, GPTQ act-order) and FP8 GEMMs on one `--gemm-k` x `--gemm-n` linear layer per
+    batch size, against torch's dense matmul of the same (dequantized) weight. Bandwidth counts the bytes the kernel
+    must read (packed weights, scales, zeros, x, out): small batches are memory-bound, so that is the figure to watch."""
+    from tokenmill.kernels.fp8_gemm import FP8_DTYPE, fp8_gemm, fp8_gemm_ref, pick_method
+    from tokenmill.kernels.int4_gemm import awq_dequantize_ref, awq_gemm, gptq_dequantize_ref, gptq_gemm
+
+    k, n, group = args.gemm_k, args.gemm_n, 128
+    if dtype == torch.float32:
+        return []  # the quantized formats run fp16/bf16 activations
+
+    def random_int32(*shape):
+        return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device="cuda")
+
+    scales = (torch.rand(k // group, n, device="cuda") * 2e-3).half()
+    qzeros = random_int32(k // group, n // 8)
+    awq_qweight, gptq_qweight = random_int32(k, n // 8), random_int32(k // 8, n)
+    g_idx = (torch.randperm(k, device="cuda") // group).to(torch.int32)
+    fp8_weight = (torch.randn(n, k, device="cuda") * 0.02).to(FP8_DTYPE)
+    fp8_scale = torch.rand(n, device="cuda") * 1e-2 + 1e-3
+    int4_bytes = k * n // 2 + scales.nbytes + qzeros.nbytes
+    cases = [
+        ("awq_gemm", int4_bytes, lambda x: awq_gemm(x, awq_qweight, qzeros, scales, group),
+         awq_dequantize_ref(awq_qweight, qzeros, scales, group, dtype)),
+        ("gptq_gemm", int4_bytes, lambda x: gptq_gemm(x, gptq_qweight, qzeros, scales, group),
+         gptq_dequantize_ref(gptq_qweight, qzeros, scales, group, None, 1, dtype)),
+        ("gptq_gemm act-order", int4_bytes + 4 * k,
+         lambda x: gptq_gemm(x, gptq_qweight, qzeros, scales, group, g_idx),
+         gptq_dequantize_ref(gptq_qweight, qzeros, scales, group, g_idx, 1, dtype)),
+        ("fp8_gemm", k * n + 4 * n, lambda x: fp8_gemm(x, fp8_weight, fp8_scale),
+         (fp8_weight.float() * fp8_scale[:, None]).to(dtype).T),
+    ]
+    results = []
+    for batch in args.batch_sizes:
+        x = torch.randn(batch, k, dtype=dtype, device="cuda")
+        for name, weight_bytes, kernel, dense in cases:
+            if name == "fp8_gemm":  # W8A8 quantizes x: compare with the same quantized input
+                check = close(kernel(x), fp8_gemm_ref(x, fp8_weight, fp8_scale, dtype=torch.float32), dtype)
+                label = f"fp8 {pick_method(x, n)}"
+            else:
+                check = close(kernel(x), x @ dense, dtype)
+                label = name
+            kernel_us, reference_us = time_us(lambda: kernel(x), args.iters), time_us(lambda: x @ dense, args.iters)
+            gbps = (weight_bytes + 2 * batch * (k + n) * x.element_size()) / kernel_us / 1e3
+            results.append(Result(label, f"M={batch} K={k} N={n} G={group}", kernel_us, reference_us, gbps,
+                                  gbps / (peak * 1e3) if peak else None, check))
+    return results
+
+
 def print_table(results: list[Result]) -> None:
     header = f"{'kernel':26} {'config':44} {'kernel us':>10} {'torch us':>10} {'x':>6} {'GB/s':>8} {'peak':>6}  ok"
     print(header)
@@ -196,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens for prefill/write/norm/rotary")
+    parser.add_argument("--gemm-k", type=int, default=4096, help="in features of the quantized GEMMs' layer")
+    parser.add_argument("--gemm-n", type=int, default=14336, help="out features of the quantized GEMMs' layer")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--peak-tbps", type=float, default=None, help="override the device's peak HBM TB/s")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -213,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device_name}, peak HBM bandwidth: {peak_text}, dtype: {args.dtype}\n")
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
-    results = bench_decode(args, dtype, peak) + bench_others(args, dtype)
+    results = bench_decode(args, dtype, peak) + bench_others(args, dtype) + bench_quantized_gemm(args, dtype, peak)
     print_table(results)
     if args.json:
         with open(args.json, "w") as out:

@@ -159,3 +159,39 @@ def test_the_frontend_process_never_imports_torch():
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "heavy: []"
+
+
+def test_only_the_ray_executor_imports_ray():
+    """Ray is an optional extra: one module imports it, and nothing imports that module at the top level."""
+    importers, top_level = set(), set()
+    for module, path in package_modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(name == "ray" or name.startswith("ray.") for name in names):
+                importers.add(module)
+        for node in tree.body:  # module-level statements only: function-local imports run on demand
+            if isinstance(node, ast.ImportFrom) and node.module == "tokenmill.ray_executor":
+                top_level.add(module)
+    assert importers == {"tokenmill.ray_executor"}
+    assert top_level == set()
+
+
+MP_BACKEND = """
+import sys
+import tokenmill.cli, tokenmill.serve, tokenmill.llm, tokenmill.data_parallel
+import tokenmill.workers.process, tokenmill.workers.model_runner, tokenmill.scheduler.process
+from tokenmill.config import EngineConfig, ParallelConfig
+from tokenmill.launcher import EngineProcesses
+
+processes = EngineProcesses(EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)))
+processes.stop()
+print("ray:", sorted(name for name in sys.modules if name.split(".")[0] == "ray"))
+"""
+
+
+def test_the_mp_backend_never_imports_ray():
+    result = subprocess.run([sys.executable, "-c", MP_BACKEND], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "ray: []"

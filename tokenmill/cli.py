@@ -7,7 +7,9 @@ import os
 import re
 import sys
 
-from tokenmill.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
+from tokenmill.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, ServerConfig)
+from tokenmill.speculative import parse_speculative_config
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -29,6 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     m.add_argument("--served-model-name", default="", help="the model name the API reports and accepts")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+    m.add_argument("--quantization", "-q", default=None,
+                   choices=["gguf", "awq", "gptq", "fp8", "compressed-tensors", "none"],
+                   help="how the weights are kept (default: inferred from the checkpoint, a .gguf file or "
+                        "config.json's quantization_config); 'none' dequantizes a quantized checkpoint at load")
     m.add_argument("--max-model-len", type=int, default=0, help="context length (default: the model's)")
     m.add_argument("--task", default="auto", choices=["auto", "generate", "embed"])
     m.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
@@ -53,6 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--num-gpu-blocks-override", type=int, default=0, dest="num_kv_blocks",
                    help="use exactly this many KV blocks (testing)")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    c.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache element type: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2, one byte per "
+                        "element scaled by the checkpoint's k/v scales (1.0 without)")
 
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens)
@@ -66,9 +75,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a worker may take to answer one step before the instance treats it as dead and "
                         "exits (the first steps get 5x: kernels may compile); 0 waits forever")
 
+    s.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the decoder layers into this many stages (world size = pipeline x tensor parallel)")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="mp: worker processes on this host; ray: Ray actors placed across a Ray cluster's nodes "
+                        "(pip install tokenmill[ray]; see docs/deploy.md)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas (each a scheduler with its workers and its own KV cache) behind one frontend")
+    p.add_argument("--data-parallel-routing", default="cache-aware", choices=["cache-aware", "round-robin"],
+                   help="how the frontend picks a replica: longest cached prefix, then load (SGLang's cache-aware "
+                        "router), or in turn")
+    p.add_argument("--data-parallel-fail-fast", action="store_true",
+                   help="stop the instance when one replica dies (default: serve on with the others, /health says "
+                        "degraded)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -153,20 +179,27 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
-            dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype), max_model_len=args.max_model_len, task=args.task,
+            dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype), quantization=args.quantization,
+            max_model_len=args.max_model_len, task=args.task,
             chat_template=args.chat_template, seed=args.seed, pooling=args.pooling, normalize=args.normalize,
             allow_dimensions=args.allow_dimensions, enforce_eager=args.enforce_eager,
             generation_config=args.generation_config),
         cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   scheduling_policy=args.scheduling_policy,
                                   max_waiting_requests=args.max_waiting_requests,
                                   worker_step_timeout_s=args.worker_step_timeout_s),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, device=args.device),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+                                pipeline_parallel_size=args.pipeline_parallel_size,
+                                distributed_executor_backend=args.distributed_executor_backend,
+                                data_parallel_size=args.data_parallel_size,
+                                data_parallel_routing=args.data_parallel_routing,
+                                data_parallel_fail_fast=args.data_parallel_fail_fast),
         server=server,
+        speculative=parse_speculative_config(args.speculative_config),
     )
 
 

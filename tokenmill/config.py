@@ -23,7 +23,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     served_model_name: str = ""
     architecture: str = ""
     hidden_size: int = 0  # resolved from the model's config (the embedding size of an embedding model)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # the activation dtype
+    # vLLM's --quantization: how the weights are kept; None (not given) is inferred from the checkpoint by
+    # model_source.resolve_config, so every process sees one of the values; "none" runs a quantized checkpoint
+    # dequantized at load (the reference path)
+    quantization: Literal["gguf", "awq", "gptq", "fp8", "compressed-tensors", "none"] | None = None
     max_model_len: int = 0  # 0: take it from the model
     task: Literal["auto", "generate", "embed"] = "auto"
     chat_template: str | None = None  # a file or a literal Jinja template
@@ -39,12 +43,22 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     generation_defaults: dict[str, int | float] = {}
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 4 * GIB  # the KV budget on CPU (on GPU it is derived)
     enable_prefix_caching: bool = True
     num_kv_blocks: int = 0  # 0: from the budget; tests set it small to force preemption
+    # vLLM's --kv-cache-dtype: "auto" is the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 store K/V in one byte each,
+    # divided by per-layer scales from the checkpoint (1.0 without) (kernels/kv_quant.py)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,8 +72,27 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
+    # the decoder layers split into this many stages (workers/pipeline_parallel.py); world = pipeline x tensor
+    pipeline_parallel_size: int = 1
+    # "mp": worker subprocesses on this host; "ray": Ray actors placed on a cluster (tokenmill/ray_executor.py)
+    distributed_executor_backend: Literal["mp", "ray"] = "mp"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    dist_host: str = "127.0.0.1"  # torch.distributed rendezvous host (rank 0's node under Ray)
     dist_port: int = 0  # torch.distributed rendezvous port, chosen free at start-up
+    # "plans"/"results" -> tcp:// address the scheduler binds and the workers connect to when they run on other
+    # nodes (Ray); empty: the instance's ipc:// sockets
+    worker_addresses: dict[str, str] = {}
+    # data parallelism (tokenmill/data_parallel.py): N engine replicas behind one frontend, which routes each request
+    # by longest cached prefix, then load ("cache-aware", frontend/router.py), or in turn ("round-robin")
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0  # which replica a process belongs to (set per replica by the launcher)
+    data_parallel_routing: Literal["cache-aware", "round-robin"] = "cache-aware"
+    data_parallel_fail_fast: bool = False  # the whole instance stops when one replica dies (default: degrade)
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine: pipeline stages x tensor-parallel ranks."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,12 +123,24 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     reasoning_parser: str | None = None
 
 
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's --speculative-config (tokenmill/speculative.py parses and checks the JSON); method None: off."""
+
+    method: Literal["ngram", "draft_model"] | None = None
+    num_speculative_tokens: int = 0  # k: the most draft tokens proposed per request per step
+    prompt_lookup_min: int = 0  # ngram: the shortest suffix matched against the request's earlier tokens
+    prompt_lookup_max: int = 0  # ngram: the longest
+    model: str = ""  # draft_model: what the user gave
+    path: str = ""  # draft_model: the resolved local directory
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     ipc_dir: str = ""  # private per-instance directory for socket files, made by the launcher
 
     def ipc_address(self, name: str) -> str:

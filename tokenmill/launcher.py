@@ -1,4 +1,8 @@
-"""Start, watch and stop an instance's engine processes (one scheduler, one worker per tensor-parallel rank).
+"""Start, watch and stop an instance's engine processes (one scheduler, one worker per rank: pipeline stages x
+tensor-parallel ranks).
+
+With `distributed_executor_backend="ray"` the workers are Ray actors (tokenmill/ray_executor.py, imported only then)
+and only the scheduler is a child process here; supervision and stopping cover both.
 
 The launcher makes a private socket directory per instance (mode 0700, unique name), so two instances on one host
 never collide, starts the children with the config as msgpack bytes, and offers `dead_child()` for supervision: the
@@ -54,25 +58,36 @@ class EngineProcesses:
     """The scheduler and worker processes of one instance."""
 
     def __init__(self, config: EngineConfig) -> None:
-        ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")  # mkdtemp: unique name, mode 0700
+        check_parallel_config(config)
         parallel = config.parallel
-        if parallel.tensor_parallel_size > 1 and not parallel.dist_port:
+        self.ray_workers = None  # the Ray actors, with distributed_executor_backend "ray"
+        if parallel.distributed_executor_backend == "ray":
+            from tokenmill.ray_executor import RayWorkers
+
+            self.ray_workers = RayWorkers(config)  # placed now: the rendezvous and socket addresses come from it
+            parallel = self.ray_workers.parallel
+        elif parallel.world_size > 1 and not parallel.dist_port:
             parallel = replace(parallel, dist_port=free_port())
+        ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")  # mkdtemp: unique name, mode 0700
         self.config = replace(config, ipc_dir=ipc_dir, parallel=parallel)
         self.children: list[tuple[str, subprocess.Popen]] = []  # (name, process)
         self.stopped = False
+        self.env: dict[str, str] | None = None  # the children's environment (None: this process's); DP replicas set it
 
     def start(self) -> "EngineProcesses":
-        roles = ["scheduler"] + [f"worker{rank}" for rank in range(self.config.parallel.tensor_parallel_size)]
+        local_workers = 0 if self.ray_workers is not None else self.config.parallel.world_size
+        roles = ["scheduler"] + [f"worker{rank}" for rank in range(local_workers)]
         preamble = json.dumps([str(entry) for entry in sys.path]).encode() + b"\n"
         for role in roles:
-            child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE)
+            child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE, env=self.env)
             self.children.append((f"tokenmill-{role}", child))
             try:
                 child.stdin.write(preamble + self.config.to_bytes())
                 child.stdin.close()
             except BrokenPipeError:
                 pass  # it has already exited: dead_child() reports it
+        if self.ray_workers is not None:
+            self.ray_workers.start(self.config)
         return self
 
     def dead_child(self) -> str | None:
@@ -83,6 +98,8 @@ class EngineProcesses:
         """
         dead = [f"{name} (pid {child.pid}) exited with code {child.returncode}"
                 for name, child in self.children if child.poll() is not None]
+        if self.ray_workers is not None and not self.stopped:
+            dead += self.ray_workers.dead()
         return "; ".join(dead) or None
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -104,7 +121,19 @@ class EngineProcesses:
                     child.wait(1.0)
                 except subprocess.TimeoutExpired:
                     log.error("%s (pid %d) did not exit after SIGKILL", name, child.pid)
+        if self.ray_workers is not None:
+            self.ray_workers.stop()
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
+
+
+def check_parallel_config(config: EngineConfig) -> None:
+    """ValueError naming the field when the parallel sizes cannot work."""
+    parallel = config.parallel
+    for field in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(parallel, field) < 1:
+            raise ValueError(f"{field} must be at least 1, got {getattr(parallel, field)}")
+    if parallel.pipeline_parallel_size > 1 and config.model.task == "embed":
+        raise ValueError("pipeline_parallel_size > 1 serves generation models only (task 'embed' runs unsplit)")
 
 
 def kv_capacity_error(config: EngineConfig, ready: EngineReady) -> str | None:
@@ -133,8 +162,9 @@ def log_capacity(config: EngineConfig, ready: EngineReady) -> None:
         log.info("no KV cache (embeddings: each step encodes whole inputs, up to %d tokens)",
                  config.scheduler.max_num_batched_tokens)
     else:
-        log.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency at max_model_len %d: %.2fx",
-                 ready.num_kv_blocks, ready.block_size, tokens, max_len, tokens / max_len)
+        kv_dtype = ready.dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype
+        log.info("KV cache (%s): %d blocks of %d tokens = %d tokens; maximum concurrency at max_model_len %d: %.2fx",
+                 kv_dtype, ready.num_kv_blocks, ready.block_size, tokens, max_len, tokens / max_len)
         if tokens < max_len and config.cache.num_kv_blocks:  # a budget this small refuses to start instead
             log.warning("the KV cache (%d tokens) cannot hold one request of max_model_len %d: a request ends with "
                         "finish_reason 'length' when it fills the whole cache", tokens, max_len)

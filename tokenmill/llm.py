@@ -24,11 +24,11 @@ from tokenmill.frontend.logprobs import TokenTexts
 from tokenmill.frontend.prompt_logprobs import vllm_prompt_logprobs
 from tokenmill.frontend.protocol import PromptLogprobs
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenmill.launcher import EngineProcesses, kv_capacity_error
-from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, RequestOutput, SamplingParams,
-                                SchedulerMessage, SchedulerStats, StepOutputs, StepSummary, WatchSteps,
-                                choice_requests, decoder, encode)
-from tokenmill.processes import make_socket
+from tokenmill.speculative import parse_speculative_config
+from tokenmill.data_parallel import DataParallelEngines, EngineSockets
+from tokenmill.launcher import kv_capacity_error
+from tokenmill.messages import (EngineReady, EngineRequest, RequestOutput, SamplingParams, SchedulerStats, StepOutputs,
+                                StepSummary, WatchSteps, choice_requests)
 
 READY_TIMEOUT_S = 600.0
 
@@ -78,18 +78,33 @@ class EngineStats:
     step_time_s: float = 0.0
     model_time_s: float = 0.0
     grammar_mask_time_s: float = 0.0  # of the scheduling time: filling structured-output bitmasks
+    # speculative decoding: verifications (one per request per step), draft tokens verified, drafts accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     def add(self, stats: SchedulerStats) -> None:
         self.num_steps += stats.num_steps
         self.step_time_s += stats.step_time_s
         self.model_time_s += stats.model_time_s
         self.grammar_mask_time_s += stats.grammar_mask_time_s
+        self.spec_num_drafts += stats.spec_num_drafts
+        self.spec_num_draft_tokens += stats.spec_num_draft_tokens
+        self.spec_num_accepted_tokens += stats.spec_num_accepted_tokens
 
     def since(self, earlier: "EngineStats") -> "EngineStats":
         """The steps reported after the snapshot `earlier` was taken."""
         return EngineStats(self.num_steps - earlier.num_steps, self.step_time_s - earlier.step_time_s,
                            self.model_time_s - earlier.model_time_s,
-                           self.grammar_mask_time_s - earlier.grammar_mask_time_s)
+                           self.grammar_mask_time_s - earlier.grammar_mask_time_s,
+                           self.spec_num_drafts - earlier.spec_num_drafts,
+                           self.spec_num_draft_tokens - earlier.spec_num_draft_tokens,
+                           self.spec_num_accepted_tokens - earlier.spec_num_accepted_tokens)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over verified draft tokens (0 when none were verified)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
 
     @property
     def overhead_time_s(self) -> float:
@@ -105,13 +120,15 @@ def _engine_config(model: str, kwargs: dict) -> EngineConfig:
     """Spread vLLM-style keyword arguments (dtype=..., max_model_len=..., block_size=...) over the config sections."""
     sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
     values: dict[str, dict] = {name: {} for name in sections}
+    kwargs = dict(kwargs)
+    speculative = parse_speculative_config(kwargs.pop("speculative_config", None))
     for key, value in kwargs.items():
         owner = next((name for name, cls in sections.items() if key in cls.__struct_fields__), None)
         if owner is None:
             raise TypeError(f"LLM() got an unexpected engine argument {key!r}")
         values[owner][key] = value
     values["model"]["model"] = model
-    return EngineConfig(**{name: sections[name](**vals) for name, vals in values.items()})
+    return EngineConfig(**{name: sections[name](**vals) for name, vals in values.items()}, speculative=speculative)
 
 
 class LLM:
@@ -119,12 +136,11 @@ class LLM:
         from tokenmill.frontend.tokenizer import load_tokenizer
         from tokenmill.model_source import resolve_config
 
-        self.processes = EngineProcesses(resolve_config(_engine_config(model, engine_args)))
+        # one engine replica, or data_parallel_size of them behind a router (tokenmill/data_parallel.py)
+        self.processes = DataParallelEngines(resolve_config(_engine_config(model, engine_args)))
         self.config = self.processes.config
         self._ctx = zmq.Context()
-        self._to_scheduler = make_socket(self._ctx, zmq.PUSH, self.config.ipc_address("requests"), bind=False)
-        self._from_scheduler = make_socket(self._ctx, zmq.PULL, self.config.ipc_address("outputs"), bind=False)
-        self._decoder = decoder(SchedulerMessage)
+        self._engines = EngineSockets(self._ctx, self.processes.configs)
         self._ids = itertools.count()
         self._stats = EngineStats()
         # called with every StepOutputs as it arrives (one per engine step that produced output); benchmarks use it
@@ -144,22 +160,27 @@ class LLM:
 
     def _receive(self, timeout_ms: int = 200):
         """The next scheduler message, or None after timeout_ms; raises if an engine process has died."""
-        if self._from_scheduler.poll(timeout_ms):
-            return self._decoder.decode(self._from_scheduler.recv())
+        msg = self._engines.receive(timeout_ms)
+        if msg is not None:
+            return msg
         dead = self.processes.dead_child()
         if dead is not None:
             raise RuntimeError(f"The engine stopped: {dead}.")
         return None
 
     def _wait_ready(self) -> EngineReady:
+        """The first replica's EngineReady, once every replica has sent one."""
         deadline = time.monotonic() + READY_TIMEOUT_S
+        readies: list[EngineReady] = []
         while time.monotonic() < deadline:
             msg = self._receive()
             if isinstance(msg, EngineReady):
                 error = kv_capacity_error(self.config, msg)
                 if error is not None:
                     raise ValueError(error)
-                return msg
+                readies.append(msg)
+                if len(readies) == self.processes.size:
+                    return readies[0]
         raise TimeoutError(f"the engine did not become ready within {READY_TIMEOUT_S:.0f} s")
 
     def shutdown(self) -> None:
@@ -181,7 +202,7 @@ class LLM:
         """Have the scheduler send a StepSummary (what the dashboard shows) at most every `interval_s`, handed to
         `listener` while generate() runs; None stops them."""
         self.summary_listener = listener
-        self._to_scheduler.send(encode(WatchSteps(interval_s if listener is not None else 0.0)))
+        self._engines.broadcast(WatchSteps(interval_s if listener is not None else 0.0))
 
     def engine_stats(self) -> EngineStats:
         """A snapshot of the step timings reported so far (subtract two with `since` to time one call)."""
@@ -239,7 +260,7 @@ class LLM:
             if not completion.finished:
                 return False
             if completion.finish_reason == "stop" and out.finish_reason is None:
-                self._to_scheduler.send(encode(AbortRequest([out.request_id])))  # a stop string ended it
+                self._engines.send_abort([out.request_id])  # a stop string ended it
             if result.finished:
                 result.num_cached_tokens = out.num_cached_tokens
                 bar.update(1)
@@ -311,14 +332,14 @@ class LLM:
                 while batch is not None and (not in_flight or len(in_flight) + len(batch) <= window):
                     for request, state in batch:
                         in_flight[request.request_id] = state
-                        self._to_scheduler.send(encode(request))
+                        self._engines.send_request(request)
                     batch = next(batches, None)
                 for out in self._step_outputs():
                     state = in_flight.get(out.request_id)
                     if state is not None and on_output(out, state):
                         del in_flight[out.request_id]
         except BaseException:
-            self._to_scheduler.send(encode(AbortRequest(list(in_flight))))
+            self._engines.send_abort(list(in_flight))
             raise
 
     def _step_outputs(self) -> list[RequestOutput]:

@@ -151,6 +151,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     step_time_s: float = 0.0
     model_time_s: float = 0.0
     grammar_mask_time_s: float = 0.0  # the scheduler's time filling structured-output bitmasks (part of step time)
+    # speculative decoding since the last report, as vLLM's spec_decode counters: requests that verified drafts
+    # (one per request per step), draft tokens verified, drafts accepted, and accepted drafts by position (0 = first)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -244,6 +250,10 @@ class RunningRequestData(msgspec.Struct, array_like=True):
     new_block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # speculative decoding: draft tokens to verify this step, after its known tokens (this step only: the worker
+    # never appends them; the accepted ones come back as next step's new_token_ids). Counted in
+    # num_scheduled_tokens, which is then 1 + len(spec_token_ids).
+    spec_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, tag=True, array_like=True):
@@ -292,6 +302,9 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     model_time_s: float = 0.0
     # requests whose prompt (asking for prompt_logprobs) completed this step: every prompt position's entry
     prompt_logprobs: dict[str, list[PromptLogprobsEntry]] | None = None
+    # speculative decoding, when some request verified drafts this step: aligned with request_ids, every request's
+    # tokens in order (1 + its accepted drafts; sampled_token_ids holds each list's first token)
+    accepted_token_ids: list[list[int]] | None = None
 
 
 class WorkerError(msgspec.Struct, tag=True, array_like=True):

@@ -145,6 +145,38 @@ def rope_scaled_context(config: dict, max_position_embeddings: int) -> int:
     return max_position_embeddings
 
 
+# --quantization values that read a quantized safetensors checkpoint (config.json `quantization_config.quant_method`)
+CHECKPOINT_QUANT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
+
+
+def checkpoint_quantization(path: Path, gguf_file: str | None) -> str:
+    """How the checkpoint's weights are stored: "gguf", a `quant_method` of CHECKPOINT_QUANT_METHODS, or "none"."""
+    if gguf_file is not None:
+        return "gguf"
+    config_file = Path(path) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    quant_config = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not quant_config:
+        return "none"
+    method = str(quant_config.get("quant_method", "")).lower().replace("_", "-")
+    if method not in CHECKPOINT_QUANT_METHODS:
+        raise ModelSourceError(f"The checkpoint's quantization method '{method}' is not supported (supported: "
+                               f"{', '.join(CHECKPOINT_QUANT_METHODS)}, and GGUF files).")
+    return method
+
+
+def resolve_quantization(asked: str | None, path: Path, gguf_file: str | None) -> str:
+    """The --quantization to run with: what the checkpoint holds when not given; "none" dequantizes any checkpoint;
+    any other value must match the checkpoint."""
+    stored = checkpoint_quantization(path, gguf_file)
+    if asked is None or asked == "none" or asked == stored:
+        return stored if asked is None else asked
+    what = "a GGUF file" if stored == "gguf" else (
+        "not quantized" if stored == "none" else f"quantized with {stored}")
+    raise ModelSourceError(f"--quantization {asked} does not match the checkpoint, which is {what}; "
+                           f"omit --quantization to use {stored}.")
+
+
 # The generation_config.json fields vLLM takes as request defaults (max_new_tokens becomes max_tokens).
 GENERATION_DEFAULT_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
                              "repetition_penalty": float, "max_new_tokens": int}
@@ -193,7 +225,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if task == "generate" and architecture in ENCODER_ARCHITECTURES:
         raise ModelSourceError(f"{architecture} is an encoder and can only serve embeddings (--task embed).")
     sampling_defaults = generation_defaults(path, gguf_file, mc.generation_config) if task == "generate" else {}
+    quantization = resolve_quantization(mc.quantization, path, gguf_file)
     model = replace(mc, path=str(path), gguf_file=gguf_file, architecture=architecture, hidden_size=hidden_size, task=task,
+                    quantization=quantization,
                     max_model_len=mc.max_model_len or model_max_len,
                     served_model_name=mc.served_model_name or name, generation_defaults=sampling_defaults)
     scheduler = config.scheduler

@@ -41,6 +41,11 @@ def become_child_process(name: str) -> logging.Logger:
     return setup_logging(name)
 
 
+def worker_socket_address(config, name: str) -> str:
+    """The scheduler's `plans` or `results` socket: TCP when workers run on other nodes (Ray), else ipc://."""
+    return config.parallel.worker_addresses.get(name) or config.ipc_address(name)
+
+
 def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)

@@ -13,9 +13,11 @@ import signal
 
 from aiohttp import web
 
+from tokenmill.frontend.data_parallel_client import DataParallelEngineClient
 from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from tokenmill.config import EngineConfig
-from tokenmill.launcher import EngineProcesses, kv_capacity_error, log_capacity
+from tokenmill.data_parallel import DataParallelEngines
+from tokenmill.launcher import kv_capacity_error, log_capacity
 
 log = logging.getLogger("tokenmill.serve")
 
@@ -27,9 +29,9 @@ async def serve(config: EngineConfig) -> int:
     from tokenmill.frontend.server import build_app
     from tokenmill.frontend.tokenizer import load_tokenizer
 
-    processes = EngineProcesses(config)
+    processes = DataParallelEngines(config)
     config = processes.config
-    client = AsyncEngineClient(config, processes.dead_child)  # connect first: the scheduler's EngineReady must not be lost
+    client = engine_client(processes)  # connect first: the scheduler's EngineReady must not be lost
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -39,6 +41,9 @@ async def serve(config: EngineConfig) -> int:
         client.start()
         processes.start()
         log.info("loading %s; sockets in a private directory %s", config.model.served_model_name, config.ipc_dir)
+        if processes.size > 1:
+            log.info("data parallel: %d engine replicas (sockets in %s), routing %s", processes.size,
+                     ", ".join(c.ipc_dir for c in processes.configs[1:]), config.parallel.data_parallel_routing)
         tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model))
         ready_task = asyncio.create_task(client.wait_ready())
         stop_task = asyncio.create_task(stop.wait())
@@ -76,6 +81,14 @@ async def serve(config: EngineConfig) -> int:
             await runner.cleanup()
         client.close()
         processes.stop()
+
+
+def engine_client(processes: DataParallelEngines) -> AsyncEngineClient | DataParallelEngineClient:
+    """One replica's client, or the data-parallel client over every replica (it routes each request)."""
+    if processes.size == 1:
+        return AsyncEngineClient(processes.config, processes.dead_child)
+    return DataParallelEngineClient(processes.configs, [replica.dead_child for replica in processes.replicas],
+                                    stop_replica=lambda rank: processes.replicas[rank].stop())
 
 
 def serve_forever(config: EngineConfig) -> int:

@@ -2,7 +2,9 @@
 
 Cache layout (shared with the Triton kernels in `kernels/`): per layer a K cache and a V cache, each
 `[num_blocks, block_size, num_kv_heads, head_dim]`. Token t of a step lives in flat slot
-`slot_mapping[t] = block_id * block_size + offset`.
+`slot_mapping[t] = block_id * block_size + offset`. The caches hold the model's dtype, or fp8 (`--kv-cache-dtype`)
+holding key / k_scale and value / v_scale, per-tensor scales of the layer (`kernels/kv_quant.py`): every backend
+quantizes on write and dequantizes what it reads; caches in the model's dtype ignore the scales.
 
 Padding is read, then masked: decode chunks gather whole blocks (and block-table padding points at block 0), so
 every slot of a block that appears in a block table, and all of block 0, must hold finite values, since a masked
@@ -28,6 +30,8 @@ from typing import Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tokenmill.kernels.kv_quant import as_bytes, dequantize, quantize
 
 
 # Decode attention gathers the K and V of a few sequences at a time, about this many bytes a layer, so the copy is
@@ -210,11 +214,15 @@ def write_kv_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write key/value `[T, Hkv, D]` into the caches at their flat slots, in place."""
+    """Write key/value `[T, Hkv, D]` into the caches at their flat slots, in place (fp8: divided by their scales)."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    # as bytes: torch has no CPU index_copy_ for fp8
+    for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        rows = as_bytes(cache).view(num_blocks * block_size, num_kv_heads, head_dim)
+        rows.index_copy_(0, slot_mapping, as_bytes(quantize(x, scale, cache.dtype)))
 
 
 def _gather_sequence(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -263,8 +271,11 @@ def _attend_decode(
     group: DecodeGroup,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Single-token queries `[Bd, Hq, D]`: per chunk of sequences, gather their blocks and run one masked SDPA."""
+    """Single-token queries `[Bd, Hq, D]`: per chunk of sequences, gather their blocks (dequantized from an fp8
+    cache) and run one masked SDPA."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -281,6 +292,7 @@ def _attend_decode(
         flat_blocks = block_ids.reshape(-1)
         keys = k_cache.index_select(0, flat_blocks).view(shape)[:, :num_keys].transpose(1, 2)
         values = v_cache.index_select(0, flat_blocks).view(shape)[:, :num_keys].transpose(1, 2)
+        keys, values = dequantize(keys, k_scale, query.dtype), dequantize(values, v_scale, query.dtype)
         out[chunk.start : chunk.end] = F.scaled_dot_product_attention(
             grouped_query[chunk.start : chunk.end], keys, values, attn_mask=key_mask, scale=scale
         )
@@ -295,10 +307,13 @@ def attend_prefills_sdpa(
     scale: float,
     output: torch.Tensor,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Into `output`'s rows of each multi-token sequence, its causal attention: one SDPA call per sequence.
 
-    With a sliding window, keys are read from the block of the first query's first visible key on.
+    With a sliding window, keys are read from the block of the first query's first visible key on. An fp8 cache's
+    keys and values are dequantized after the gather.
     """
     block_size = k_cache.shape[1]
     for seq in prefills:
@@ -316,8 +331,8 @@ def attend_prefills_sdpa(
                 seq.windowed[sliding_window] = windowed
             first_block, mask = windowed
             block_ids, num_keys = block_ids[first_block:], seq.seq_len - first_block * block_size
-        keys = _gather_sequence(k_cache, block_ids, num_keys)[None]
-        values = _gather_sequence(v_cache, block_ids, num_keys)[None]
+        keys = dequantize(_gather_sequence(k_cache, block_ids, num_keys)[None], k_scale, query.dtype)
+        values = dequantize(_gather_sequence(v_cache, block_ids, num_keys)[None], v_scale, query.dtype)
         seq_out = F.scaled_dot_product_attention(
             seq_query,
             keys,
@@ -337,22 +352,25 @@ def paged_attention_torch(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of query `[T, Hq, D]` over each sequence's cached keys/values; returns `[T, Hq, D]`.
 
     The caches must already hold this step's keys and values. With `sliding_window` a query at position p sees only
-    keys p - window < k <= p.
+    keys p - window < k <= p. k_scale and v_scale: what an fp8 cache's keys and values are multiplied by when read.
     """
     decode = metadata.decode
+    kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
     if metadata.is_decode_only and decode is not None:
-        return _attend_decode(query, k_cache, v_cache, decode, scale, sliding_window)
+        return _attend_decode(query, k_cache, v_cache, decode, scale, sliding_window, **kv_scales)
 
     output = torch.empty_like(query)
     if decode is not None:
         decode_query = query.index_select(0, decode.token_indices)
-        decoded = _attend_decode(decode_query, k_cache, v_cache, decode, scale, sliding_window)
+        decoded = _attend_decode(decode_query, k_cache, v_cache, decode, scale, sliding_window, **kv_scales)
         output.index_copy_(0, decode.token_indices, decoded)
-    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output, sliding_window)
+    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output, sliding_window, **kv_scales)
     return output
 
 
@@ -361,7 +379,8 @@ def paged_attention_torch(
 
 class AttentionBackend(Protocol):
     # whether `build_attention_metadata` must prepare `decode` (chunks and masks for batched decode SDPA) and
-    # `prefills` (a group per multi-token sequence for SDPA)
+    # `prefills` (a group per multi-token sequence for SDPA). Both methods take the layer's k_scale and v_scale,
+    # which an fp8 cache stores keys and values divided by (and a cache in the model's dtype ignores).
     builds_decode_chunks: bool
     builds_prefill_groups: bool
 
@@ -372,6 +391,8 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None: ...
 
     def attend(
@@ -382,6 +403,8 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
 
@@ -402,14 +425,18 @@ def write_kv_and_attend(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One layer's paged attention: store this step's key/value `[T, Hkv, D]`, then attend; returns `[T, Hq, D]`.
 
     `sliding_window` (per layer; None for full attention): a query at position p attends to keys p - window < k <= p,
     as transformers' sliding-window mask (Mistral, Qwen2 `use_sliding_window`, Gemma 3's local layers).
+    `k_scale`, `v_scale` (per layer): an fp8 cache stores key / k_scale and value / v_scale.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
     k_cache, v_cache = kv_cache
-    metadata.backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-    return metadata.backend.attend(query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window)
+    metadata.backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+    return metadata.backend.attend(query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window,
+                                   k_scale=k_scale, v_scale=v_scale)

@@ -22,16 +22,18 @@ def paged_attention_cpu(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`.
 
     With `sliding_window`, a query at position p sees keys p - window < k <= p; neither path reads a block before
-    the window's first."""
+    the window's first. An fp8 cache holds keys / k_scale and values / v_scale."""
     output = torch.empty(query.shape, dtype=query.dtype)
     if len(metadata.prefills) < metadata.seq_lens.shape[0]:  # some sequence decodes one token
         cpu_ops.decode_attention(output, query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-                                 metadata.seq_lens, scale, sliding_window)
-    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output, sliding_window)
+                                 metadata.seq_lens, scale, sliding_window, k_scale, v_scale)
+    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output, sliding_window, k_scale, v_scale)
     return output
 
 

@@ -1,9 +1,14 @@
 """Read a checkpoint: its Hugging Face config, the dtype to run it in, and its weights as (HF name, tensor) pairs.
 
 Weights come from safetensors (`model.safetensors`, or shards listed in `model.safetensors.index.json`) or from a
-GGUF file, whose llama.cpp tensor names are mapped to HF names and whose quantized tensors are dequantized to
-float32. Tensors are yielded one at a time so the model copies each into its (already placed) parameter and the
-whole checkpoint is never held in memory twice.
+GGUF file, whose llama.cpp tensor names are mapped to HF names. Tensors are yielded one at a time so the model copies
+each into its (already placed) parameter and the whole checkpoint is never held in memory twice.
+
+Quantized weights (`ModelConfig.quantization`, resolved by `model_source`): a GGUF file's linear and embedding
+weights of the CPU kernels' block types stay quantized on CPU (`GGUFWeight`); other block types, every GGUF weight
+on CUDA, and every weight under `--quantization none` are dequantized at load. AWQ/GPTQ/FP8/compressed-tensors
+checkpoints are read by their format's reader (`workers/quantization.CHECKPOINT_READERS`), dequantized under
+`--quantization none` and on CPU (they are GPU formats: the Triton kernels run only on CUDA). The models' `load` methods take a `QuantizedWeight` wherever they take a linear weight.
 
 dtype rule (`ModelConfig.dtype`):
 - "float32" / "bfloat16" / "float16": used as given, on any device.
@@ -16,15 +21,19 @@ dtype rule (`ModelConfig.dtype`):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from tokenmill.config import ModelConfig
+from tokenmill.workers.quantization.base import QuantizedWeight
+
+log = logging.getLogger("tokenmill.model_loader")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,12 +85,38 @@ def resolve_dtype(model_cfg: ModelConfig, hf_config, device: torch.device) -> to
     return half
 
 
-def iter_weights(model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor as (HF parameter name, CPU tensor), with a progress bar."""
+def iter_weights(
+    model_cfg: ModelConfig, device: torch.device | str = "cpu", wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Every checkpoint tensor as (HF parameter name, CPU tensor or QuantizedWeight), with a progress bar.
+
+    `wanted` (a pipeline stage's names): a plain safetensors checkpoint never reads the other tensors; other
+    formats yield every tensor and the model skips what it does not hold.
+
+    `model_cfg.quantization` None (a config that did not go through `resolve_config`) follows the checkpoint.
+    """
+    from tokenmill.model_source import checkpoint_quantization
+
+    stored = checkpoint_quantization(model_cfg.path, model_cfg.gguf_file)
+    method = model_cfg.quantization or stored
     if model_cfg.gguf_file:
-        yield from _iter_gguf(os.path.join(model_cfg.path, model_cfg.gguf_file))
+        keep_quantized = method == "gguf" and torch.device(device).type == "cpu"
+        if method == "gguf" and not keep_quantized:
+            log.info("dequantizing the GGUF weights at load to the activation dtype: %s has no GGUF kernels", device)
+        yield from _iter_gguf(os.path.join(model_cfg.path, model_cfg.gguf_file), keep_quantized)
+    elif stored == "none":
+        yield from _iter_safetensors(model_cfg.path, wanted)
     else:
-        yield from _iter_safetensors(model_cfg.path)
+        from tokenmill.workers.quantization import checkpoint_reader
+        from tokenmill.workers.quantization.checkpoint import dequantized
+
+        weights = checkpoint_reader(stored)(model_cfg)
+        if method == "none":
+            log.info("--quantization none: dequantizing the %s checkpoint at load", stored)
+            weights = dequantized(weights, torch.float32, str(device))
+        elif torch.device(device).type != "cuda":  # GPU formats: no CPU kernels (dequantized() logs it once)
+            weights = dequantized(weights, torch.float32, str(device))
+        yield from weights
 
 
 # ---------------------------------------------------------------- safetensors
@@ -103,7 +138,7 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, name) for name in found]
 
 
-def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(path: str, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = safetensors_files(path)
@@ -115,7 +150,8 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if wanted is None or wanted(name):
+                        yield name, f.get_tensor(name)
                     progress.update(1)
 
 
@@ -178,8 +214,20 @@ def _gguf_field(reader, key: str):
     return None if field is None else field.contents()
 
 
-def _iter_gguf(file: str) -> Iterator[tuple[str, torch.Tensor]]:
+_GGUF_DENSE_TYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def _keeps_quantized(hf_name: str, tensor) -> bool:
+    """Whether a GGUF tensor is a matrix a layer can run quantized: linear weights and the embedding, not norms."""
+    return len(tensor.shape) == 2 and hf_name.endswith(".weight") and not hf_name.endswith("norm.weight")
+
+
+def _iter_gguf(file: str, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The GGUF file's tensors under HF names; with `keep_quantized`, matrices of the CPU kernels' block types come
+    as `GGUFWeight`s, every other block type is dequantized to float32 (one log line names those types)."""
     import gguf
+
+    from tokenmill.workers.quantization.gguf import GGUFWeight, supported_types
 
     reader = gguf.GGUFReader(file)
     arch = _gguf_field(reader, "general.architecture")
@@ -190,14 +238,32 @@ def _iter_gguf(file: str) -> Iterator[tuple[str, torch.Tensor]]:
         num_kv_heads = int(_gguf_field(reader, "llama.attention.head_count_kv") or num_heads)
         permuted_heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
 
+    kept = supported_types() if keep_quantized else frozenset()
+    block_types = {tensor.tensor_type.name for tensor in reader.tensors} - _GGUF_DENSE_TYPES
+    dequantized_types = sorted(name for name in block_types if gguf.GGMLQuantizationType[name] not in kept)
+    if keep_quantized and dequantized_types:
+        log.info("dequantizing GGUF tensors of type %s to float32 at load: the CPU kernels have no such type",
+                 ", ".join(dequantized_types))
+    elif not keep_quantized and block_types:
+        log.info("dequantizing the GGUF %s weights to float32 at load", ", ".join(sorted(block_types)))
+
     for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=None):
         hf_name = gguf_name_to_hf(tensor.name, arch)
         if hf_name is None:
             continue
+        projection = hf_name.split(".")[-2]
+        if tensor.tensor_type in kept and _keeps_quantized(hf_name, tensor):
+            in_features, out_features = (int(n) for n in tensor.shape)  # GGUF lists dims innermost first
+            blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # a copy out of the memory map
+            weight = GGUFWeight(blocks.reshape(out_features, -1), tensor.tensor_type, out_features, in_features)
+            if projection in permuted_heads:
+                order = unpermute_llama_qk(np.arange(out_features), permuted_heads[projection])
+                weight = weight.permute_rows(torch.from_numpy(order))
+            yield hf_name, weight
+            continue
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if arch == "gemma3" and tensor.name.endswith("norm.weight"):
             weights = weights - 1  # back to Gemma's w of (1 + w), as transformers' GGUF loader does
-        projection = hf_name.split(".")[-2]
         if projection in permuted_heads:
             weights = unpermute_llama_qk(weights, permuted_heads[projection])
         if not weights.flags.writeable:  # F32 tensors are views of the read-only memory-mapped file

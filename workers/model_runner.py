@@ -21,15 +21,20 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
+from tokenmill.kernels.kv_quant import as_bytes, kv_cache_torch_dtype
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
 from tokenmill.workers.attention import DECODE_GATHER_BYTES, AttentionMetadata, build_attention_metadata, token_positions
 from tokenmill.workers.backends import attention_backend
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
 from tokenmill.workers.model_loader import iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
+from tokenmill.workers.quantization.base import QuantizedWeight
+from tokenmill.workers.models.pipeline import PipelineStage
+from tokenmill.workers.pipeline_parallel import pipelined_forward, stage_forward
 from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.prompt_logprobs import (PromptLogprobsState, compute_prompt_logprobs, prompt_logprobs_state,
                                                prompt_rows)
+from tokenmill.workers.rejection_sampler import verify_point_mass_drafts
 from tokenmill.workers.sampler import RequestSamplingState, sample
 from tokenmill.workers.grammar_mask import apply_grammar_bitmask
 
@@ -55,6 +60,8 @@ class _StepBatch:
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # [N] rows of the flat batch whose hidden state is sampled
     sampled_requests: list[_Request]
+    # speculative decoding: per sampled request its draft tokens (1 + len rows each in sample_rows); None: no drafts
+    drafts: list[list[int]] | None = None
 
 
 @contextlib.contextmanager
@@ -68,10 +75,12 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def resolve_device(config: EngineConfig, rank: int) -> torch.device:
-    """cuda:<rank> when CUDA is asked for (or available under "auto"), else cpu."""
+    """cuda:<rank> when CUDA is asked for (or available under "auto"), else cpu.
+
+    The index wraps at the visible device count: a Ray actor sees only its own GPU (CUDA_VISIBLE_DEVICES)."""
     wanted = config.parallel.device
     if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", rank)
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -80,7 +89,11 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.device = resolve_device(config, rank)
-        self.tp = TensorParallel(rank, config.parallel.tensor_parallel_size)
+        parallel = config.parallel
+        # ranks ordered as vLLM's: stage-major, the tensor-parallel ranks of one stage contiguous
+        self.pp = PipelineStage(rank // parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        self.tp = TensorParallel(rank % parallel.tensor_parallel_size, parallel.tensor_parallel_size)
+        self.world_size = parallel.world_size
         self.block_size = config.cache.block_size
         self.hf_config = None
         self.architecture = ""
@@ -95,24 +108,30 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._cuda_memory_at_start = torch.cuda.mem_get_info(self.device)  # (free, total) before any weight
-        elif self.tp.size > 1:
+        elif self.world_size > 1 and parallel.distributed_executor_backend == "mp":
             # the ranks share the host's cores: oversubscribed, every all-reduce would wait on the slowest rank
-            torch.set_num_threads(max(1, torch.get_num_threads() // self.tp.size))
+            torch.set_num_threads(max(1, torch.get_num_threads() // self.world_size))
         torch.manual_seed(config.model.seed)
-        if self.tp.size > 1:
+        if self.world_size > 1:
             self._init_distributed()
 
     def _init_distributed(self) -> None:
+        """Join the world (every stage's every rank); with pipeline stages, each stage's tensor-parallel group."""
         if dist.is_initialized():
             return
-        if not self.config.parallel.dist_port:
-            raise ValueError("tensor parallelism needs parallel.dist_port")
+        parallel = self.config.parallel
+        if not parallel.dist_port:
+            raise ValueError("tensor or pipeline parallelism needs parallel.dist_port")
         dist.init_process_group(
             backend="nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{self.config.parallel.dist_port}",
+            init_method=f"tcp://{parallel.dist_host}:{parallel.dist_port}",
             rank=self.rank,
-            world_size=self.tp.size,
+            world_size=self.world_size,
         )
+        if self.pp.size > 1 and self.tp.size > 1:
+            size = self.tp.size
+            groups = [dist.new_group(list(range(stage * size, (stage + 1) * size))) for stage in range(self.pp.size)]
+            self.tp = self.tp._replace(group=groups[self.pp.rank])  # every rank makes every group, in one order
 
     # ---------------------------------------------------------------- start-up
 
@@ -129,8 +148,10 @@ class ModelRunner:
             model = self.build_model()
         model.load_weights(self.checkpoint_weights())
         self.model = model.eval()
-        unique = {p.data_ptr(): p for p in model.parameters()}.values()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+        # dense parameters and the buffers of quantized weights (the bytes a decode step reads)
+        quantized = [b for m in model.modules() if isinstance(m, QuantizedWeight) for b in m.buffers(recurse=False)]
+        unique = {t.data_ptr(): t for t in [*model.parameters(), *quantized]}.values()
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in unique)
         if self.device.type == "cpu":
             pack_linear_weights(model)
         self.eos_token_ids = self._read_eos_token_ids()
@@ -145,11 +166,21 @@ class ModelRunner:
 
     def build_model(self) -> torch.nn.Module:
         """The model with uninitialised weights, on the current default device and dtype."""
-        return model_class(self.architecture)(self.hf_config, tp=self.tp)
+        cls = model_class(self.architecture)
+        if self.pp.size == 1:
+            return cls(self.hf_config, tp=self.tp)
+        if not getattr(cls, "supports_pipeline_parallel", False):
+            raise ValueError(f"{self.architecture} does not support pipeline_parallel_size > 1")
+        return cls(self.hf_config, tp=self.tp, pp=self.pp)
 
     def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) pairs for `load_weights`."""
-        return iter_weights(self.config.model)
+        """(HF name, tensor) pairs for `load_weights`; a pipeline stage reads only its own tensors."""
+        if self.pp.size == 1:
+            return iter_weights(self.config.model, self.device)
+        num_layers = self.text_config.num_hidden_layers
+        tied = bool(getattr(self.text_config, "tie_word_embeddings", False))
+        return iter_weights(self.config.model, self.device,
+                            wanted=lambda name: self.pp.weight_name(name, num_layers, tied) is not None)
 
     def _read_eos_token_ids(self) -> list[int]:
         """From generation_config.json when the checkpoint has one, else the model config's eos_token_id."""
@@ -175,10 +206,15 @@ class ModelRunner:
         """The width of the logits the sampler sees."""
         return int(self.text_config.vocab_size)
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's dtype, or fp8 with `--kv-cache-dtype fp8` (kernels/kv_quant.py)."""
+        return kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype)
+
     def kv_block_bytes(self) -> int:
         """Bytes of one block across every layer, K and V."""
         model = self.model
-        per_layer = self.block_size * model.num_kv_heads * model.head_dim * self.dtype.itemsize
+        per_layer = self.block_size * model.num_kv_heads * model.head_dim * self.kv_cache_dtype.itemsize
         return 2 * model.num_layers * per_layer
 
     def decode_chunk_tokens(self) -> int:
@@ -200,7 +236,7 @@ class ModelRunner:
             num_blocks = self._num_kv_blocks_on_gpu()
         else:
             num_blocks = cache.kv_cache_memory_bytes // self.kv_block_bytes()
-        if self.tp.size > 1:
+        if self.world_size > 1:  # every stage holds its own layers' blocks: one count for all
             agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
             num_blocks = int(agreed.item())
@@ -273,9 +309,10 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.from_numpy(token_positions(lens, lens)).to(self.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, attn, self.kv_caches)
+            hidden = stage_forward(self.model, self.pp, input_ids, positions, attn, self.kv_caches)
             num_rows = min(sched.max_num_seqs, num_tokens)
-            self.model.compute_logits(hidden[:num_rows]).softmax(dim=-1)  # the sampler works on copies of these
+            if self.pp.is_last:
+                self.model.compute_logits(hidden[:num_rows]).softmax(dim=-1)  # the sampler works on copies
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - dummy_kv_bytes
         self.kv_caches = []
@@ -291,10 +328,11 @@ class ModelRunner:
         keeps attention's padding reads finite without touching the whole cache up front.
         """
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        dtype = self.kv_cache_dtype
         self.kv_caches = [
             (
-                torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
             )
             for _ in range(self.model.num_layers)
         ]
@@ -303,7 +341,8 @@ class ModelRunner:
 
     def _uses_cuda_graphs(self) -> bool:
         model_cfg = self.config.model
-        return self.device.type == "cuda" and not model_cfg.enforce_eager and model_cfg.task != "embed"
+        return (self.device.type == "cuda" and not model_cfg.enforce_eager and model_cfg.task != "embed"
+                and self.pp.size == 1)
 
     def capture_cuda_graphs(self) -> None:
         """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager)."""
@@ -331,9 +370,9 @@ class ModelRunner:
             return
         self._never_used_blocks[fresh] = False
         index = torch.from_numpy(fresh).to(self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_fill_(0, index, 0.0)
-            v_cache.index_fill_(0, index, 0.0)
+        for k_cache, v_cache in self.kv_caches:  # as bytes: torch has no CPU index_fill_ for fp8 (0 is +0.0)
+            as_bytes(k_cache).index_fill_(0, index, 0)
+            as_bytes(v_cache).index_fill_(0, index, 0)
 
     # ---------------------------------------------------------------- steps
 
@@ -361,25 +400,39 @@ class ModelRunner:
             return StepResult(plan.step_id, [], [])
 
         started = time.perf_counter()
-        batch = self._prepare_batch(scheduled)
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(batch.attn):
-            hidden = graphs.run(batch.input_ids, batch.positions, batch.attn)
+        drafts = {running.request_id: running.spec_token_ids for running in plan.running if running.spec_token_ids}
+        if self.pp.size > 1:  # micro-batches flow through the stages; only the last stage has hidden states
+            batch, hidden = pipelined_forward(self.model, self.pp, self.tp, self.kv_caches, scheduled,
+                                              lambda part: self._prepare_batch(part, drafts), self.dtype)
+            if hidden is None:
+                return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+            batch = self._prepare_batch(scheduled, drafts)
+            graphs = self.decode_graphs
+            if graphs is not None and graphs.can_run(batch.attn):
+                hidden = graphs.run(batch.input_ids, batch.positions, batch.attn)
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
         rows = prompt_rows(scheduled)  # every rank: the LM head over the prompt positions that ask for logprobs
-        prompt_logprobs = rows and compute_prompt_logprobs(self.model.compute_logits, hidden, rows, self.rank,
+        prompt_logprobs = rows and compute_prompt_logprobs(self.model.compute_logits, hidden, rows, self.tp.rank,
                                                            max(8, self.config.scheduler.max_num_seqs // 2))
         if not batch.sampled_requests:
             return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
         # every rank: the vocab-parallel LM head gathers its logits from all of them
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        if self.rank != 0:
+        if self.tp.rank != 0:  # the last stage's tensor-parallel rank 0 samples
             return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
         if plan.grammar_request_ids:
             logits = apply_grammar_bitmask(logits, [request.request_id for request in batch.sampled_requests],
                                            plan.grammar_request_ids, plan.grammar_bitmask)
         states = [request.sampling for request in batch.sampled_requests]
+        if batch.drafts is not None:  # speculative decoding: verify every draft in the rows after its request's
+            accepted = verify_point_mass_drafts(logits, states, batch.drafts)
+            for state, token_ids in zip(states, accepted):
+                state.output_token_ids.extend(token_ids)
+            return StepResult(plan.step_id, [request.request_id for request in batch.sampled_requests],
+                              [token_ids[0] for token_ids in accepted], model_time_s=time.perf_counter() - started,
+                              prompt_logprobs=prompt_logprobs or None, accepted_token_ids=accepted)
         result = sample(logits, states)
         for state, token_id in zip(states, result.token_ids):
             state.output_token_ids.append(token_id)
@@ -403,8 +456,13 @@ class ModelRunner:
         self._requests[new.request_id] = request
         return request
 
-    def _prepare_batch(self, scheduled: list[tuple[_Request, int, int]]) -> _StepBatch:
-        """The flat batch: token ids, positions, attention metadata and the rows to sample, built once per step."""
+    def _prepare_batch(self, scheduled: list[tuple[_Request, int, int]],
+                       drafts: dict[str, list[int]] | None = None) -> _StepBatch:
+        """The flat batch: token ids, positions, attention metadata and the rows to sample, built once per step.
+
+        `drafts` (speculative decoding): request id -> draft tokens scheduled after its known tokens, this step only;
+        such a request is sampled at its last known token and at every draft."""
+        drafts = drafts or {}
         num_seqs = len(scheduled)
         query_lens = np.fromiter((n for _, _, n in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((start for _, start, _ in scheduled), dtype=np.int64, count=num_seqs)
@@ -414,20 +472,26 @@ class ModelRunner:
         input_ids: list[int] = []
         sample_rows: list[int] = []
         sampled_requests: list[_Request] = []
+        sampled_drafts: list[list[int]] = []
         end_row = 0
         for seq, (request, start, num_tokens) in enumerate(scheduled):
             end = start + num_tokens
-            if end > len(request.token_ids) or blocks_needed[seq] > len(request.block_ids):
+            request_drafts = drafts.get(request.request_id, ())
+            known = len(request.token_ids) + len(request_drafts)
+            if end > known or (request_drafts and end != known) or blocks_needed[seq] > len(request.block_ids):
                 raise ValueError(
                     f"request {request.request_id}: {num_tokens} tokens scheduled from {start} but it knows "
-                    f"{len(request.token_ids)} tokens and {len(request.block_ids)} blocks"
+                    f"{known} tokens and {len(request.block_ids)} blocks"
                 )
             input_ids.extend(request.token_ids[start:end])
+            if request_drafts:
+                input_ids.extend(request_drafts)
             block_tables[seq, : blocks_needed[seq]] = request.block_ids[: blocks_needed[seq]]
             end_row += num_tokens
-            if end == len(request.token_ids) and request.sampling is not None:
-                sample_rows.append(end_row - 1)
+            if end == known and request.sampling is not None:
+                sample_rows.extend(range(end_row - 1 - len(request_drafts), end_row))
                 sampled_requests.append(request)
+                sampled_drafts.append(list(request_drafts))
 
         device = self.device
         return _StepBatch(
@@ -437,4 +501,5 @@ class ModelRunner:
                                           attention_backend(device.type), self.decode_chunk_tokens()),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long).to(device),
             sampled_requests=sampled_requests,
+            drafts=sampled_drafts if drafts else None,
         )

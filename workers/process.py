@@ -1,6 +1,8 @@
 """The worker process: load the model, allocate the KV cache, then run every StepPlan the scheduler publishes.
 
-Rank 0 answers each plan with a StepResult; other tensor-parallel ranks compute their shard and stay silent.
+The last pipeline stage's tensor-parallel rank 0 (rank 0 without pipeline stages) answers each plan with a
+StepResult; the other ranks compute their share and stay silent. A Ray actor (tokenmill/ray_executor.py) runs
+`serve_worker` as a subprocess's `run_worker_process` does, with TCP sockets instead of ipc:// ones.
 Any exception is reported to the scheduler as a WorkerError before the process exits non-zero, so the instance goes
 down cleanly instead of hanging.
 """
@@ -13,16 +15,21 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import Shutdown, StepPlan, WorkerCommand, WorkerError, WorkerReady, decoder, encode
-from tokenmill.processes import become_child_process, make_socket
+from tokenmill.processes import become_child_process, make_socket, worker_socket_address
 
 
 def run_worker_process(config_bytes: bytes, rank: int) -> None:
     """Entry point of worker `rank` (started by the launcher)."""
     log = become_child_process(f"worker{rank}")
-    config = EngineConfig.from_bytes(config_bytes)
+    serve_worker(EngineConfig.from_bytes(config_bytes), rank, log)
+
+
+def serve_worker(config: EngineConfig, rank: int, log) -> None:
+    """Load, report ready, then run plans until Shutdown; raises SystemExit(1) after reporting a failure."""
+    replying_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
     ctx = zmq.Context()
-    plans = make_socket(ctx, zmq.SUB, config.ipc_address("plans"), bind=False)
-    results = make_socket(ctx, zmq.PUSH, config.ipc_address("results"), bind=False)
+    plans = make_socket(ctx, zmq.SUB, worker_socket_address(config, "plans"), bind=False)
+    results = make_socket(ctx, zmq.PUSH, worker_socket_address(config, "results"), bind=False)
     try:
         if config.model.task == "embed":
             from tokenmill.workers.embedding_runner import EmbeddingRunner as Runner
@@ -46,7 +53,7 @@ def run_worker_process(config_bytes: bytes, rank: int) -> None:
                 break
             assert isinstance(command, StepPlan)
             result = runner.execute(command)
-            if rank == 0:
+            if rank == replying_rank:
                 results.send(encode(result))
     except Exception as exc:
         log.error("worker %d failed:\n%s", rank, traceback.format_exc())

@@ -36,16 +36,19 @@ def paged_attention_triton(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`.
 
-    With `sliding_window`, a query at position p sees keys p - window < k <= p (the kernels start at the window)."""
+    With `sliding_window`, a query at position p sees keys p - window < k <= p (the kernels start at the window).
+    An fp8 cache holds keys / k_scale and values / v_scale (plain floats: a captured CUDA graph keeps them)."""
     if metadata.is_decode_only:
         return paged_attention_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale,
-                                      sliding_window)
+                                      sliding_window, k_scale, v_scale)
     return paged_attention_prefill(
         query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale,
-        sliding_window,
+        sliding_window, k_scale, v_scale,
     )
 
 

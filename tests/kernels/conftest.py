@@ -11,7 +11,8 @@ here, for the interpreter only:
 - `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns (`create_dot` only converts
   fp8): bf16 operands are widened to fp32 before the matmul;
 - fp32 -> bf16 casts truncate the mantissa where the GPU rounds to nearest even: they go through
-  torch's (round-to-nearest-even) conversion instead.
+  torch's (round-to-nearest-even) conversion instead;
+and its fp8 casts get fp8 wrong (below, `_fp8_cast_through_torch`).
 """
 
 import os
@@ -56,6 +57,29 @@ def _cast_rounding_to_bf16(self, src, dst_type):
 
 interpreter.InterpreterBuilder.create_dot = _create_dot_with_bf16
 interpreter.InterpreterBuilder.cast_impl = _cast_rounding_to_bf16
+
+# The interpreter's fp8 conversions neither saturate nor round to nearest even (fp32 1000 becomes e4m3 256), where
+# the GPU's (cvt.rn.satfinite) do: casts to or from fp8e4nv / fp8e5 go through torch's conversion instead.
+_FP8_TORCH_DTYPES = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+_TORCH_DTYPES = {**_FP8_TORCH_DTYPES, tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+_interpreter_create_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+
+def _fp8_cast_through_torch(self, src, dst_type, rounding_mode):
+    src_type, dst_scalar = src.dtype.scalar, dst_type.scalar
+    if src_type not in _FP8_TORCH_DTYPES and dst_scalar not in _FP8_TORCH_DTYPES:
+        return _interpreter_create_fp_to_fp(self, src, dst_type, rounding_mode)
+    data = np.asarray(src.data)
+    as_torch = torch.from_numpy(data.reshape(-1).copy()).view(_TORCH_DTYPES[src_type])
+    converted = as_torch.to(_TORCH_DTYPES[dst_scalar])
+    if dst_scalar in _FP8_TORCH_DTYPES:
+        converted = converted.view(torch.uint8)
+    elif dst_scalar == tl.bfloat16:
+        converted = converted.view(torch.int16).view(torch.uint16)
+    return interpreter.TensorHandle(converted.numpy().reshape(data.shape), dst_scalar)
+
+
+interpreter.InterpreterBuilder.create_fp_to_fp = _fp8_cast_through_torch
 
 
 @pytest.fixture(autouse=True)

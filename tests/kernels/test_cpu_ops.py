@@ -106,6 +106,65 @@ def test_write_kv_copies_rows_and_skips_padding_slots(dtype):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_fp8_conversions_are_torchs_bit_for_bit(fp8_dtype):
+    """Every byte decodes as torch decodes it; floats (random bit patterns, values around the fp8 range, ties,
+    subnormals, overflow, infinities, NaN) encode as torch's `.to(fp8)` does: nearest even, e4m3 saturating at 448."""
+    every_byte = torch.arange(256, dtype=torch.uint8).view(fp8_dtype)
+    decoded, expected = cpu_ops.fp8_convert(every_byte, False, fp8_dtype), every_byte.float()
+    assert torch.equal(decoded.isnan(), expected.isnan())
+    assert torch.equal(decoded.nan_to_num().view(torch.int32), expected.nan_to_num().view(torch.int32))
+
+    generator = torch.Generator().manual_seed(0)
+    random_bits = torch.randint(-2**31, 2**31, (1 << 18,), generator=generator, dtype=torch.int64).to(torch.int32)
+    magnitudes = torch.exp2(torch.randint(-26, 18, (1 << 18,), generator=generator).float())
+    near_range = torch.randn(1 << 18, generator=generator) * magnitudes
+    halfway = (every_byte.float()[:-1] + every_byte.float()[1:]) / 2  # ties between neighbouring codes
+    special = torch.tensor([0.0, 448.0, 464.0, 465.0, 480.0, 500.0, 57344.0, 61439.0, 61440.0, 65536.0, 1e30,
+                            float("inf"), float("nan"), 2.0**-6, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-14, 2.0**-16,
+                            2.0**-17, 3 * 2.0**-18, 1e-30])
+    for floats in (random_bits.view(torch.float32), near_range, halfway.nan_to_num(), special, -special):
+        encoded = cpu_ops.fp8_convert(floats, True, fp8_dtype)
+        assert torch.equal(encoded.view(torch.uint8), floats.to(fp8_dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_into_fp8_caches_matches_the_torch_code(dtype, fp8_dtype):
+    k_cache = torch.zeros(24, 4, 2, 64, dtype=fp8_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = (torch.randn(80, 4 * 2 * 64) * 30).to(dtype)  # 80 tokens: the threaded loop; some keys past 448
+    key = qkv[:, : 2 * 64].view(80, 2, 64)
+    value = qkv[:, 2 * 64 : 4 * 64].view(80, 2, 64)
+    slots = torch.randperm(24 * 4)[:80]
+    slots[::7] = -1
+    cpu_ops.write_kv(key, value, k_cache, v_cache, slots, k_scale=0.25, v_scale=3.0)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    kept = slots >= 0
+    write_kv_torch(key[kept], value[kept], expected_k, expected_v, slots[kept], k_scale=0.25, v_scale=3.0)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 2, 80)])
+def test_decode_attention_over_fp8_caches_matches_reference(dtype, fp8_dtype, num_heads, num_kv_heads, head_dim):
+    seq_lens = [1, 17, 100, 64]
+    cache = make_paged_cache(seq_lens, num_kv_heads, head_dim, 16, fp8_dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
+    query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    out = torch.full_like(query, float("nan"))
+    args = (cache.k_cache, cache.v_cache, cache.block_tables)
+    cpu_ops.decode_attention(out, query, *args, query_start_loc, cache.seq_lens, head_dim**-0.5, None, 0.5, 3.0)
+    expected = paged_attention_decode_ref(query, *args, cache.seq_lens, head_dim**-0.5, k_scale=0.5, v_scale=3.0)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_the_layer(dtype, with_residual):

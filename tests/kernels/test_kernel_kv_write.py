@@ -32,6 +32,27 @@ def test_write_kv_matches_reference(block_size, head_dim, dtype):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fp8_quantizes_with_scales(dtype, cache_dtype):
+    """fp8 caches store value / scale, rounded to nearest even and saturated as torch's conversion (bit-exact)."""
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 4, 16, 2, 64, 29
+    key = (torch.randn(num_tokens, num_kv_heads, head_dim) * 100).to(dtype)
+    value = (torch.randn(num_tokens, num_kv_heads, head_dim) * 1e-3).to(dtype)
+    key[0, 0, :4] = torch.tensor([1e5, -1e5, 465.0, 2.0**-12])  # past the largest e4m3, a tie, a subnormal
+    slots = make_slots(num_tokens, num_blocks, block_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv(key, value, k_cache, v_cache, slots, k_scale=0.5, v_scale=1e-3)
+    write_kv_ref(key, value, k_ref, v_ref, slots, k_scale=0.5, v_scale=1e-3)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    keep = slots >= 0
+    stored = k_ref.view(-1, num_kv_heads, head_dim)[slots[keep]]
+    assert torch.equal(stored.view(torch.uint8), (key[keep].float() / 0.5).to(cache_dtype).view(torch.uint8))
+
+
 def test_slot_arithmetic_and_padding():
     block_size, num_kv_heads, head_dim = 16, 2, 64
     k_cache = torch.zeros(4, block_size, num_kv_heads, head_dim)

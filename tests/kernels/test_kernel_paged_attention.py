@@ -26,22 +26,22 @@ DECODE_SEQ_LENS = [1, 17, 45, 70]  # one token, and lengths that are no multiple
 PREFILL_SEQS = [(37, 37), (50, 1), (45, 20)]
 
 
-def run_decode(seq_lens, group, head_dim, block_size, dtype):
-    cache = make_paged_cache(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype)
+def run_decode(seq_lens, group, head_dim, block_size, dtype, cache_dtype=None, **kv_scales):
+    cache = make_paged_cache(seq_lens, NUM_KV_HEADS, head_dim, block_size, cache_dtype or dtype)
     query = torch.randn(len(seq_lens), NUM_KV_HEADS * group, head_dim).to(dtype)
     args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, head_dim**-0.5)
-    return paged_attention_decode(*args), paged_attention_decode_ref(*args)
+    return paged_attention_decode(*args, **kv_scales), paged_attention_decode_ref(*args, **kv_scales)
 
 
-def run_prefill(seqs, group, head_dim, block_size, dtype):
+def run_prefill(seqs, group, head_dim, block_size, dtype, cache_dtype=None, **kv_scales):
     seq_lens = [seq_len for seq_len, _ in seqs]
     q_lens = torch.tensor([q_len for _, q_len in seqs])
-    cache = make_paged_cache(seq_lens, NUM_KV_HEADS, head_dim, block_size, dtype)
+    cache = make_paged_cache(seq_lens, NUM_KV_HEADS, head_dim, block_size, cache_dtype or dtype)
     query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     query_start_loc[1:] = q_lens.cumsum(0)
     query = torch.randn(int(q_lens.sum()), NUM_KV_HEADS * group, head_dim).to(dtype)
-    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.seq_lens)
-    return paged_attention_prefill(*args, head_dim**-0.5), paged_attention_prefill_ref(*args, head_dim**-0.5)
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.seq_lens, head_dim**-0.5)
+    return paged_attention_prefill(*args, **kv_scales), paged_attention_prefill_ref(*args, **kv_scales)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -74,6 +74,20 @@ def test_half_precision_caches(dtype):
     assert out.dtype == dtype
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
     out, ref = run_prefill(PREFILL_SEQS, 3, 64, 16, dtype)
+    torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_caches_with_scales(cache_dtype, dtype):
+    """fp8 caches hold value / scale: the kernels dequantize the tiles they load and apply both scales."""
+    scales = dict(k_scale=0.5, v_scale=3.0)
+    out, ref = run_decode(DECODE_SEQ_LENS, 3, 64, 16, dtype, cache_dtype, **scales)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+    unscaled, _ = run_decode(DECODE_SEQ_LENS, 3, 64, 16, dtype, cache_dtype)
+    assert not torch.allclose(out.float(), unscaled.float(), atol=0.5)  # the scales change the result
+    out, ref = run_prefill(PREFILL_SEQS, 3, 64, 16, dtype, cache_dtype, **scales)
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
 
 

@@ -88,6 +88,8 @@ class GeluTanhGateUpLinear(GateUpLinear):
 
 
 class Gemma3Attention(nn.Module):
+    k_scale = v_scale = 1.0  # an fp8 KV cache holds k / k_scale and v / v_scale (from the checkpoint, if it has them)
+
     def __init__(self, config, layer_type: str, tp: TensorParallel):
         super().__init__()
         if getattr(config, "attn_logit_softcapping", None) is not None:
@@ -113,7 +115,8 @@ class Gemma3Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, rotary: RotaryStep, kv_cache: KVCache, attn: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden)
         q, k = rotary.rotate(self.q_norm.normalize(q), self.k_norm.normalize(k))
-        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window)
+        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 

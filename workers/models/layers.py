@@ -13,6 +13,11 @@ CPU.
 Every layer with parameters has `load(param_name, full_tensor, shard_id)`, which copies its rank's slice of a
 checkpoint tensor into the parameter (shape-checked) and returns how many elements it wrote, so the model can
 verify that every parameter was filled exactly once.
+
+The linear layers and the vocabulary layers also take a `QuantizedWeight` (`workers/quantization/`) for their weight:
+they slice it with its own `rows`/`cols`, fuse q/k/v (gate/up) parts with `fuse_rows` once all have arrived, and put
+it in place of the dense parameter, which is dropped before it was ever written (so never resident). A fused layer
+whose parts come some quantized and some dense dequantizes the quantized ones into its dense parameter.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 from tokenmill.workers.backends import layer_ops
 from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 from tokenmill.workers.models import rope as _rope
+from tokenmill.workers.quantization.base import QuantizedWeight, fuse_rows
 
 
 class HeadShard(NamedTuple):
@@ -42,6 +48,7 @@ class HeadShard(NamedTuple):
 class TensorParallel(NamedTuple):
     rank: int = 0
     size: int = 1
+    group: object = None  # the torch.distributed group of this stage's ranks (None: the whole world)
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, MLP columns), which must divide evenly."""
@@ -74,7 +81,7 @@ class TensorParallel(NamedTuple):
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(partial)
+            dist.all_reduce(partial, group=self.group)
         return partial
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
@@ -90,6 +97,9 @@ class TensorParallel(NamedTuple):
 
 def copy_checked(dest: torch.Tensor, src: torch.Tensor, what: str) -> int:
     """Copy `src` into `dest` (converting dtype/device); shapes must match exactly, never broadcast."""
+    if isinstance(src, QuantizedWeight):
+        raise ValueError(f"{what}: this layer cannot hold {src.format} quantized weights; run the model with "
+                         f"--quantization none to dequantize them at load")
     if dest.shape != src.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match parameter {tuple(dest.shape)}")
     dest.copy_(src)
@@ -99,6 +109,48 @@ def copy_checked(dest: torch.Tensor, src: torch.Tensor, what: str) -> int:
 def new_parameter(*shape: int) -> nn.Parameter:
     """An uninitialised inference parameter on the current default device and dtype (loading fills it)."""
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def set_weight(module: nn.Module, weight: nn.Module | nn.Parameter) -> None:
+    """Put a quantized weight (a module) where a layer's dense `weight` parameter was, or a parameter back."""
+    module._parameters.pop("weight", None)
+    module._modules.pop("weight", None)
+    setattr(module, "weight", weight)
+
+
+class FusedRowsLoad:
+    """Mixin for column-parallel layers whose weight fuses several checkpoint tensors (`SHARDS`, in row order).
+
+    Quantized parts wait until every shard has come, then become one `QuantizedWeight` (`fuse_rows`) in place of
+    the dense parameter; dense parts are copied into it (quantized parts then dequantized beside them).
+    """
+
+    SHARDS: tuple[str, ...] = ()
+
+    def load_rows(self, param_name: str, full, shard_id: str, dest_row: int, src_row: int, rows: int) -> int:
+        what = f"{type(self).__name__}.{param_name}[{shard_id}]"
+        pending = self.__dict__.setdefault("_quantized_parts", {})  # shard id -> (dest row, part)
+        if param_name == "weight" and isinstance(full, QuantizedWeight):
+            if full.in_features != self.weight.shape[1]:
+                raise ValueError(f"{what}: checkpoint shape {tuple(full.shape)} does not match parameter "
+                                 f"{tuple(self.weight.shape)}")
+            part = full.rows(src_row, rows)
+            if self.__dict__.get("_dense_rows"):
+                return copy_checked(self.weight.data.narrow(0, dest_row, rows), part.dequantize(self.weight.dtype),
+                                    what)
+            pending[shard_id] = (dest_row, part)
+            if len(pending) == len(self.SHARDS):
+                set_weight(self, fuse_rows([pending[shard][1] for shard in self.SHARDS]))
+                pending.clear()
+            return part.numel()
+        if param_name == "weight":
+            self._dense_rows = True
+            for shard, (row, part) in list(pending.items()):
+                copy_checked(self.weight.data.narrow(0, row, part.out_features), part.dequantize(self.weight.dtype),
+                             f"{type(self).__name__}.weight[{shard}]")
+            pending.clear()
+        dest = getattr(self, param_name).data.narrow(0, dest_row, rows)
+        return copy_checked(dest, full.narrow(0, src_row, rows), what)
 
 
 class ReplicatedLoad:
@@ -138,8 +190,10 @@ class RMSNorm(ReplicatedLoad, nn.Module):
         return self.normalize(x), x
 
 
-class QKVLinear(nn.Module):
+class QKVLinear(FusedRowsLoad, nn.Module):
     """q_proj, k_proj and v_proj fused into one matmul; rows hold this rank's query heads, then its K and V heads."""
+
+    SHARDS = ("q", "k", "v")
 
     def __init__(
         self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int, bias: bool, tp: TensorParallel
@@ -174,12 +228,13 @@ class QKVLinear(nn.Module):
 
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
         dest_row, src_row, rows = self._shards[shard_id]
-        dest = getattr(self, param_name).data.narrow(0, dest_row, rows)
-        return copy_checked(dest, full.narrow(0, src_row, rows), f"qkv_proj.{param_name}[{shard_id}]")
+        return self.load_rows(param_name, full, shard_id, dest_row, src_row, rows)
 
 
-class GateUpLinear(nn.Module):
+class GateUpLinear(FusedRowsLoad, nn.Module):
     """gate_proj and up_proj fused into one matmul, followed by SiLU(gate) * up."""
+
+    SHARDS = ("gate", "up")
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel):
         super().__init__()
@@ -198,9 +253,7 @@ class GateUpLinear(nn.Module):
 
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
         dest_row = 0 if shard_id == "gate" else self.rank_size
-        dest = getattr(self, param_name).data.narrow(0, dest_row, self.rank_size)
-        src = full.narrow(0, self._first_src_row, self.rank_size)
-        return copy_checked(dest, src, f"gate_up_proj.{param_name}[{shard_id}]")
+        return self.load_rows(param_name, full, shard_id, dest_row, self._first_src_row, self.rank_size)
 
 
 class RowParallelLinear(nn.Module):
@@ -234,12 +287,29 @@ class RowParallelLinear(nn.Module):
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
         if param_name == "bias":
             return copy_checked(self.bias.data, full, "row-parallel bias")
+        if isinstance(full, QuantizedWeight):
+            if full.out_features != self.weight.shape[0]:
+                raise ValueError(f"row-parallel weight: checkpoint shape {tuple(full.shape)} does not match "
+                                 f"{self.weight.shape[0]} output rows")
+            try:
+                set_weight(self, full.cols(self.first_input_column, self.rank_input_size))
+            except (ValueError, NotImplementedError) as exc:
+                raise ValueError(f"row-parallel weight: cannot take this rank's input columns [{self.first_input_column}"
+                                 f", {self.first_input_column + self.rank_input_size}) of a {full.format} weight for "
+                                 f"tensor parallelism ({exc})") from None
+            return self.weight.numel()
         columns = full.narrow(1, self.first_input_column, self.rank_input_size)
         return copy_checked(self.weight.data, columns, "row-parallel weight")
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table, vocab-parallel: each rank looks up the ids in its slice, zeros the others, all-reduces."""
+    """Token embedding table, vocab-parallel: each rank looks up the ids in its slice, zeros the others, all-reduces.
+
+    A quantized table stays quantized when its format can dequantize just the looked-up rows (a `lookup(ids, dtype)`
+    method, as `GGUFWeight` has); otherwise it is dequantized into the dense table at load.
+    """
+
+    NEEDS_LOOKUP = True  # the LM head only multiplies by its table
 
     def __init__(
         self,
@@ -251,15 +321,21 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.first_row, rows_per_rank, self.num_real_rows = tp.vocab_rows(vocab_size)
-        self.weight = weight if weight is not None else new_parameter(rows_per_rank, hidden_size)
+        self.first_row, self.rows_per_rank, self.num_real_rows = tp.vocab_rows(vocab_size)
+        self.weight = weight if weight is not None else new_parameter(self.rows_per_rank, hidden_size)
+        self.dtype = self.weight.dtype  # the activation dtype, kept for a quantized table's lookups
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.lookup(ids, self.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._embed(input_ids)
         local_ids = input_ids - self.first_row
         owned = (local_ids >= 0) & (local_ids < self.num_real_rows)
-        embedded = F.embedding(local_ids.masked_fill(~owned, 0), self.weight)
+        embedded = self._embed(local_ids.masked_fill(~owned, 0))
         return self.tp.all_reduce(embedded.masked_fill_(~owned[:, None], 0))
 
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:
@@ -267,6 +343,19 @@ class VocabEmbedding(nn.Module):
         what = f"{type(self).__name__}.{param_name}"
         if full.shape[0] != self.vocab_size:
             raise ValueError(f"{what}: checkpoint has {full.shape[0]} rows for a vocabulary of {self.vocab_size}")
+        if isinstance(full, QuantizedWeight):
+            if full.in_features != self.weight.shape[1]:
+                raise ValueError(f"{what}: checkpoint shape {tuple(full.shape)} does not match parameter "
+                                 f"{tuple(self.weight.shape)}")
+            rows = full.rows(self.first_row, self.num_real_rows)
+            if not self.NEEDS_LOOKUP or hasattr(rows, "lookup"):
+                set_weight(self, rows)  # the padding rows past the vocabulary are not stored (LMHead pads the logits)
+                return self.rows_per_rank * full.in_features
+            full = rows.dequantize(self.dtype)
+            dest = self.weight.data
+            written = copy_checked(dest[: self.num_real_rows], full, what)
+            dest[self.num_real_rows :].zero_()
+            return written + dest[self.num_real_rows :].numel()
         dest = self.weight.data
         written = copy_checked(dest[: self.num_real_rows], full.narrow(0, self.first_row, self.num_real_rows), what)
         dest[self.num_real_rows :].zero_()
@@ -289,13 +378,23 @@ class LMHead(VocabEmbedding):
     ):
         super().__init__(vocab_size, hidden_size, tp, weight=tied_to.weight if tied_to is not None else None)
         self.tied = tied_to is not None
+        self._tied_to = (tied_to,)  # in a tuple: not registered as a submodule
         self.packed_tied_weight: nn.Parameter | None = None  # a oneDNN copy of a tied weight (`pack_linear_weights`)
+
+    NEEDS_LOOKUP = False
+
+    def follow_tied_embedding(self) -> None:
+        """Share the embedding's weight again after loading replaced it (with a quantized one)."""
+        if self.tied and self.weight is not self._tied_to[0].weight:
+            set_weight(self, self._tied_to[0].weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.packed_tied_weight if self.packed_tied_weight is not None else self.weight)
+        if logits.shape[-1] < self.rows_per_rank:  # a quantized shard stores no padding rows
+            logits = F.pad(logits, (0, self.rows_per_rank - logits.shape[-1]))
         if self.tp.size > 1:
             shards = [torch.empty_like(logits) for _ in range(self.tp.size)]
-            dist.all_gather(shards, logits)
+            dist.all_gather(shards, logits, group=self.tp.group)
             logits = torch.cat(shards, dim=-1)[:, : self.vocab_size].contiguous()  # drops the padding rows' logits
         return logits.float()
 
@@ -307,7 +406,8 @@ def pack_linear_weights(model: nn.Module) -> None:
     packed copy and leaves the shared weight dense for the embedding's lookups, as vLLM's CPU backend does.
     """
     for module in model.modules():
-        if not can_pack(getattr(module, "weight", None)):
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, QuantizedWeight) or not can_pack(weight):  # a quantized weight runs its own kernel
             continue
         if isinstance(module, LMHead) and module.tied:
             module.packed_tied_weight = packed(module.weight)

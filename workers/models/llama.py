@@ -4,6 +4,8 @@ Built from a Hugging Face config; parameter names follow the HF checkpoints (`mo
 that q/k/v and gate/up are fused into single matmuls at load time (`qkv_proj`, `gate_up_proj`).
 
     forward(input_ids[T], positions[T], attn, kv_caches) -> hidden[T, H]   (after the final norm)
+    forward(..., intermediate=(hidden, residual)) on a later pipeline stage; a stage before the last returns
+        its (hidden, residual) for the next one (workers/models/pipeline.py)
     compute_logits(hidden[N, H]) -> float32 logits[N, V]
     load_weights(iterable of (hf_name, tensor))
 """
@@ -15,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from tokenmill.kernels.kv_quant import kv_scale_target, scale_value
 from tokenmill.workers.attention import AttentionMetadata, write_kv_and_attend
 from tokenmill.workers.models.layers import (
     GateUpLinear,
@@ -28,6 +31,7 @@ from tokenmill.workers.models.layers import (
     VocabEmbedding,
     copy_checked,
 )
+from tokenmill.workers.models.pipeline import MissingLayer, PipelineStage
 from tokenmill.workers.models.rope import rope_parameters
 
 
@@ -45,6 +49,7 @@ _FUSED_PROJECTIONS = {
 
 class DecoderAttention(nn.Module):
     sliding_window: int | None = None  # this layer's window (keys a query sees, itself included); None: global
+    k_scale = v_scale = 1.0  # an fp8 KV cache holds k / k_scale and v / v_scale (from the checkpoint, if it has them)
 
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
         super().__init__()
@@ -75,7 +80,8 @@ class DecoderAttention(nn.Module):
             q = self.q_norm.normalize(q)
             k = self.k_norm.normalize(k)
         q, k = rotary.rotate(q, k)
-        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window)
+        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 
@@ -113,15 +119,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, make_mlp=None):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, make_mlp=None,
+                 pp: PipelineStage = PipelineStage()):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.pp = pp
+        self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp) if pp.is_first else MissingLayer()
         self.layers = nn.ModuleList(
             DecoderLayer(config, qkv_bias, qk_norm, tp, make_mlp(index) if make_mlp else None)
+            if self.start_layer <= index < self.end_layer else MissingLayer()
             for index in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else MissingLayer()
+        head_dim = self.layers[self.start_layer].self_attn.head_dim
         self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings,
                                       getattr(config, "tokenmill_max_model_len", None))
 
@@ -131,12 +141,18 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_caches: Sequence[KVCache],
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; on a stage before the last, (hidden, residual) for the next stage."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         rotary = self.rotary.for_step(positions, hidden.dtype)  # once per step, shared by all layers
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, attn)
+        if not self.pp.is_last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -146,10 +162,13 @@ class PagedCausalLM(nn.Module):
     `head_dim`) run over the paged KV caches, and `self.lm_head`. Subclasses build both, then call `_adopt_layers`."""
 
     kv_sliding_window: int | None = None  # what the scheduler may free blocks by (every layer windowed), else None
+    supports_pipeline_parallel = False  # True where the constructor takes `pp` (a PipelineStage)
+    pp = PipelineStage()
 
     def _adopt_layers(self) -> None:
-        attention = self.model.layers[0].self_attn
-        self.num_layers = len(self.model.layers)
+        layers = [layer for layer in self.model.layers if not isinstance(layer, MissingLayer)]  # this stage's
+        attention = layers[0].self_attn
+        self.num_layers = len(layers)
         self.num_kv_heads = attention.num_kv_heads  # per rank
         self.head_dim = attention.head_dim
 
@@ -163,8 +182,11 @@ class PagedCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_caches: Sequence[KVCache],
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn, kv_caches)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if intermediate is None:
+            return self.model(input_ids, positions, attn, kv_caches)  # models without pipeline stages
+        return self.model(input_ids, positions, attn, kv_caches, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -175,20 +197,24 @@ class LlamaForCausalLM(PagedCausalLM):
 
     QKV_BIAS: bool | None = None  # None: follow config.attention_bias
     QK_NORM = False
+    supports_pipeline_parallel = True
 
-    def __init__(self, config, tp: TensorParallel = TensorParallel()):
+    def __init__(self, config, tp: TensorParallel = TensorParallel(), pp: PipelineStage = PipelineStage()):
         super().__init__()
         self.config = config
         self.tp = tp
+        self.pp = pp
         qkv_bias = self.QKV_BIAS if self.QKV_BIAS is not None else bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index))
+        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index), pp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied_to)
+        # a last stage without the embedding holds its own copy of a tied head (PipelineStage.weight_name)
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings and pp.is_first else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, tied_to=tied_to) if pp.is_last else None
         self._adopt_layers()
         windows = layer_sliding_windows(config)
         for layer, window in zip(self.model.layers, windows, strict=True):
-            layer.self_attn.sliding_window = window
+            if not isinstance(layer, MissingLayer):
+                layer.self_attn.sliding_window = window
         # what the scheduler may free by: the largest window when every layer has one, else None
         self.kv_sliding_window = max(windows) if windows and None not in windows else None
 
@@ -224,18 +250,31 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (model.tie_word_embeddings and name == "lm_head.weight"):
             continue
+        if model.pp.size > 1:
+            name = model.pp.weight_name(name, model.config.num_hidden_layers, model.tie_word_embeddings)
+            if name is None:  # another pipeline stage's
+                continue
+        kv_scale = kv_scale_target(name)
+        if kv_scale is not None:  # a float attribute of the attention (used by an fp8 KV cache), not a parameter
+            attention_path, attributes = kv_scale
+            for attribute in attributes:
+                setattr(model.get_submodule(attention_path), attribute, scale_value(tensor, name))
+            continue
         module_path, param_name, shard_id = weight_target(name)
         target = f"{module_path}.{param_name}"
         if target not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         module = model.get_submodule(module_path)
-        if hasattr(module, "load"):
+        if hasattr(module, "load"):  # takes a QuantizedWeight for a linear weight; counts it as its numel()
             filled[target] += module.load(param_name, tensor, shard_id)
         else:
             filled[target] += copy_checked(params[target].data, tensor, name)
     wrong = [name for name, count in filled.items() if count != params[name].numel()]
     if wrong:
         raise ValueError(f"parameters not filled exactly once by the checkpoint: {wrong[:8]}")
+    for module in model.modules():
+        if isinstance(module, LMHead):
+            module.follow_tied_embedding()  # the embedding's weight may have been replaced by a quantized one
 
 
 class MistralForCausalLM(LlamaForCausalLM):

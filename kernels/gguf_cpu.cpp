@@ -1,0 +1,853 @@
+// y[T, N] = x[T, K] @ W[N, K]^T with W kept in GGUF (llama.cpp) blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+//
+// As llama.cpp's vec_dot: each activation row is quantized once to int8 (per 32 values for the 32-wide types, per
+// 256 for the k-quants, a float scale each, plus the sums of every 16 int8 values), and each weight block is
+// unpacked to unsigned 8-bit integers and multiplied with those in integer arithmetic; the block's scale (and its min
+// or its -8 / -32 offset, through the activation sums) is applied once per block. For batch > 1, a weight row's block
+// is unpacked once and used against up to 4 activation rows, over a tile of rows small enough to stay in L1/L2, so a
+// 32-token batch reads the weights from memory once, not 32 times. Threads split the output rows (OpenMP).
+//
+// Instruction sets: the kernels below the `TM_GGUF_BODY` line are written once against a handful of vector ops and
+// compiled several times, by including this file into itself, once per instruction set: a portable scalar version,
+// AVX2+FMA (maddubs), AVX-512 VL+BW+VNNI (vpdpbusd / vpdpwssd on 256-bit vectors: on Zen 4 and Ice Lake+ the
+// 512-bit forms win nothing for these byte shuffles) and AArch64 NEON (sdot where the CPU has dotprod). The x86
+// versions carry `#pragma GCC target`, so one library built for x86-64 runs on every x86 CPU and picks the best
+// version with __builtin_cpu_supports; `tm_gguf_set_isa` forces a lower one (the tests run every available one).
+//
+// Built by kernels/gguf_ops.py through kernels/cpu_ops.py's cached, private build; a plain C ABI on raw pointers.
+
+#ifndef TM_GGUF_BODY
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TM_X86 1
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define TM_NEON 1
+#include <arm_neon.h>
+#endif
+
+namespace {
+
+// ggml_type values (gguf.GGMLQuantizationType)
+enum QType : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Isa : int { ISA_SCALAR = 0, ISA_NEON = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
+
+inline int block_elems(int qtype) { return qtype >= Q4_K ? 256 : 32; }
+inline int block_bytes(int qtype) {
+  switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// IEEE half to float in integer arithmetic (the portable path; the SIMD paths use the hardware conversion).
+inline float half_to_float_portable(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+    return sign ? -magnitude : magnitude;
+  }
+  if (exponent == 31) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The eight 6-bit scales then the eight 6-bit mins of a Q4_K / Q5_K block from its 12 packed bytes (llama.cpp's
+// get_scale_min_k4, done four at a time on 32-bit words as its vec_dot does).
+inline void unpack_scales_mins_k4(const uint8_t* packed, uint8_t out[16]) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+  const uint32_t mins_low = u[1] & kmask1;
+  u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+  u[2] = mins_low;
+  u[0] &= kmask1;
+  std::memcpy(out, u, 16);
+}
+
+// The activations quantized for one call: per row, K int8 values, a float scale per block of `block` values, the
+// int8 sums of every 16 and every 32 values, and per block the scale times the block's int8 sum (`scaled_sums`, for
+// the 32-wide types' offsets and mins).
+struct Activations {
+  const int8_t* q;
+  const float* scale;
+  const int16_t* sums16;
+  const int16_t* sums32;
+  const float* scaled_sums;
+  int64_t K;
+  int block;
+  int64_t ldy;  // the output's row stride
+  const int8_t* qrow(int64_t t) const { return q + t * K; }
+  const float* scale_row(int64_t t) const { return scale + t * (K / block); }
+  const int16_t* sums16_row(int64_t t) const { return sums16 + t * (K / 16); }
+  const int16_t* sums32_row(int64_t t) const { return sums32 + t * (K / 32); }
+  const float* scaled_sums_row(int64_t t) const { return scaled_sums + t * (K / block); }
+};
+
+// Round to nearest even of |v| < 2^22 by the float adder (llama.cpp's nearest_int): vectorizes on every ISA.
+inline int32_t nearest_int(float v) {
+  const float shifted = v + 12582912.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  return static_cast<int32_t>(bits & 0x007fffffu) - 0x00400000;
+}
+
+inline float load_activation(const float* x, int64_t i) { return x[i]; }
+inline float load_activation(const uint16_t* x, int64_t i) { return bits_to_float(static_cast<uint32_t>(x[i]) << 16); }
+
+// An instruction set's two halves: quantize activation rows [t_begin, t_end) of x (dtype 0 float32, 1 bfloat16)
+// into the buffers of `act`; and compute the tile of output rows [row_begin, row_end) for all T activation rows,
+// into y (row stride act.ldy).
+using QuantizeFn = void (*)(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64_t t_end, const Activations& act);
+using TileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
+                        const Activations& act, int64_t T, float* y);
+struct Kernels {
+  QuantizeFn quantize;
+  TileFn tile;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------- the instruction-set versions
+
+namespace tm_scalar {
+#define TM_GGUF_BODY 1
+#define TM_ISA_SCALAR 1
+#include "gguf_cpu.cpp"  // this file, from its own directory
+#undef TM_ISA_SCALAR
+#undef TM_GGUF_BODY
+}  // namespace tm_scalar
+
+#if TM_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace tm_avx2 {
+#define TM_GGUF_BODY 1
+#define TM_ISA_X86 1
+#include "gguf_cpu.cpp"  // this file, from its own directory
+#undef TM_ISA_X86
+#undef TM_GGUF_BODY
+}  // namespace tm_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace tm_avx512 {
+#define TM_GGUF_BODY 1
+#define TM_ISA_X86 1
+#define TM_VNNI 1
+#include "gguf_cpu.cpp"  // this file, from its own directory
+#undef TM_VNNI
+#undef TM_ISA_X86
+#undef TM_GGUF_BODY
+}  // namespace tm_avx512
+#pragma GCC pop_options
+#endif
+
+#if TM_NEON
+namespace tm_neon {
+#define TM_GGUF_BODY 1
+#define TM_ISA_NEON 1
+#include "gguf_cpu.cpp"  // this file, from its own directory
+#undef TM_ISA_NEON
+#undef TM_GGUF_BODY
+}  // namespace tm_neon
+#endif
+
+namespace {
+
+bool isa_supported(int isa) {
+  switch (isa) {
+    case ISA_SCALAR: return true;
+#if TM_NEON
+    case ISA_NEON: return true;
+#endif
+#if TM_X86
+    case ISA_AVX2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case ISA_AVX512:
+      return isa_supported(ISA_AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni");
+#endif
+    default: return false;
+  }
+}
+
+int best_isa() {
+  for (int isa : {ISA_AVX512, ISA_AVX2, ISA_NEON})
+    if (isa_supported(isa)) return isa;
+  return ISA_SCALAR;
+}
+
+int current_isa = -1;
+
+int active_isa() {
+  if (current_isa < 0) current_isa = best_isa();
+  return current_isa;
+}
+
+Kernels kernels_for(int isa) {
+  switch (isa) {
+#if TM_X86
+    case ISA_AVX512: return {tm_avx512::quantize_rows, tm_avx512::run_tile};
+    case ISA_AVX2: return {tm_avx2::quantize_rows, tm_avx2::run_tile};
+#endif
+#if TM_NEON
+    case ISA_NEON: return {tm_neon::quantize_rows, tm_neon::run_tile};
+#endif
+    default: return {tm_scalar::quantize_rows, tm_scalar::run_tile};
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int tm_gguf_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
+
+int tm_gguf_isa() { return active_isa(); }
+
+// Use instruction set `isa` (an Isa value) from now on; -1 restores the best one. Returns 0, or -1 if unsupported.
+int tm_gguf_set_isa(int isa) {
+  if (isa < 0) isa = best_isa();
+  if (!isa_supported(isa)) return -1;
+  current_isa = isa;
+  return 0;
+}
+
+int tm_gguf_block_bytes(int qtype) { return block_bytes(qtype); }
+
+// y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k] for t < T, n < N; x is float32 (dtype 0) or bfloat16 (dtype 1), so
+// is y; W's rows are `K / block_elems * block_bytes` bytes apart. Returns 0, -1 for an unsupported type or dtype,
+// -2 for a K that is not a whole number of blocks.
+int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
+                   int64_t K, void* y, int64_t ldy) {
+  if (block_bytes(qtype) == 0 || (dtype != 0 && dtype != 1)) return -1;
+  const int block = block_elems(qtype);
+  if (K % block != 0 || K <= 0) return -2;
+  if (T <= 0 || N <= 0) return 0;
+  const int64_t row_bytes = K / block * block_bytes(qtype);
+  // Per-thread scratch kept between calls: decode calls are small, and allocating costs as much as a small matmul.
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scale, scaled_sums, out_f32;
+  thread_local std::vector<int16_t> sums16, sums32;
+  q.resize(static_cast<size_t>(T * K));
+  scale.resize(static_cast<size_t>(T * (K / block)));
+  scaled_sums.resize(scale.size());
+  sums16.resize(static_cast<size_t>(T * (K / 16)));
+  sums32.resize(static_cast<size_t>(T * (K / 32)));
+  if (dtype != 0) out_f32.resize(static_cast<size_t>(T * N));
+  float* out = dtype == 0 ? static_cast<float*>(y) : out_f32.data();
+  const int64_t ld_out = dtype == 0 ? ldy : N;
+  const Activations act{q.data(), scale.data(), sums16.data(), sums32.data(), scaled_sums.data(), K, block, ld_out};
+  const Kernels kernels = kernels_for(active_isa());
+  if (T * K < (int64_t{1} << 16)) {
+    kernels.quantize(dtype, x, ldx, 0, T, act);
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) kernels.quantize(dtype, x, ldx, t, t + 1, act);
+  }
+  // Rows per tile: enough to share the unpacked blocks across token groups from L1/L2, few enough that every thread
+  // gets a fair share at batch 1. The result of a tile goes to `out` as [T, ld_out] rows.
+  const int64_t tile = T <= 4 ? 4 : 16;
+  const int64_t tiles = (N + tile - 1) / tile;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t begin = i * tile, end = std::min(N, begin + tile);
+    kernels.tile(qtype, w, row_bytes, begin, end, act, T, out);
+  }
+  if (dtype == 1) {
+    uint16_t* yb = static_cast<uint16_t*>(y);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        uint32_t bits;
+        const float v = out_f32[t * N + n];
+        std::memcpy(&bits, &v, sizeof bits);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) {
+          yb[t * ldy + n] = static_cast<uint16_t>((bits >> 16) | 0x40u);
+        } else {
+          bits += 0x7fffu + ((bits >> 16) & 1u);
+          yb[t * ldy + n] = static_cast<uint16_t>(bits >> 16);
+        }
+      }
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+#else  // TM_GGUF_BODY: the kernels, once per instruction set, inside that set's namespace
+
+// ---------------------------------------------------------------- vector ops
+// U8: 32 unsigned bytes (weights, in element order). I32: int32 partial sums whose lanes add up to the dot product.
+// F32: float partial sums. Scales16: two int16 scales, for the first and the second 16 bytes of a U8.
+
+#if TM_ISA_X86
+using U8 = __m256i;
+using I32 = __m256i;
+using F32 = __m256;
+using Scales16 = __m256i;
+
+inline float half_to_float(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+inline U8 load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline U8 nibbles16(const uint8_t* p) {  // 16 bytes -> their 16 low nibbles then their 16 high nibbles
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+inline U8 low4(U8 v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline U8 high4(U8 v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+// ((v >> S) & M) << L per byte (M << L stays within the byte).
+template <int S, int M, int L>
+inline U8 field(U8 v) {
+  __m256i r = S ? _mm256_srli_epi16(v, S) : v;
+  r = _mm256_and_si256(r, _mm256_set1_epi8(static_cast<char>(M)));
+  return L ? _mm256_slli_epi16(r, L) : r;
+}
+inline U8 or8(U8 a, U8 b) { return _mm256_or_si256(a, b); }
+inline I32 izero() { return _mm256_setzero_si256(); }
+inline F32 fzero() { return _mm256_setzero_ps(); }
+inline I32 iadd(I32 a, I32 b) { return _mm256_add_epi32(a, b); }
+// acc + sum u[i] * x[i], u < 128 (maddubs cannot saturate: 2 * 127 * 128 < 32768)
+inline I32 dot(I32 acc, U8 u, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+#if TM_VNNI
+  return _mm256_dpbusd_epi32(acc, u, xv);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1)));
+#endif
+}
+// acc + sum w[i] * x[i] for signed bytes w (the sign moves onto x; |x| <= 127 so negating it is exact)
+inline I32 dot_signed(I32 acc, U8 w, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i aw = _mm256_sign_epi8(w, w), sx = _mm256_sign_epi8(xv, w);
+#if TM_VNNI
+  return _mm256_dpbusd_epi32(acc, aw, sx);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+#endif
+}
+// acc + lo * sum_{i<16} u[i] x[i] + hi * sum_{i>=16} u[i] x[i], u < 128
+inline I32 dot_scaled(I32 acc, U8 u, const int8_t* x, Scales16 s) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i pairs = _mm256_maddubs_epi16(u, xv);
+#if TM_VNNI
+  return _mm256_dpwssd_epi32(acc, pairs, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, s));
+#endif
+}
+// 8 scales as int16, in both 128-bit halves; pick<LO, HI> makes the Scales16 of scales LO and HI (one shuffle).
+using ScaleVec = __m256i;
+inline ScaleVec load_scales(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline ScaleVec load_scales(const int8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <int LO, int HI>
+inline Scales16 pick(ScaleVec v) {
+  constexpr char l0 = 2 * LO, l1 = 2 * LO + 1, h0 = 2 * HI, h1 = 2 * HI + 1;
+  return _mm256_shuffle_epi8(v, _mm256_setr_epi8(l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1,
+                                                 h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1));
+}
+// sum_j m[j] * s[j] for 8 unsigned bytes m and 8 int16 s
+inline int32_t dot8(const uint8_t* m, const int16_t* s) {
+  const __m128i p = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  __m128i r = _mm_add_epi32(p, _mm_unpackhi_epi64(p, p));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 1));
+  return _mm_cvtsi128_si32(r);
+}
+// sum_j m[j] * s[j] for 16 signed bytes m and 16 int16 s
+inline int32_t dot16(const int8_t* m, const int16_t* s) {
+  const __m256i p = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m))),
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  __m128i r = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  r = _mm_add_epi32(r, _mm_unpackhi_epi64(r, r));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 1));
+  return _mm_cvtsi128_si32(r);
+}
+inline F32 fma_i32(F32 acc, I32 v, float s) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
+inline float hsum(F32 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
+#elif TM_ISA_NEON
+struct U8 {
+  uint8x16_t lo, hi;
+};
+using I32 = int32x4_t;
+using F32 = float32x4_t;
+struct Scales16 {
+  int lo, hi;
+};
+
+inline float half_to_float(const uint8_t* p) {
+  __fp16 h;
+  std::memcpy(&h, p, sizeof h);
+  return static_cast<float>(h);
+}
+inline U8 load32(const uint8_t* p) { return U8{vld1q_u8(p), vld1q_u8(p + 16)}; }
+inline U8 nibbles16(const uint8_t* p) {
+  const uint8x16_t q = vld1q_u8(p);
+  return U8{vandq_u8(q, vdupq_n_u8(0x0F)), vshrq_n_u8(q, 4)};
+}
+inline U8 low4(U8 v) { return U8{vandq_u8(v.lo, vdupq_n_u8(0x0F)), vandq_u8(v.hi, vdupq_n_u8(0x0F))}; }
+inline U8 high4(U8 v) { return U8{vshrq_n_u8(v.lo, 4), vshrq_n_u8(v.hi, 4)}; }
+template <int S>
+inline uint8x16_t shift_right(uint8x16_t v) {
+  if constexpr (S == 0) return v; else return vshrq_n_u8(v, S);
+}
+template <int S, int M, int L>
+inline U8 field(U8 v) {
+  const uint8x16_t m = vdupq_n_u8(M);
+  return U8{vshlq_n_u8(vandq_u8(shift_right<S>(v.lo), m), L), vshlq_n_u8(vandq_u8(shift_right<S>(v.hi), m), L)};
+}
+inline U8 or8(U8 a, U8 b) { return U8{vorrq_u8(a.lo, b.lo), vorrq_u8(a.hi, b.hi)}; }
+inline I32 izero() { return vdupq_n_s32(0); }
+inline F32 fzero() { return vdupq_n_f32(0.0f); }
+inline I32 iadd(I32 a, I32 b) { return vaddq_s32(a, b); }
+// acc + sum a[i] * b[i] over 16 signed bytes (|a * b| <= 128 * 127, so two products fit an int16)
+inline I32 dot16(I32 acc, int8x16_t a, int8x16_t b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, a, b);
+#else
+  int16x8_t p = vmull_s8(vget_low_s8(a), vget_low_s8(b));
+  p = vmlal_s8(p, vget_high_s8(a), vget_high_s8(b));
+  return vpadalq_s16(acc, p);
+#endif
+}
+// The unsigned weights are < 128 here, so they are the same numbers read as signed bytes.
+inline I32 dot(I32 acc, U8 u, const int8_t* x) {
+  acc = dot16(acc, vreinterpretq_s8_u8(u.lo), vld1q_s8(x));
+  return dot16(acc, vreinterpretq_s8_u8(u.hi), vld1q_s8(x + 16));
+}
+inline I32 dot_signed(I32 acc, U8 w, const int8_t* x) { return dot(acc, w, x); }
+inline I32 dot_scaled(I32 acc, U8 u, const int8_t* x, Scales16 s) {
+  acc = vmlaq_n_s32(acc, dot16(vdupq_n_s32(0), vreinterpretq_s8_u8(u.lo), vld1q_s8(x)), s.lo);
+  return vmlaq_n_s32(acc, dot16(vdupq_n_s32(0), vreinterpretq_s8_u8(u.hi), vld1q_s8(x + 16)), s.hi);
+}
+struct ScaleVec {
+  int v[8];
+};
+template <typename B>
+inline ScaleVec load_scales(const B* p) {
+  ScaleVec r;
+  for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+  return r;
+}
+template <int LO, int HI>
+inline Scales16 pick(const ScaleVec& v) { return Scales16{v.v[LO], v.v[HI]}; }
+inline int32_t dot8(const uint8_t* m, const int16_t* s) {
+  const int16x8_t mv = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(m))), sv = vld1q_s16(s);
+  return vaddvq_s32(vmlal_s16(vmull_s16(vget_low_s16(mv), vget_low_s16(sv)), vget_high_s16(mv), vget_high_s16(sv)));
+}
+inline int32_t dot16(const int8_t* m, const int16_t* s) {
+  const int8x16_t mv = vld1q_s8(m);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(mv)), hi = vmovl_s8(vget_high_s8(mv));
+  const int16x8_t s0 = vld1q_s16(s), s1 = vld1q_s16(s + 8);
+  int32x4_t r = vmull_s16(vget_low_s16(lo), vget_low_s16(s0));
+  r = vmlal_s16(r, vget_high_s16(lo), vget_high_s16(s0));
+  r = vmlal_s16(r, vget_low_s16(hi), vget_low_s16(s1));
+  r = vmlal_s16(r, vget_high_s16(hi), vget_high_s16(s1));
+  return vaddvq_s32(r);
+}
+inline F32 fma_i32(F32 acc, I32 v, float s) { return vfmaq_n_f32(acc, vcvtq_f32_s32(v), s); }
+inline float hsum(F32 v) { return vaddvq_f32(v); }
+inline void prefetch(const uint8_t* p) { __builtin_prefetch(p); }
+
+#else  // portable scalar
+struct U8 {
+  uint8_t v[32];
+};
+using I32 = int32_t;
+using F32 = float;
+struct Scales16 {
+  int lo, hi;
+};
+
+inline float half_to_float(const uint8_t* p) { return half_to_float_portable(load_u16(p)); }
+inline U8 load32(const uint8_t* p) {
+  U8 r;
+  std::memcpy(r.v, p, 32);
+  return r;
+}
+inline U8 nibbles16(const uint8_t* p) {
+  U8 r;
+  for (int i = 0; i < 16; ++i) {
+    r.v[i] = p[i] & 0x0F;
+    r.v[i + 16] = p[i] >> 4;
+  }
+  return r;
+}
+inline U8 low4(U8 v) {
+  for (auto& b : v.v) b &= 0x0F;
+  return v;
+}
+inline U8 high4(U8 v) {
+  for (auto& b : v.v) b >>= 4;
+  return v;
+}
+template <int S, int M, int L>
+inline U8 field(U8 v) {
+  for (auto& b : v.v) b = static_cast<uint8_t>(((b >> S) & M) << L);
+  return v;
+}
+inline U8 or8(U8 a, U8 b) {
+  for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i];
+  return a;
+}
+inline I32 izero() { return 0; }
+inline F32 fzero() { return 0.0f; }
+inline I32 iadd(I32 a, I32 b) { return a + b; }
+inline I32 dot(I32 acc, U8 u, const int8_t* x) {
+  for (int i = 0; i < 32; ++i) acc += static_cast<int32_t>(u.v[i]) * x[i];
+  return acc;
+}
+inline I32 dot_signed(I32 acc, U8 w, const int8_t* x) {
+  for (int i = 0; i < 32; ++i) acc += static_cast<int32_t>(static_cast<int8_t>(w.v[i])) * x[i];
+  return acc;
+}
+inline I32 dot_scaled(I32 acc, U8 u, const int8_t* x, Scales16 s) {
+  int32_t lo = 0, hi = 0;
+  for (int i = 0; i < 16; ++i) lo += static_cast<int32_t>(u.v[i]) * x[i];
+  for (int i = 16; i < 32; ++i) hi += static_cast<int32_t>(u.v[i]) * x[i];
+  return acc + s.lo * lo + s.hi * hi;
+}
+struct ScaleVec {
+  int v[8];
+};
+template <typename B>
+inline ScaleVec load_scales(const B* p) {
+  ScaleVec r;
+  for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+  return r;
+}
+template <int LO, int HI>
+inline Scales16 pick(const ScaleVec& v) { return Scales16{v.v[LO], v.v[HI]}; }
+inline int32_t dot8(const uint8_t* m, const int16_t* s) {
+  int32_t r = 0;
+  for (int i = 0; i < 8; ++i) r += m[i] * s[i];
+  return r;
+}
+inline int32_t dot16(const int8_t* m, const int16_t* s) {
+  int32_t r = 0;
+  for (int i = 0; i < 16; ++i) r += m[i] * s[i];
+  return r;
+}
+inline F32 fma_i32(F32 acc, I32 v, float s) { return acc + static_cast<float>(v) * s; }
+inline float hsum(F32 v) { return v; }
+inline void prefetch(const uint8_t*) {}
+#endif
+
+// ---------------------------------------------------------------- activation quantization
+// Symmetric int8 per block of BLOCK values: d = max|x| / 127, q = round(x * (127 / max|x|)) in float (the tests
+// replicate exactly this). The max is taken on the bit patterns (|x| orders as its bits do), which vectorizes
+// where a float max would not without -ffast-math.
+template <int BLOCK, typename T>
+void quantize_row(const T* x, const Activations& act, int64_t t) {
+  int8_t* q = const_cast<int8_t*>(act.qrow(t));
+  float* scale = const_cast<float*>(act.scale_row(t));
+  int16_t* sums16 = const_cast<int16_t*>(act.sums16_row(t));
+  int16_t* sums32 = const_cast<int16_t*>(act.sums32_row(t));
+  float* scaled_sums = const_cast<float*>(act.scaled_sums_row(t));
+  for (int64_t b = 0; b < act.K / BLOCK; ++b) {
+    float values[BLOCK];
+    uint32_t max_bits = 0;
+    for (int i = 0; i < BLOCK; ++i) {
+      values[i] = load_activation(x, b * BLOCK + i);
+      uint32_t bits;
+      std::memcpy(&bits, &values[i], sizeof bits);
+      bits &= 0x7fffffffu;
+      max_bits = bits > max_bits ? bits : max_bits;
+    }
+    const float amax = bits_to_float(max_bits);
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t* qb = q + b * BLOCK;
+    for (int i = 0; i < BLOCK; ++i) qb[i] = static_cast<int8_t>(nearest_int(values[i] * inverse));
+    int32_t block_sum = 0;
+    for (int g = 0; g < BLOCK / 16; ++g) {
+      int32_t sum = 0;
+      for (int i = 0; i < 16; ++i) sum += qb[g * 16 + i];
+      sums16[b * (BLOCK / 16) + g] = static_cast<int16_t>(sum);
+      block_sum += sum;
+    }
+    for (int g = 0; g < BLOCK / 32; ++g)
+      sums32[b * (BLOCK / 32) + g] =
+          static_cast<int16_t>(sums16[b * (BLOCK / 16) + 2 * g] + sums16[b * (BLOCK / 16) + 2 * g + 1]);
+    scale[b] = amax / 127.0f;
+    scaled_sums[b] = scale[b] * static_cast<float>(block_sum);
+  }
+}
+
+void quantize_rows(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64_t t_end, const Activations& act) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    if (dtype == 0) {
+      const float* row = static_cast<const float*>(x) + t * ldx;
+      act.block == 32 ? quantize_row<32>(row, act, t) : quantize_row<256>(row, act, t);
+    } else {
+      const uint16_t* row = static_cast<const uint16_t*>(x) + t * ldx;
+      act.block == 32 ? quantize_row<32>(row, act, t) : quantize_row<256>(row, act, t);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- one weight row against NT activation rows
+// Each kernel writes out[t] = <row, activation row t0 + t> for t < NT. `nb` is the number of blocks in the row.
+
+// How far ahead to prefetch weight bytes: the rows of a thread are contiguous, so the hardware prefetcher mostly
+// keeps up; this covers the start of each row's next cache lines.
+constexpr int kPrefetchBytes = 512;
+
+// Runs body(b, lane) for every block b < nb, lane = b % kLanes(NT): one float accumulator set per lane, so that
+// consecutive blocks do not wait on each other's FMA (4 cycles of latency against about 2 of work per block).
+template <int NT>
+constexpr int kLanes = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+
+template <int NT, typename Body>
+inline void for_blocks(int64_t nb, Body&& body) {
+  constexpr int L = kLanes<NT>;
+  int64_t b = 0;
+  for (; b + L <= nb; b += L)
+    for (int lane = 0; lane < L; ++lane) body(b + lane, lane);
+  for (; b < nb; ++b) body(b, 0);
+}
+
+template <int NT>
+inline float reduce_lanes(const F32 (&acc)[kLanes<NT>][NT], int t) {
+  F32 total = acc[0][t];
+  for (int lane = 1; lane < kLanes<NT>; ++lane) total = total + acc[lane][t];
+  return hsum(total);
+}
+
+template <int NT>
+inline float reduce_offsets(const float (&offset)[kLanes<NT>][NT], int t) {
+  float total = offset[0][t];
+  for (int lane = 1; lane < kLanes<NT>; ++lane) total += offset[lane][t];
+  return total;
+}
+
+template <int NT>
+void row_q4_0(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[kLanes<NT>][NT];
+  float offset[kLanes<NT>][NT] = {};
+  for (auto& lane : acc)
+    for (auto& v : lane) v = fzero();
+  for_blocks<NT>(nb, [&](int64_t b, int lane) {
+    const uint8_t* blk = row + b * 18;
+    prefetch(blk + kPrefetchBytes);
+    const float d = half_to_float(blk);
+    const U8 u = nibbles16(blk + 2);  // q in [0, 16): the weight is d * (q - 8)
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = a.qrow(t0 + t) + b * 32;
+      acc[lane][t] = fma_i32(acc[lane][t], dot(izero(), u, x), d * a.scale_row(t0 + t)[b]);
+      offset[lane][t] += d * a.scaled_sums_row(t0 + t)[b];
+    }
+  });
+  for (int t = 0; t < NT; ++t) out[t] = reduce_lanes<NT>(acc, t) - 8.0f * reduce_offsets<NT>(offset, t);
+}
+
+template <int NT>
+void row_q4_1(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[kLanes<NT>][NT];
+  float offset[kLanes<NT>][NT] = {};
+  for (auto& lane : acc)
+    for (auto& v : lane) v = fzero();
+  for_blocks<NT>(nb, [&](int64_t b, int lane) {
+    const uint8_t* blk = row + b * 20;
+    prefetch(blk + kPrefetchBytes);
+    const float d = half_to_float(blk), m = half_to_float(blk + 2);
+    const U8 u = nibbles16(blk + 4);  // the weight is d * q + m
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = a.qrow(t0 + t) + b * 32;
+      acc[lane][t] = fma_i32(acc[lane][t], dot(izero(), u, x), d * a.scale_row(t0 + t)[b]);
+      offset[lane][t] += m * a.scaled_sums_row(t0 + t)[b];
+    }
+  });
+  for (int t = 0; t < NT; ++t) out[t] = reduce_lanes<NT>(acc, t) + reduce_offsets<NT>(offset, t);
+}
+
+template <int NT>
+void row_q8_0(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[kLanes<NT>][NT];
+  for (auto& lane : acc)
+    for (auto& v : lane) v = fzero();
+  for_blocks<NT>(nb, [&](int64_t b, int lane) {
+    const uint8_t* blk = row + b * 34;
+    prefetch(blk + kPrefetchBytes);
+    const float d = half_to_float(blk);
+    const U8 w = load32(blk + 2);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = a.qrow(t0 + t) + b * 32;
+      acc[lane][t] = fma_i32(acc[lane][t], dot_signed(izero(), w, x), d * a.scale_row(t0 + t)[b]);
+    }
+  });
+  for (int t = 0; t < NT; ++t) out[t] = reduce_lanes<NT>(acc, t);
+}
+
+// Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins: the weight is d * scale_j * q - dmin * min_j.
+template <int NT, bool FIVE_BITS>
+void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  constexpr int kBytes = FIVE_BITS ? 176 : 144;
+  F32 acc[NT];
+  float offset[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kBytes;
+    prefetch(blk + kPrefetchBytes);
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    uint8_t scales_mins[16];
+    unpack_scales_mins_k4(blk + 4, scales_mins);
+    const ScaleVec scales = load_scales(scales_mins);
+    const uint8_t* qs = blk + (FIVE_BITS ? 48 : 16);
+    I32 sum[NT][2];
+    for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
+    U8 high_bits{};
+    if constexpr (FIVE_BITS) high_bits = load32(blk + 16);
+    // Sub-blocks 2c and 2c + 1 are the low and high nibbles of 32 bytes; Q5_K's fifth bits are bits 2c, 2c + 1 of qh.
+    auto chunk = [&](auto c_constant) {
+      constexpr int c = decltype(c_constant)::value;
+      const U8 q = load32(qs + 32 * c);
+      U8 lo = low4(q), hi = high4(q);
+      if constexpr (FIVE_BITS) {
+        lo = or8(lo, field<2 * c, 1, 4>(high_bits));
+        hi = or8(hi, field<2 * c + 1, 1, 4>(high_bits));
+      }
+      const Scales16 s_lo = pick<2 * c, 2 * c>(scales), s_hi = pick<2 * c + 1, 2 * c + 1>(scales);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* x = a.qrow(t0 + t) + b * 256 + 64 * c;
+        sum[t][0] = dot_scaled(sum[t][0], lo, x, s_lo);
+        sum[t][1] = dot_scaled(sum[t][1], hi, x + 32, s_hi);
+      }
+    };
+    chunk(std::integral_constant<int, 0>{});
+    chunk(std::integral_constant<int, 1>{});
+    chunk(std::integral_constant<int, 2>{});
+    chunk(std::integral_constant<int, 3>{});
+    for (int t = 0; t < NT; ++t) {
+      const int32_t mins = dot8(scales_mins + 8, a.sums32_row(t0 + t) + b * 8);
+      const float dx = a.scale_row(t0 + t)[b];
+      acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), d * dx);
+      offset[t] += dmin * dx * static_cast<float>(mins);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
+}
+
+// Q6_K: 16 groups of 16 with int8 scales; q = 4 low bits (ql) | 2 high bits (qh) << 4; the weight is
+// d * scale_g * (q - 32).
+template <int NT>
+void row_q6_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[NT];
+  float offset[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 210;
+    prefetch(blk + kPrefetchBytes);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_to_float(blk + 208);
+    I32 sum[NT][2];
+    for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
+    for (int h = 0; h < 2; ++h) {  // two halves of 128: ql[64], qh[32], 8 scales each
+      const uint8_t* ql = blk + 64 * h;
+      const U8 l0 = load32(ql), l1 = load32(ql + 32), qh = load32(blk + 128 + 32 * h);
+      const int8_t* sc = scales + 8 * h;
+      const U8 q[4] = {or8(low4(l0), field<0, 3, 4>(qh)), or8(low4(l1), field<2, 3, 4>(qh)),
+                       or8(high4(l0), field<4, 3, 4>(qh)), or8(high4(l1), field<6, 3, 4>(qh))};
+      const ScaleVec sv = load_scales(sc);
+      const Scales16 s[4] = {pick<0, 1>(sv), pick<2, 3>(sv), pick<4, 5>(sv), pick<6, 7>(sv)};
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* x = a.qrow(t0 + t) + b * 256 + 128 * h;
+        for (int i = 0; i < 4; ++i) sum[t][i & 1] = dot_scaled(sum[t][i & 1], q[i], x + 32 * i, s[i]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      // the -32 offset: sum_g scale_g * sum of group g's activations
+      const int32_t scaled_sum = dot16(scales, a.sums16_row(t0 + t) + b * 16);
+      const float ddx = d * a.scale_row(t0 + t)[b];
+      acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), ddx);
+      offset[t] += ddx * static_cast<float>(scaled_sum);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - 32.0f * offset[t];
+}
+
+// ---------------------------------------------------------------- a tile of output rows
+
+template <template <int> class Row>
+void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t row_begin, int64_t row_end,
+               const Activations& a, int64_t T, float* y) {
+  float out[4];
+  for (int64_t t0 = 0; t0 < T; t0 += 4) {
+    const int64_t nt = std::min<int64_t>(4, T - t0);
+    for (int64_t n = row_begin; n < row_end; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      switch (nt) {
+        case 4: Row<4>::run(row, nb, a, t0, out); break;
+        case 3: Row<3>::run(row, nb, a, t0, out); break;
+        case 2: Row<2>::run(row, nb, a, t0, out); break;
+        default: Row<1>::run(row, nb, a, t0, out); break;
+      }
+      for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * a.ldy + n] = out[t];
+    }
+  }
+}
+
+template <int NT> struct RowQ4_0 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_0<NT>(r, nb, a, t0, o); } };
+template <int NT> struct RowQ4_1 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_1<NT>(r, nb, a, t0, o); } };
+template <int NT> struct RowQ8_0 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q8_0<NT>(r, nb, a, t0, o); } };
+template <int NT> struct RowQ4_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q45_k<NT, false>(r, nb, a, t0, o); } };
+template <int NT> struct RowQ5_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q45_k<NT, true>(r, nb, a, t0, o); } };
+template <int NT> struct RowQ6_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q6_k<NT>(r, nb, a, t0, o); } };
+
+void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
+              const Activations& a, int64_t T, float* y) {
+  const int64_t nb = a.K / block_elems(qtype);
+  switch (qtype) {
+    case Q4_0: tile_rows<RowQ4_0>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q4_1: tile_rows<RowQ4_1>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q8_0: tile_rows<RowQ8_0>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q4_K: tile_rows<RowQ4_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q5_K: tile_rows<RowQ5_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q6_K: tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    default: break;
+  }
+}
+
+#endif  // TM_GGUF_BODY

@@ -1,0 +1,171 @@
+"""Matmuls straight on GGUF-quantized weights, on the CPU: `y = x @ W^T` with W kept in llama.cpp's blocks.
+
+The kernels are `gguf_cpu.cpp`, built and loaded through `cpu_ops.build` (the same cached, private build as the
+other CPU kernels, into a library of its own). They quantize each activation row to int8 once and take integer dot
+products with the unpacked weight blocks, as llama.cpp does, so results differ from a float matmul by that int8
+rounding (about 0.4% of the activations' block maximum per element; see the tests). The library is built for the
+baseline of the architecture and picks its instruction set when loaded (AVX-512 VNNI, AVX2, NEON or portable C++);
+`TOKENMILL_CPU_ISA=scalar|avx2|avx512|neon` or `set_isa` forces a lower one.
+
+Where the kernels cannot be built (no compiler) or `TOKENMILL_CPU_KERNELS=0`, `gguf_matmul` dequantizes the blocks
+with the `gguf` package and multiplies with torch: correct, much slower, and logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from tokenmill.kernels import cpu_ops
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
+
+SUPPORTED_TYPES: frozenset[int] = frozenset(int(t) for t in (
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+))
+
+ISA_CODES = {"scalar": 0, "neon": 1, "avx2": 2, "avx512": 3}
+_ISA_NAMES = {code: name for name, code in ISA_CODES.items()}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "tm_gguf_isa_supported": [_I32],
+    "tm_gguf_isa": [],
+    "tm_gguf_set_isa": [_I32],
+    "tm_gguf_block_bytes": [_I32],
+    "tm_gguf_matmul": [_I32, _I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
+}
+
+
+def build_flags() -> tuple[str, ...]:
+    """No -march=native on x86: the library carries AVX2 and AVX-512 versions and picks one at run time, so the
+    scalar and AVX2 versions stay runnable (and tested) on a machine that has more."""
+    base = ("-O3", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        return base
+    if machine in ("aarch64", "arm64"):
+        return (*base, "-mcpu=native")  # dotprod where the CPU has it
+    return (*base, "-march=native")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded GGUF kernels, or None (logged once) where they cannot be built or are turned off."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        log.warning("GGUF CPU kernels turned off (TOKENMILL_CPU_KERNELS=0): dequantizing to float for every matmul")
+        return None
+    try:
+        path = cpu_ops.build(source=SOURCE, flags=build_flags())
+        cpu_ops.require_private(path)  # again right before loading: this is the file whose code runs
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as exc:
+        log.warning("GGUF CPU kernels unavailable, dequantizing to float for every matmul (slow): %s", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+    forced = os.environ.get("TOKENMILL_CPU_ISA")
+    if forced:
+        if forced not in ISA_CODES or lib.tm_gguf_set_isa(ISA_CODES[forced]) != 0:
+            log.warning("TOKENMILL_CPU_ISA=%s is not available here (available: %s); using %s", forced,
+                        ", ".join(_available(lib)), _ISA_NAMES[lib.tm_gguf_isa()])
+    return lib
+
+
+def _available(lib: ctypes.CDLL) -> list[str]:
+    return [name for name, code in ISA_CODES.items() if lib.tm_gguf_isa_supported(code)]
+
+
+def available_isas() -> list[str]:
+    """The instruction-set versions this machine can run ([] without the kernels)."""
+    lib = library()
+    return [] if lib is None else _available(lib)
+
+
+def isa() -> str:
+    """The version in use: "avx512", "avx2", "neon", "scalar", or "torch" (dequantize + torch matmul)."""
+    lib = library()
+    return "torch" if lib is None else _ISA_NAMES[lib.tm_gguf_isa()]
+
+
+def set_isa(name: str | None) -> None:
+    """Use the `name` version from now on (None: the best one); ValueError if this machine cannot run it."""
+    lib = library()
+    if lib is None:
+        raise ValueError("the GGUF CPU kernels are not available")
+    if name is None:
+        lib.tm_gguf_set_isa(-1)
+    elif name not in ISA_CODES or lib.tm_gguf_set_isa(ISA_CODES[name]) != 0:
+        raise ValueError(f"instruction set {name!r} not available here; available: {_available(lib)}")
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes per weight row of `in_features` values; ValueError unless it is a whole number of blocks."""
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"qtype {qtype} is not one of the supported GGML types {sorted(SUPPORTED_TYPES)}")
+    block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if in_features <= 0 or in_features % block_elems:
+        raise ValueError(f"in_features {in_features} is not a multiple of {GGMLQuantizationType(qtype).name}'s "
+                         f"block of {block_elems}")
+    return in_features // block_elems * block_bytes
+
+
+def _check_blocks(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> None:
+    expected = (out_features, row_bytes(qtype, in_features))
+    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or tuple(blocks.shape) != expected:
+        raise ValueError(f"blocks must be a uint8 CPU tensor of shape {expected}, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)} on {blocks.device}")
+    if not blocks.is_contiguous():
+        raise ValueError("blocks must be contiguous")
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> torch.Tensor:
+    """The float32 `[out_features, in_features]` weights the blocks encode (the `gguf` package's dequantizer)."""
+    _check_blocks(blocks, qtype, out_features, in_features)
+    values = gguf_quants.dequantize(blocks.numpy(), GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(out_features, in_features)
+
+
+@functools.cache
+def _log_fallback_once() -> None:
+    log.warning("gguf_matmul: no compiled kernels, dequantizing the weights to float on every call (slow)")
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> torch.Tensor:
+    """`x [T, in_features] @ W^T` -> `[T, out_features]` in x's dtype (float32 or bfloat16), W being the GGUF
+    blocks `[out_features, row_bytes]` (uint8, contiguous). x's rows may be strided; the sum is taken in float32."""
+    _check_blocks(blocks, qtype, out_features, in_features)
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must be [T, {in_features}], got {tuple(x.shape)}")
+    if x.dtype not in _DTYPE_CODES:
+        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"x must be on the CPU, got {x.device}")
+    lib = library()
+    if lib is None:
+        _log_fallback_once()
+        weights = dequantize_rows(blocks, qtype, out_features, in_features)
+        return (x.float() @ weights.T).to(x.dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    status = lib.tm_gguf_matmul(qtype, _DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), blocks.data_ptr(),
+                                x.shape[0], out_features, in_features, out.data_ptr(), out.stride(0))
+    if status != 0:
+        raise ValueError(f"tm_gguf_matmul refused qtype {qtype}, dtype {x.dtype}, in_features {in_features}")
+    return out

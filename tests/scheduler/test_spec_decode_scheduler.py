@@ -1,0 +1,279 @@
+"""Speculative decoding in the scheduler: n-gram proposals, budgeting, verification results, rollback, prefix-cache
+hashing of accepted blocks only, stops inside the accepted tokens, preemption with drafts in flight, back-off."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from tests.scheduler.sched_testing import EOS, FakeWorker, make_config, make_request
+from tokenmill.config import SpeculativeConfig, replace
+from tokenmill.messages import StepPlan, StepResult, StructuredOutputsParams
+from tokenmill.scheduler.ngram_proposer import NgramProposer, TokenBuffer
+from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.speculative import parse_speculative_config
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_parse_ngram_config_defaults_and_values():
+    assert parse_speculative_config(None).method is None
+    assert parse_speculative_config("").method is None
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == \
+        ("ngram", 3, 5, 5)
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+
+
+@pytest.mark.parametrize("value, key", [
+    ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "'lookahead'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "'num_speculative_tokens'"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "'num_speculative_tokens'"),
+    ({"method": "ngram"}, "'num_speculative_tokens'"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "'method'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "'prompt_lookup_min'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "'prompt_lookup_min'"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "'model'"),
+    ('{"method": "ngram", ', "JSON"),
+])
+def test_parse_rejects_bad_config_naming_the_key(value, key):
+    with pytest.raises(ValueError, match=key):
+        parse_speculative_config(value)
+
+
+def test_draft_model_is_refused_clearly():
+    with pytest.raises(ValueError, match="draft_model' is not available yet"):
+        parse_speculative_config({"method": "draft_model", "model": "/some/dir", "num_speculative_tokens": 3})
+
+
+def test_cli_and_llm_arguments_reach_the_engine_config():
+    from tokenmill.cli import build_parser, config_from_args
+    from tokenmill.llm import _engine_config
+
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2}'])
+    assert config_from_args(args).speculative == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=2)
+    config = _engine_config("", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}})
+    assert config.speculative.num_speculative_tokens == 2
+
+
+# ---------------------------------------------------------------- the proposer
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(2, 3)
+    tokens = np.array([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 6, 2, 3], dtype=np.int64)
+    assert proposer.propose(tokens, 3) == [7, 8, 6]  # "2 3" last seen before 7 (the longer "6 2 3" never)
+    assert proposer.propose(tokens, 1) == [7]
+    assert proposer.propose(np.array([5, 6, 7, 8], dtype=np.int64), 3) == []
+    # the longest suffix wins over a later, shorter one
+    tokens = np.array([1, 2, 3, 40, 41, 9, 2, 3, 50, 1, 2, 3], dtype=np.int64)
+    assert proposer.propose(tokens, 2) == [40, 41]
+    # a match near the end proposes what is there
+    assert proposer.propose(np.array([4, 4, 4], dtype=np.int64), 5) == [4]
+
+
+def test_token_buffer_grows_with_the_request():
+    buffer = TokenBuffer()
+    tokens = list(range(300))
+    assert buffer.sync(tokens[:10]).tolist() == tokens[:10]
+    assert buffer.sync(tokens).tolist() == tokens
+
+
+# ---------------------------------------------------------------- scheduler + a fake target model
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+# the "model" copies the prompt with a few changes, so drafts are accepted and rejected
+TARGET = [11, 12, 13, 14, 15, 99, 17, 18, 19, 20, 21, 22, 98, 24, 25, 26, 27, 28, 29, 30, 31, 32]
+
+
+class SpecFakeWorker(FakeWorker):
+    """A fake worker whose model continues each request with `target(request_id)`; it writes the KV of drafts,
+    verifies them (accept while equal, as greedy verification), and checks all KV it attends to is the request's own
+    tokens (so a rollback that kept a rejected draft's KV as computed fails the next step)."""
+
+    def __init__(self, block_size: int, target) -> None:
+        super().__init__(block_size)
+        self.target = target
+        self.drafts_seen: list[tuple[str, list[int]]] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        drafts = {r.request_id: r.spec_token_ids for r in plan.running if r.spec_token_ids}
+        for request_id, request_drafts in drafts.items():
+            self.drafts_seen.append((request_id, list(request_drafts)))
+        for run_data in plan.running:
+            if run_data.request_id in drafts:
+                assert run_data.num_scheduled_tokens == 1 + len(drafts[run_data.request_id])
+        # apply with the drafts as known tokens (the base class checks slots and KV), then take them back out
+        plan_copy = msgspec.structs.replace(plan, running=[
+            msgspec.structs.replace(r, new_token_ids=r.new_token_ids + r.spec_token_ids) if r.spec_token_ids else r
+            for r in plan.running])
+        scheduled = self.apply(plan_copy)
+        request_ids, first, accepted = [], [], []
+        for request_id in scheduled:
+            state = self.state[request_id]
+            if state.num_computed_tokens < len(state.token_ids):
+                continue
+            request_drafts = drafts.get(request_id, [])
+            known = state.token_ids[: len(state.token_ids) - len(request_drafts)]
+            output = known[state.num_prompt_tokens:]
+            target = self.target(request_id)
+            tokens = []
+            for j in range(len(request_drafts) + 1):
+                next_token = target[len(output) + j] if len(output) + j < len(target) else EOS
+                tokens.append(next_token)
+                if j == len(request_drafts) or request_drafts[j] != next_token:
+                    break
+            del state.token_ids[len(known):]  # drafts were this step only
+            state.num_computed_tokens = len(known) + len(tokens) - 1
+            request_ids.append(request_id)
+            first.append(tokens[0])
+            accepted.append(tokens)
+        return StepResult(plan.step_id, request_ids, first, accepted_token_ids=accepted)
+
+
+def run(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 500):
+    outputs: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    plans = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return outputs, finish, plans
+        plan = scheduler.schedule()
+        assert plan is not None
+        plans.append(plan)
+        for out in scheduler.update(plan, worker.execute(plan)):
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                finish[out.request_id] = out.finish_reason
+        check_indexed_blocks(scheduler)
+    raise AssertionError("not finished")
+
+
+def check_indexed_blocks(scheduler: Scheduler) -> None:
+    """Prefix-cache entries only ever cover computed (accepted) tokens."""
+    for req in scheduler.running:
+        indexed = scheduler.kv.num_indexed_blocks.get(req.request_id, 0)
+        assert indexed * scheduler.block_size <= req.num_computed_tokens <= req.num_tokens
+
+
+def make_scheduler(speculative=NGRAM, num_blocks: int = 64, **config) -> Scheduler:
+    return Scheduler(replace(make_config(**config), speculative=speculative), num_blocks, [EOS])
+
+
+@pytest.mark.parametrize("block_size, budget", [(4, 64), (4, 7), (16, 64)])
+def test_outputs_match_without_speculation_and_steps_drop(block_size, budget):
+    results = {}
+    for speculative in (SpeculativeConfig(), NGRAM):
+        scheduler = make_scheduler(speculative, block_size=block_size, max_num_batched_tokens=budget)
+        worker = SpecFakeWorker(block_size, lambda request_id: TARGET)
+        for i in range(3):
+            scheduler.add_request(make_request(f"r{i}", PROMPT, max_tokens=30, ignore_eos=False))
+        outputs, finish, plans = run(scheduler, worker)
+        for plan in plans:  # the budget holds, drafts included
+            total = sum(n.num_scheduled_tokens for n in plan.new_requests)
+            total += sum(r.num_scheduled_tokens for r in plan.running)
+            assert total <= budget
+        results[speculative.method] = (outputs, finish, len(plans), worker.drafts_seen, scheduler)
+    (plain, plain_finish, plain_steps, _, _), (spec, spec_finish, spec_steps, drafts, scheduler) = \
+        results[None], results["ngram"]
+    assert spec == plain and spec_finish == plain_finish
+    assert spec["r0"] == TARGET + [EOS]
+    assert drafts and spec_steps < plain_steps
+    stats = scheduler.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # some accepted, some rejected
+    assert stats.spec_num_drafts == len(drafts)
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+    assert stats.spec_accepted_per_pos == sorted(stats.spec_accepted_per_pos, reverse=True)
+
+
+def test_stop_inside_the_accepted_tokens_drops_the_rest():
+    # EOS and max_tokens land in the middle of a run of accepted drafts
+    target = PROMPT[:10] + [EOS] + PROMPT[10:]
+    scheduler = make_scheduler()
+    worker = SpecFakeWorker(4, lambda request_id: target if request_id == "eos" else PROMPT)
+    scheduler.add_request(make_request("eos", PROMPT + PROMPT[:3], max_tokens=40))
+    scheduler.add_request(make_request("len", PROMPT + PROMPT[:3], max_tokens=9))
+    scheduler.add_request(make_request("stop_id", PROMPT + PROMPT[:3], max_tokens=40, stop_token_ids=[17]))
+    outputs, finish, _ = run(scheduler, worker)
+    assert outputs["eos"] == PROMPT[:10] + [EOS] and finish["eos"] == "stop"
+    assert outputs["len"] == PROMPT[:9] and finish["len"] == "length"
+    assert outputs["stop_id"] == PROMPT[:7] and finish["stop_id"] == "stop"
+    assert any(len(d) > 1 for _, d in worker.drafts_seen)
+    assert not scheduler.kv.req_blocks and scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_prefix_cache_hashes_only_accepted_blocks():
+    """A second request whose prompt is the first one's prompt + outputs hits the blocks the first computed; the fake
+    worker checks every hit holds exactly the tokens it should (a block hashed with a rejected draft in it fails)."""
+    scheduler = make_scheduler(block_size=4)
+    worker = SpecFakeWorker(4, lambda request_id: TARGET)
+    scheduler.add_request(make_request("a", PROMPT, max_tokens=22))
+    outputs, _, _ = run(scheduler, worker)
+    assert outputs["a"] == TARGET
+    scheduler.add_request(make_request("b", PROMPT + TARGET[:-1], max_tokens=2))
+    plan = scheduler.schedule()
+    assert plan.new_requests[0].num_computed_tokens == 40  # 10 full blocks found
+    worker.execute(plan)  # checks the hit blocks' content
+
+
+def test_preemption_with_drafts_in_flight():
+    """Too few blocks: requests that got drafts earlier in the step are preempted; outputs still match."""
+    results = []
+    for speculative in (SpeculativeConfig(), NGRAM):
+        scheduler = make_scheduler(speculative, num_blocks=14, block_size=4)
+        worker = SpecFakeWorker(4, lambda request_id: TARGET)
+        for i in range(3):
+            scheduler.add_request(make_request(f"r{i}", PROMPT, max_tokens=22))
+        outputs, finish, plans = run(scheduler, worker)
+        results.append((outputs, finish))
+        for plan in plans:
+            for run_data in plan.running:
+                assert run_data.request_id not in plan.finished_ids
+    assert results[0] == results[1]
+    assert scheduler.stats().num_preemptions > 0 or scheduler.counter_totals()[2] > 0
+
+
+def test_requests_that_cannot_speculate_share_the_batch():
+    scheduler = make_scheduler()
+    worker = SpecFakeWorker(4, lambda request_id: TARGET)
+    scheduler.add_request(make_request("plain", PROMPT, max_tokens=20))
+    scheduler.add_request(make_request("penalty", PROMPT, max_tokens=20, repetition_penalty=1.2))
+    scheduler.add_request(make_request("logprobs", PROMPT, max_tokens=20, logprobs=2))
+    scheduler.add_request(make_request("presence", PROMPT, max_tokens=20, presence_penalty=0.5))
+    outputs, _, plans = run(scheduler, worker)
+    drafted = {request_id for request_id, _ in worker.drafts_seen}
+    assert drafted == {"plain"}
+    assert all(tokens == TARGET[:20] for tokens in outputs.values())
+    assert any(len(p.running) == 4 and any(r.spec_token_ids for r in p.running) for p in plans)
+
+
+def test_structured_output_requests_never_speculate():
+    from tokenmill.scheduler.request import Request
+    from tokenmill.scheduler.spec_decode import Speculator
+
+    request = make_request("s", PROMPT, structured_outputs=StructuredOutputsParams(regex="a+"))
+    assert not Speculator.allowed(Request(request, 0, 0.0, 4))
+    assert Speculator.allowed(Request(make_request("t", PROMPT), 0, 0.0, 4))
+
+
+def test_back_off_when_drafts_are_rejected():
+    """A model that always breaks the pattern its history suggests: after each miss the request proposes less
+    often, and one token at a time."""
+    target = [token for i in range(20) for token in (5, 6, 100 + i)]
+    scheduler = make_scheduler()
+    worker = SpecFakeWorker(4, lambda request_id: target)
+    scheduler.add_request(make_request("r", [5, 6, 3, 4], max_tokens=60))
+    outputs, _, plans = run(scheduler, worker)
+    assert outputs["r"] == target
+    # every proposal after the first few is of one token, and most steps propose none
+    drafts = [d for _, d in worker.drafts_seen]
+    assert drafts and len(drafts) <= 8, drafts
+    assert all(len(d) == 1 for d in drafts[1:])
