@@ -7,7 +7,8 @@ Three ways to run it, chosen at run time by `fp8_gemm(..., method="auto")`:
   fp8 operands on the tensor cores into fp32; both scales are applied to that fp32 result.
 - "triton" (CUDA >= 8.9 otherwise): the same W8A8 math in `_fp8_gemm_kernel` with `tl.dot` on fp8 operands.
 - "triton_weight_only" (GPUs without fp8 tensor cores: compute capability < 8.9): x stays in its dtype, the kernel
-  decodes each weight tile's e4m3 bits to x's dtype in registers (W8A16, as vLLM does there). fp32 accumulation everywhere.
+  decodes each weight tile's e4m3 bits to x's dtype in registers (W8A16, as vLLM does there).
+fp32 accumulation everywhere.
 On CPU the worker dequantizes fp8 weights at load (they are a GPU format); `fp8_gemm_ref` is the torch reference of
 every path: dequantize both operands (x after the same activation quantization, for the W8A8 paths) and multiply.
 """

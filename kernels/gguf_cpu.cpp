@@ -282,7 +282,8 @@ int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8
   // gets a fair share at batch 1. The result of a tile goes to `out` as [T, ld_out] rows.
   const int64_t tile = T <= 4 ? 4 : 16;
   const int64_t tiles = (N + tile - 1) / tile;
-#pragma omp parallel for schedule(static)
+  // Below ~64 KiB of weights a parallel region costs more than it saves.
+#pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t begin = i * tile, end = std::min(N, begin + tile);
     kernels.tile(qtype, w, row_bytes, begin, end, act, T, out);
@@ -406,7 +407,6 @@ inline float hsum(F32 v) {
   r = _mm_add_ss(r, _mm_movehdup_ps(r));
   return _mm_cvtss_f32(r);
 }
-inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
 #elif TM_ISA_NEON
 struct U8 {
@@ -490,7 +490,6 @@ inline int32_t dot16(const int8_t* m, const int16_t* s) {
 }
 inline F32 fma_i32(F32 acc, I32 v, float s) { return vfmaq_n_f32(acc, vcvtq_f32_s32(v), s); }
 inline float hsum(F32 v) { return vaddvq_f32(v); }
-inline void prefetch(const uint8_t* p) { __builtin_prefetch(p); }
 
 #else  // portable scalar
 struct U8 {
@@ -573,7 +572,6 @@ inline int32_t dot16(const int8_t* m, const int16_t* s) {
 }
 inline F32 fma_i32(F32 acc, I32 v, float s) { return acc + static_cast<float>(v) * s; }
 inline float hsum(F32 v) { return v; }
-inline void prefetch(const uint8_t*) {}
 #endif
 
 // ---------------------------------------------------------------- activation quantization
@@ -631,9 +629,8 @@ void quantize_rows(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64
 // ---------------------------------------------------------------- one weight row against NT activation rows
 // Each kernel writes out[t] = <row, activation row t0 + t> for t < NT. `nb` is the number of blocks in the row.
 
-// How far ahead to prefetch weight bytes: the rows of a thread are contiguous, so the hardware prefetcher mostly
-// keeps up; this covers the start of each row's next cache lines.
-constexpr int kPrefetchBytes = 512;
+// No software prefetch: a thread's rows are one contiguous stream, which the hardware prefetcher follows; prefetching
+// 512 bytes ahead measured no better (scripts/bench_gguf_kernels.py) and costs an instruction per block.
 
 // Runs body(b, lane) for every block b < nb, lane = b % kLanes(NT): one float accumulator set per lane, so that
 // consecutive blocks do not wait on each other's FMA (4 cycles of latency against about 2 of work per block).
@@ -671,7 +668,6 @@ void row_q4_0(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
     for (auto& v : lane) v = fzero();
   for_blocks<NT>(nb, [&](int64_t b, int lane) {
     const uint8_t* blk = row + b * 18;
-    prefetch(blk + kPrefetchBytes);
     const float d = half_to_float(blk);
     const U8 u = nibbles16(blk + 2);  // q in [0, 16): the weight is d * (q - 8)
     for (int t = 0; t < NT; ++t) {
@@ -691,7 +687,6 @@ void row_q4_1(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
     for (auto& v : lane) v = fzero();
   for_blocks<NT>(nb, [&](int64_t b, int lane) {
     const uint8_t* blk = row + b * 20;
-    prefetch(blk + kPrefetchBytes);
     const float d = half_to_float(blk), m = half_to_float(blk + 2);
     const U8 u = nibbles16(blk + 4);  // the weight is d * q + m
     for (int t = 0; t < NT; ++t) {
@@ -710,7 +705,6 @@ void row_q8_0(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
     for (auto& v : lane) v = fzero();
   for_blocks<NT>(nb, [&](int64_t b, int lane) {
     const uint8_t* blk = row + b * 34;
-    prefetch(blk + kPrefetchBytes);
     const float d = half_to_float(blk);
     const U8 w = load32(blk + 2);
     for (int t = 0; t < NT; ++t) {
@@ -721,6 +715,91 @@ void row_q8_0(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
   for (int t = 0; t < NT; ++t) out[t] = reduce_lanes<NT>(acc, t);
 }
 
+#if TM_ISA_X86
+// The 32-wide types on x86 for 2-4 activation rows, eight blocks at a time: one gather fetches the eight fp16 scales
+// (and Q4_1's mins), one conversion and one multiply per row make the weight-scale x activation-scale products, and
+// each block takes its product with one in-register permute. 1.5x faster per row than a block at a time at 4 rows;
+// slower at 1 row (measured), where the block-at-a-time kernels above run instead.
+// KIND: 0 Q4_0 (d * (q - 8)), 1 Q4_1 (d * q + m), 2 Q8_0 (d * q, q signed).
+template <int KIND>
+inline U8 weights_32wide(const uint8_t* blk) {
+  if constexpr (KIND == 0) return nibbles16(blk + 2);
+  else if constexpr (KIND == 1) return nibbles16(blk + 4);
+  else return load32(blk + 2);
+}
+
+template <int KIND>
+inline I32 dot_32wide(U8 w, const int8_t* x) {
+  if constexpr (KIND == 2) return dot_signed(izero(), w, x);
+  else return dot(izero(), w, x);
+}
+
+// The low (HIGH = false) or high halves of eight 32-bit lanes as floats (they hold fp16 numbers).
+template <bool HIGH>
+inline __m256 halves_to_float(__m256i lanes) {
+  const __m256i pick = HIGH ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7,
+                                               10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5,
+                                               8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(lanes, pick), 0x08);
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+template <int NT, int KIND>
+void row_32wide(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  constexpr int kBytes = KIND == 0 ? 18 : KIND == 1 ? 20 : 34;
+  constexpr int L = NT == 1 ? 2 : 1;
+  const __m256i gather_offsets = _mm256_setr_epi32(0, kBytes, 2 * kBytes, 3 * kBytes, 4 * kBytes, 5 * kBytes,
+                                                   6 * kBytes, 7 * kBytes);
+  F32 acc[L][NT];
+  __m256 offset[NT];
+  for (int t = 0; t < NT; ++t) {
+    offset[t] = _mm256_setzero_ps();
+    for (int lane = 0; lane < L; ++lane) acc[lane][t] = fzero();
+  }
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const uint8_t* group = row + b * kBytes;
+    const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(group), gather_offsets, 1);
+    const __m256 d = halves_to_float<false>(words);
+    __m256 scale[NT];
+    for (int t = 0; t < NT; ++t) {
+      scale[t] = _mm256_mul_ps(d, _mm256_loadu_ps(a.scale_row(t0 + t) + b));
+      if constexpr (KIND != 2) {
+        const __m256 factor = KIND == 0 ? d : halves_to_float<true>(words);
+        offset[t] = _mm256_fmadd_ps(factor, _mm256_loadu_ps(a.scaled_sums_row(t0 + t) + b), offset[t]);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      const U8 w = weights_32wide<KIND>(group + j * kBytes);
+      const __m256i lane_j = _mm256_set1_epi32(j);
+      for (int t = 0; t < NT; ++t) {
+        const I32 v = dot_32wide<KIND>(w, a.qrow(t0 + t) + (b + j) * 32);
+        acc[j % L][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_permutevar8x32_ps(scale[t], lane_j),
+                                        acc[j % L][t]);
+      }
+    }
+  }
+  float tail_offset[NT] = {};
+  for (; b < nb; ++b) {
+    const uint8_t* blk = row + b * kBytes;
+    const float d = half_to_float(blk);
+    const U8 w = weights_32wide<KIND>(blk);
+    for (int t = 0; t < NT; ++t) {
+      acc[0][t] = fma_i32(acc[0][t], dot_32wide<KIND>(w, a.qrow(t0 + t) + b * 32), d * a.scale_row(t0 + t)[b]);
+      if constexpr (KIND != 2)
+        tail_offset[t] += (KIND == 0 ? d : half_to_float(blk + 2)) * a.scaled_sums_row(t0 + t)[b];
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    F32 total = acc[0][t];
+    if constexpr (L == 2) total = _mm256_add_ps(total, acc[1][t]);
+    const float offsets = hsum(offset[t]) + tail_offset[t];
+    out[t] = hsum(total) + (KIND == 0 ? -8.0f * offsets : KIND == 1 ? offsets : 0.0f);
+  }
+}
+#endif
+
 // Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins: the weight is d * scale_j * q - dmin * min_j.
 template <int NT, bool FIVE_BITS>
 void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
@@ -730,7 +809,6 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
   for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
-    prefetch(blk + kPrefetchBytes);
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
     uint8_t scales_mins[16];
     unpack_scales_mins_k4(blk + 4, scales_mins);
@@ -779,7 +857,6 @@ void row_q6_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
   for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 210;
-    prefetch(blk + kPrefetchBytes);
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = half_to_float(blk + 208);
     I32 sum[NT][2];
@@ -829,9 +906,27 @@ void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t row_begi
   }
 }
 
+#if TM_ISA_X86
+template <int NT> struct RowQ4_0 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    if constexpr (NT == 1) row_q4_0<1>(r, nb, a, t0, o); else row_32wide<NT, 0>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ4_1 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    if constexpr (NT == 1) row_q4_1<1>(r, nb, a, t0, o); else row_32wide<NT, 1>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ8_0 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    if constexpr (NT == 1) row_q8_0<1>(r, nb, a, t0, o); else row_32wide<NT, 2>(r, nb, a, t0, o);
+  }
+};
+#else
 template <int NT> struct RowQ4_0 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_0<NT>(r, nb, a, t0, o); } };
 template <int NT> struct RowQ4_1 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_1<NT>(r, nb, a, t0, o); } };
 template <int NT> struct RowQ8_0 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q8_0<NT>(r, nb, a, t0, o); } };
+#endif
 template <int NT> struct RowQ4_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q45_k<NT, false>(r, nb, a, t0, o); } };
 template <int NT> struct RowQ5_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q45_k<NT, true>(r, nb, a, t0, o); } };
 template <int NT> struct RowQ6_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q6_k<NT>(r, nb, a, t0, o); } };

@@ -114,6 +114,7 @@ def set_isa(name: str | None) -> None:
         raise ValueError(f"instruction set {name!r} not available here; available: {_available(lib)}")
 
 
+@functools.cache
 def row_bytes(qtype: int, in_features: int) -> int:
     """Bytes per weight row of `in_features` values; ValueError unless it is a whole number of blocks."""
     if qtype not in SUPPORTED_TYPES:
@@ -127,7 +128,7 @@ def row_bytes(qtype: int, in_features: int) -> int:
 
 def _check_blocks(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> None:
     expected = (out_features, row_bytes(qtype, in_features))
-    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or tuple(blocks.shape) != expected:
+    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or blocks.shape != expected:
         raise ValueError(f"blocks must be a uint8 CPU tensor of shape {expected}, got {blocks.dtype} "
                          f"{tuple(blocks.shape)} on {blocks.device}")
     if not blocks.is_contiguous():
@@ -150,12 +151,10 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features:
     """`x [T, in_features] @ W^T` -> `[T, out_features]` in x's dtype (float32 or bfloat16), W being the GGUF
     blocks `[out_features, row_bytes]` (uint8, contiguous). x's rows may be strided; the sum is taken in float32."""
     _check_blocks(blocks, qtype, out_features, in_features)
-    if x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"x must be [T, {in_features}], got {tuple(x.shape)}")
-    if x.dtype not in _DTYPE_CODES:
-        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
-    if x.device.type != "cpu":
-        raise ValueError(f"x must be on the CPU, got {x.device}")
+    dtype_code = _DTYPE_CODES.get(x.dtype)
+    if x.dim() != 2 or x.shape[1] != in_features or dtype_code is None or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 or bfloat16 CPU tensor [T, {in_features}], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
     lib = library()
     if lib is None:
         _log_fallback_once()
@@ -164,8 +163,8 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features:
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
-    status = lib.tm_gguf_matmul(qtype, _DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), blocks.data_ptr(),
-                                x.shape[0], out_features, in_features, out.data_ptr(), out.stride(0))
+    status = lib.tm_gguf_matmul(qtype, dtype_code, x.data_ptr(), x.stride(0), blocks.data_ptr(), x.shape[0],
+                                out_features, in_features, out.data_ptr(), out_features)
     if status != 0:
         raise ValueError(f"tm_gguf_matmul refused qtype {qtype}, dtype {x.dtype}, in_features {in_features}")
     return out

@@ -67,7 +67,10 @@ def awq_dequantize_ref(
     """The dense `[K, N]` matrix of an AWQ weight, in `dtype` (see the module docstring)."""
     codes = unpack_int4(qweight, 1, AWQ_ORDER).to(dtype)
     group_size = group_size if group_size > 0 else codes.shape[0]
-    zeros = unpack_int4(qzeros, 1, AWQ_ORDER).to(dtype) if qzeros is not None else torch.full_like(scales, 8, dtype=dtype)
+    if qzeros is None:
+        zeros = torch.full_like(scales, 8, dtype=dtype)
+    else:
+        zeros = unpack_int4(qzeros, 1, AWQ_ORDER).to(dtype)
     groups = torch.arange(codes.shape[0], device=codes.device) // group_size
     return (codes - zeros[groups]) * scales.to(dtype)[groups]
 
@@ -78,7 +81,10 @@ def gptq_dequantize_ref(
 ) -> torch.Tensor:
     """The dense `[K, N]` matrix of a GPTQ weight, in `dtype` (see the module docstring)."""
     codes = unpack_int4(qweight, 0).to(dtype)
-    zeros = unpack_int4(qzeros, 1).to(dtype) + zero_offset if qzeros is not None else torch.full_like(scales, 8, dtype=dtype)
+    if qzeros is None:
+        zeros = torch.full_like(scales, 8, dtype=dtype)
+    else:
+        zeros = unpack_int4(qzeros, 1).to(dtype) + zero_offset
     if g_idx is not None:
         groups = g_idx.long()
     else:
@@ -187,7 +193,7 @@ def tile_shape(num_rows: int, group_size: int, has_g_idx: bool) -> tuple[int, in
 def _int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, n, awq, zero_offset) -> torch.Tensor:
     k = x.shape[-1]
     group_size = group_size if group_size > 0 else k
-    if k % group_size:
+    if g_idx is None and k % group_size:  # with g_idx (act-order) the groups are looked up, any K works
         raise ValueError(f"group_size={group_size} does not divide in_features={k}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

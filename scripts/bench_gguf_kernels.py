@@ -3,6 +3,8 @@ memory bandwidth, and the batch-32 time against 32 batch-1 calls.
 
 Every matrix is cycled through a pool of copies at least `--pool-mb` large, so each call reads its weights from
 memory, not from the last-level cache. Bandwidth is a torch read-sum of a 512 MiB tensor at the same thread count.
+On a shared, oversubscribed machine wall time measures the neighbours as much as the kernel: at one thread the
+table also gives rates per CPU-second of this thread (time.thread_time), for the kernel and the read-sum alike.
 
     python scripts/bench_gguf_kernels.py --threads 1 2
     python scripts/bench_gguf_kernels.py --types Q4_0 Q6_K --isa avx2
@@ -19,7 +21,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tokenmill.kernels import gguf_ops
 
-SHAPES = {"mlp_up 1536x576": (1536, 576), "mlp_down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
+SHAPES = {"mlp_up 1536x576": (1536, 576), "mlp_down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576),
+          "big 16384x1536": (16384, 1536)}  # the last: an LM-head-sized matrix whose K suits the k-quants too
 
 
 def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -35,29 +38,32 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Ge
     return raw.reshape(n, -1)
 
 
-def seconds_per_call(fn, pool_size: int, min_seconds: float) -> float:
-    """Median over repeats of the time per call, cycling through the pool."""
+def seconds_per_call(fn, pool_size: int, min_seconds: float) -> tuple[float, float]:
+    """Medians over repeats of the wall and this-thread CPU time per call, cycling through the pool."""
     fn(0)
-    samples = []
+    wall, cpu = [], []
     deadline = time.perf_counter() + min_seconds
     i = 0
-    while time.perf_counter() < deadline or len(samples) < 5:
-        start = time.perf_counter()
+    while time.perf_counter() < deadline or len(wall) < 5:
+        start, start_cpu = time.perf_counter(), time.thread_time()
         for _ in range(pool_size):
             fn(i % pool_size)
             i += 1
-        samples.append((time.perf_counter() - start) / pool_size)
-    return float(np.median(samples))
+        wall.append((time.perf_counter() - start) / pool_size)
+        cpu.append((time.thread_time() - start_cpu) / pool_size)
+    return float(np.median(wall)), float(np.median(cpu))
 
 
-def read_bandwidth() -> float:
+def read_bandwidth() -> tuple[float, float]:
+    """Best of five torch read-sums of 512 MiB: (bytes per wall second, bytes per CPU second of this thread)."""
     big = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
-    best = 0.0
+    best, best_cpu = 0.0, 0.0
     for _ in range(5):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         big.sum()
         best = max(best, big.numel() * 4 / (time.perf_counter() - start))
-    return best
+        best_cpu = max(best_cpu, big.numel() * 4 / max(time.thread_time() - start_cpu, 1e-9))
+    return best, best_cpu
 
 
 def main() -> None:
@@ -76,28 +82,38 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for threads in args.threads:
         torch.set_num_threads(threads)
-        bandwidth = read_bandwidth()
-        print(f"\nthreads={threads}  memory read bandwidth (torch sum) {bandwidth / 1e9:.1f} GB/s")
-        print(f"{'type':6} {'shape':20} {'bytes':>9} {'b1 us':>9} {'b1 GB/s':>8} {'% bw':>6} "
-              f"{'b' + str(args.batch) + ' us':>10} {'vs ' + str(args.batch) + 'xb1':>8}")
+        bandwidth, bandwidth_cpu = read_bandwidth()
+        print(f"\nthreads={threads}  memory read bandwidth (torch sum): {bandwidth / 1e9:.1f} GB/s wall"
+              + (f", {bandwidth_cpu / 1e9:.1f} GB/s per CPU-second" if threads == 1 else ""))
+        print(f"{'type':6} {'shape':20} {'bytes':>9} {'b1 us':>8} {'GB/s':>6} {'% bw':>5} "
+              + (f"{'cpu us':>8} {'GB/s':>6} {'% bw':>5} " if threads == 1 else "")
+              + f"{'b' + str(args.batch) + ' us':>10} {'vs ' + str(args.batch) + 'xb1':>8}")
         for type_name in args.types:
             qtype = GGMLQuantizationType[type_name]
             for shape_name in args.shapes:
                 n, k = SHAPES[shape_name]
+                if k % GGML_QUANT_SIZES[qtype][0]:
+                    print(f"{type_name:6} {shape_name:20} (K={k} is not a whole number of {type_name} blocks)")
+                    continue
                 one = torch.from_numpy(random_blocks(qtype, n, k, rng))
                 copies = max(1, int(args.pool_mb * 1e6 // one.numel()))
                 pool = [one] + [one.clone() for _ in range(copies - 1)]
                 x1 = torch.randn(1, k)
                 xb = torch.randn(args.batch, k)
-                t1 = seconds_per_call(lambda i: gguf_ops.gguf_matmul(x1, pool[i], int(qtype), n, k), copies,
-                                      args.seconds)
-                tb = seconds_per_call(lambda i: gguf_ops.gguf_matmul(xb, pool[i], int(qtype), n, k), copies,
-                                      args.seconds)
-                rate = one.numel() / t1
-                print(f"{type_name:6} {shape_name:20} {one.numel():9d} {t1 * 1e6:9.1f} {rate / 1e9:8.2f} "
-                      f"{100 * rate / bandwidth:5.0f}% {tb * 1e6:10.1f} {tb / (args.batch * t1):8.3f}")
+                t1, c1 = seconds_per_call(lambda i: gguf_ops.gguf_matmul(x1, pool[i], int(qtype), n, k), copies,
+                                          args.seconds)
+                tb, cb = seconds_per_call(lambda i: gguf_ops.gguf_matmul(xb, pool[i], int(qtype), n, k), copies,
+                                          args.seconds)
+                rate, rate_cpu = one.numel() / t1, one.numel() / c1
+                line = f"{type_name:6} {shape_name:20} {one.numel():9d} {t1 * 1e6:8.1f} {rate / 1e9:6.2f} " \
+                       f"{100 * rate / bandwidth:4.0f}% "
+                if threads == 1:  # batch ratio from CPU time too: both are one thread's work
+                    line += f"{c1 * 1e6:8.1f} {rate_cpu / 1e9:6.2f} {100 * rate_cpu / bandwidth_cpu:4.0f}% "
+                    line += f"{cb * 1e6:10.1f} {cb / (args.batch * c1):8.3f}"
+                else:
+                    line += f"{tb * 1e6:10.1f} {tb / (args.batch * t1):8.3f}"
+                print(line)
                 del pool
-
 
 if __name__ == "__main__":
     main()

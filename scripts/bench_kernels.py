@@ -3,7 +3,8 @@
 Decode attention is memory-bound, so it is reported as achieved bandwidth (bytes of K/V, query,
 output and block table moved per second) and as a fraction of the GPU's peak HBM bandwidth (from a
 table of known devices, or --peak-tbps). The other kernels are timed against their torch
-references; the int4 (AWQ/GPTQ) and FP8 GEMMs against torch's dense matmul of the same weight. Each kernel's output is first checked against its reference on the same inputs.
+references; the int4 (AWQ/GPTQ) and FP8 GEMMs against torch's dense matmul of the same weight. Each kernel's
+output is first checked against its reference on the same inputs.
 On a machine without CUDA it says so and exits 0.
 
     python scripts/bench_kernels.py [--dtype bf16] [--batch-sizes 1,8,32,128] [--context-len 1024]

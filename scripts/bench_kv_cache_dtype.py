@@ -85,23 +85,31 @@ def teacher_forced_log_probs(runner, ids: list[int], prefill: int) -> torch.Tens
 
 
 @torch.inference_mode()
-def decode_step_seconds(runner, batch_size: int, context_len: int, steps: int) -> float:
-    """Median time of one decode step of `batch_size` sequences over `context_len` cached tokens (random K/V)."""
+def decode_step_seconds(runner, names: list[str], batch_size: int, context_len: int, steps: int) -> dict[str, float]:
+    """Median time of one decode step of `batch_size` sequences over `context_len` cached tokens (random K/V), per
+    KV cache dtype; the dtypes take turns step by step, so that a busy machine slows them alike."""
     blocks_each = -(-(context_len + 1) // runner.block_size)
-    runner.allocate_kv_cache(1 + batch_size * blocks_each)
     generator = torch.Generator().manual_seed(0)
-    for k_cache, v_cache in runner.kv_caches:
-        for cache in (k_cache, v_cache):
-            cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))
+    caches = {}
+    for name in names:
+        with_kv_cache_dtype(runner, name)
+        runner.allocate_kv_cache(1 + batch_size * blocks_each)
+        for k_cache, v_cache in runner.kv_caches:
+            for cache in (k_cache, v_cache):
+                cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))
+        caches[name] = runner.kv_caches
     tables = 1 + np.arange(batch_size * blocks_each).reshape(batch_size, blocks_each)
     input_ids = torch.randint(100, 20_000, (batch_size,), generator=generator)
     query_lens, seq_lens = np.ones(batch_size, dtype=np.int64), np.full(batch_size, context_len + 1)
-    times = []
-    for _ in range(steps + 1):  # the first warms up
-        started = time.perf_counter()
-        forward(runner, input_ids, query_lens, seq_lens, tables)
-        times.append(time.perf_counter() - started)
-    return float(np.median(times[1:]))
+    times = {name: [] for name in names}
+    for _ in range(steps + 1):  # the first round warms up
+        for name in names:
+            runner.kv_caches = caches[name]
+            started = time.perf_counter()
+            forward(runner, input_ids, query_lens, seq_lens, tables)
+            times[name].append(time.perf_counter() - started)
+    runner.kv_caches = []
+    return {name: float(np.median(t[1:])) for name, t in times.items()}
 
 
 def main() -> None:
@@ -130,14 +138,15 @@ def main() -> None:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than --kl-tokens {args.kl_tokens}")
     ids = ids[: args.kl_tokens]
     path = "compiled CPU kernels" if cpu_kernels_enabled() and cpu_ops.library() else "torch"
-    print(f"{runner.architecture} float32 on {torch.get_num_threads()} threads, attention via {path}")
+    print(f"{runner.architecture} float32 on {torch.get_num_threads()} threads, attention via {path}", flush=True)
 
     figures = {}
     reference = None
+    steps = decode_step_seconds(runner, args.kv_cache_dtypes, args.batch_size, args.context_len, args.steps)
     for name in args.kv_cache_dtypes:
         with_kv_cache_dtype(runner, name)
         log_probs = teacher_forced_log_probs(runner, ids, args.prefill_tokens)
-        step = decode_step_seconds(runner, args.batch_size, args.context_len, args.steps)
+        step = steps[name]
         row = {"kv_cache_dtype": name, "kv_block_bytes": runner.kv_block_bytes(), "decode_step_ms": step * 1e3,
                "decode_tokens_per_s": args.batch_size / step}
         if reference is None:
@@ -147,7 +156,7 @@ def main() -> None:
             row.update(mean_kl=float(kl.mean()), max_kl=float(kl.max()),
                        top1_agreement=float((reference.argmax(-1) == log_probs.argmax(-1)).double().mean()))
         figures[name] = row
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
     base = figures[args.kv_cache_dtypes[0]]["decode_tokens_per_s"]
     for name, row in figures.items():
         print(f"{name:>9}: block {row['kv_block_bytes']} B, decode {row['decode_tokens_per_s']:.1f} tok/s "

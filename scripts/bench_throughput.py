@@ -159,6 +159,21 @@ def report(args, machine: MachinePeaks, engine: dict, probe: DecodeWindow, bound
     return format_table(title, rows), data
 
 
+def report_data_parallel(args, engine: dict, engine_info, folder) -> int:
+    rows = [("Model / dtype / device:", f"{engine_info.architecture} / {engine_info.dtype} / {engine_info.device}"),
+            ("Data-parallel replicas:", str(args.data_parallel_size)),
+            ("tokenmill elapsed (s):", f"{engine['elapsed_s']:.1f}"),
+            ("tokenmill requests/s:", f"{engine['request_throughput']:.3f}"),
+            ("tokenmill output tokens/s:", f"{engine['output_throughput']:.1f}"),
+            ("tokenmill total tokens/s:", f"{engine['total_token_throughput']:.1f}"),
+            ("tokenmill mean TPOT (ms):", f"{engine['tpot_ms']['mean']:.1f}")]
+    print(format_table(f"Offline throughput, {args.data_parallel_size} replicas: {args.num_prompts} prompts, input "
+                       f"{args.input_len}, output {args.output_len}, max batch {args.max_num_seqs} each", rows))
+    save_json(folder, {"engine": engine, "config": args_as_json(args)})
+    print(f"results in {folder}")
+    return 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="", help='as for `tokenmill serve` ("" = the default model)')
@@ -174,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for the engine worker and the baseline alike (default: torch's choice)")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engine replicas behind the LLM's router; above 1 the decode probe and roofline (one "
+                             "engine's step) are skipped")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="bench_results")
     parser.add_argument("--name", default="throughput")
@@ -192,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     print("measuring the machine's matmul FLOP/s and copy bandwidth ...", file=sys.stderr)
     machine = measure_machine()
 
-    engine_args = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs}
+    engine_args = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                   "data_parallel_size": args.data_parallel_size}
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_memory_bytes:
@@ -203,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         warmup = build_workload(tokenizer, 4, args.input_len, LengthRange(4, 4), args.seed + 10_000)
         llm.generate([r.prompt_ids for r in warmup], [sampling_params(r) for r in warmup], use_tqdm=False)
         engine = run_tokenmill(llm, requests)
+        if args.data_parallel_size > 1:  # the probe times one engine's decode steps: not a data-parallel figure
+            return report_data_parallel(args, engine, llm.engine_info, folder)
         probe_input = args.probe_input_len or round(args.input_len.mean)
         probe, probe_output = run_decode_probe(llm, tokenizer, args.max_num_seqs, probe_input,
                                                args.probe_output_len, args.seed + 20_000)

@@ -20,12 +20,12 @@ import torch
 from benchlib.stats import summarize
 
 
-def build_runner(model: str, dtype: str, num_blocks: int, block_size: int):
+def build_runner(model: str, dtype: str, num_blocks: int, block_size: int, quantization: str | None = None):
     from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
     from tokenmill.model_source import resolve_config
     from tokenmill.workers.model_runner import ModelRunner
 
-    config = resolve_config(EngineConfig(model=ModelConfig(model=model, dtype=dtype),
+    config = resolve_config(EngineConfig(model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
                                          cache=CacheConfig(num_kv_blocks=num_blocks, block_size=block_size)))
     runner = ModelRunner(config)
     runner.load_model()
@@ -80,6 +80,10 @@ def label_cpu_kernels() -> None:
 
     for attr in ("write_kv", "attend"):
         setattr(CpuKernelBackend, attr, staticmethod(labelled(attr, getattr(CpuKernelBackend, attr))))
+    from tokenmill.workers.quantization.gguf import GGUFWeight
+
+    for attr in ("matmul", "lookup"):  # GGUF weights kept quantized: the kernels of kernels/gguf_ops.py
+        setattr(GGUFWeight, attr, labelled(f"gguf_{attr}", getattr(GGUFWeight, attr)))
     kernels = backends.device_kernels("cpu")
     ops = dataclasses.replace(kernels.ops, **{name: labelled(name, getattr(kernels.ops, name))
                                               for name in ("rms_norm", "rotary", "silu_and_mul")})
@@ -108,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", default=None, help="as `tokenmill serve` (default: the checkpoint's)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--context-len", type=int, default=320)
     parser.add_argument("--steps", type=int, default=8)
@@ -119,7 +124,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     block_size = 16
     blocks_each = -(-(args.context_len + 2 * args.steps + 1) // block_size)
-    runner, config = build_runner(args.model, args.dtype, 1 + args.batch_size * blocks_each, block_size)
+    runner, config = build_runner(args.model, args.dtype, 1 + args.batch_size * blocks_each, block_size,
+                                  args.quantization)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(100, 20_000, args.context_len)] for _ in range(args.batch_size)]
 

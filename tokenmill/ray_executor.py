@@ -26,6 +26,10 @@ log = logging.getLogger("tokenmill.ray")
 
 PLACEMENT_TIMEOUT_S = 300.0
 
+# This process's link to Ray, shared by every engine in it (data-parallel replicas): whether tokenmill called
+# ray.init (then the last engine to stop calls ray.shutdown) and how many engines use it now.
+_connection = {"started": False, "users": 0}
+
 
 def _import_ray():
     try:
@@ -64,9 +68,11 @@ class RayWorkers:
 
     def __init__(self, config: EngineConfig) -> None:
         ray = self.ray = _import_ray()
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
+        if not ray.is_initialized():
             ray.init()
+            _connection["started"] = True
+        _connection["users"] += 1
+        self.connected = True
         self.placement_group = None
         self.actors: list = []
         self.runs: list = []
@@ -136,7 +142,11 @@ class RayWorkers:
         return reasons
 
     def stop(self) -> None:
-        """Kill every actor, remove the placement group, and disconnect (shutting Ray down if this started it)."""
+        """Kill every actor, remove the placement group, and disconnect (the last engine shuts down a Ray that
+        tokenmill started). Idempotent."""
+        if not self.connected:
+            return
+        self.connected = False
         ray = self.ray
         for actor in self.actors:
             try:
@@ -152,5 +162,7 @@ class RayWorkers:
             except Exception as exc:
                 log.debug("removing the placement group: %s", exc)
             self.placement_group = None
-        if self.started_ray and ray.is_initialized():
+        _connection["users"] -= 1
+        if _connection["users"] == 0 and _connection["started"]:
+            _connection["started"] = False
             ray.shutdown()

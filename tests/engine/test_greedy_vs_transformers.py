@@ -74,7 +74,8 @@ def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints,
                                                        request):
     prompts = [smollm2_tokenizer.encode(t) for t in TEXTS]
     model_arg = str(smollm2_dir() / SMOLLM2_GGUF) if family == "smollm2" else str(tiny_checkpoints(family))
-    with Server(model_arg, "--served-model-name", "m", "--dtype", "float32", "--max-model-len", "1024",
+    with Server(model_arg, "--served-model-name", "m", "--dtype", "float32", "--quantization", "none",
+                "--max-model-len", "1024",
                 "--kv-cache-memory-bytes", "256MiB", log_path=tmp_path / "server.log") as server:
         with ThreadPoolExecutor(len(prompts)) as pool:
             ours = list(pool.map(lambda p: complete_ids(server.url, p), prompts))
@@ -90,7 +91,9 @@ def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints,
 def run_offline(prompts, **engine_args) -> tuple[list[list[int]], "LLM"]:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(str(smollm2_dir() / SMOLLM2_GGUF), dtype="float32", max_model_len=1024, **engine_args)
+    # dequantized at load, as transformers runs the GGUF (tests/engine/test_quantized_gguf.py: the quantized path)
+    llm = LLM(str(smollm2_dir() / SMOLLM2_GGUF), dtype="float32", quantization="none", max_model_len=1024,
+              **engine_args)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     results = llm.generate(prompts, params, use_tqdm=False)
     return [r.outputs[0].token_ids for r in results], llm
@@ -122,7 +125,7 @@ def test_prefix_caching_hits_and_matches_transformers(smollm2_tokenizer, smollm2
     expected = references(smollm2_hf, prompts)
     from tokenmill import LLM, SamplingParams
 
-    with LLM(str(smollm2_dir() / SMOLLM2_GGUF), dtype="float32", max_model_len=1024) as llm:
+    with LLM(str(smollm2_dir() / SMOLLM2_GGUF), dtype="float32", quantization="none", max_model_len=1024) as llm:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         first = llm.generate(prompts[:1], params, use_tqdm=False)
         rest = llm.generate(prompts[1:], params, use_tqdm=False)

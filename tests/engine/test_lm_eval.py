@@ -70,7 +70,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def samples(tasks_dir, tokenizer_dir, tmp_path_factory) -> dict[str, list[dict]]:
     """lm-eval's logged samples per task, from one run against a live float32 server (prompts chunked by 16)."""
     out = tmp_path_factory.mktemp("lm-eval-out")
-    with Server(str(smollm2_dir() / SMOLLM2_GGUF), "--served-model-name", "m", "--dtype", "float32",
+    with Server(str(smollm2_dir() / SMOLLM2_GGUF), "--served-model-name", "m", "--dtype", "float32", "-q", "none",
                 "--max-model-len", "512", "--max-num-batched-tokens", "16", "--kv-cache-memory-bytes", "64MiB",
                 log_path=out / "server.log") as server:
         model_args = (f"model=m,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"

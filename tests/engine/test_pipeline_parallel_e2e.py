@@ -102,12 +102,23 @@ def test_two_stages_on_a_two_node_ray_cluster_match_transformers(tiny_checkpoint
         cluster.wait_for_nodes()
         session_dir = cluster.head_node.get_session_dir_path()
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-        outputs, llm = generate(str(tiny_checkpoints("llama")), prompts, pipeline_parallel_size=2,
-                                distributed_executor_backend="ray")
-        workers = llm.processes.replicas[0].ray_workers
-        assert len(set(workers.node_ids)) == 2, "the two stages must run on the two nodes"
-        assert [name for name, _ in llm.processes.children] == ["tokenmill-scheduler"]  # the workers are actors
-        assert llm.config.parallel.worker_addresses["plans"].startswith("tcp://")
+        import ray
+        from tokenmill import LLM, SamplingParams
+
+        with LLM(str(tiny_checkpoints("llama")), **ENGINE_ARGS, pipeline_parallel_size=2,
+                 distributed_executor_backend="ray") as llm:
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+            outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+            workers = llm.processes.replicas[0].ray_workers
+            assert len(set(workers.node_ids)) == 2, "the two stages must run on the two nodes"
+            assert [name for name, _ in llm.processes.children] == ["tokenmill-scheduler"]  # the workers are actors
+            assert llm.config.parallel.worker_addresses["plans"].startswith("tcp://")
+            assert llm.processes.dead_child() is None
+            ray.kill(workers.actors[1])  # supervision notices a dead actor as it notices a dead process
+            deadline = time.monotonic() + 30
+            while (dead := llm.processes.dead_child()) is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert dead is not None and "tokenmill-worker1" in dead, dead
         assert workers.actors == [] and workers.placement_group is None  # stop() killed and removed them
         started = ray_processes(session_dir) | {p.pid for p in psutil.Process().children(recursive=True)} - before
     finally:

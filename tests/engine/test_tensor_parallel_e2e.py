@@ -31,7 +31,8 @@ TEXTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "Once upon a time, in a small village at the edge of a great forest, there lived",
 ]
-ENGINE_ARGS = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+# dequantized at load, as transformers runs the GGUF
+ENGINE_ARGS = dict(dtype="float32", quantization="none", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
 NEW_TOKENS = 16
 
 
@@ -67,7 +68,7 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
 def test_default_model_served_on_two_ranks_matches_one_rank_and_transformers(prompts, tiny_checkpoints, tmp_path):
     model = str(smollm2_dir() / SMOLLM2_GGUF)
     with Server(model, "--served-model-name", "m", "--tensor-parallel-size", "2", "--dtype", "float32",
-                "--max-model-len", "1024", "--kv-cache-memory-bytes", "256MiB", log_path=tmp_path / "server.log",
+                "--quantization", "none", "--max-model-len", "1024", "--kv-cache-memory-bytes", "256MiB", log_path=tmp_path / "server.log",
                 startup_timeout=300) as server:
         for rank in (0, 1):
             child_by_role(server, f"worker{rank}")  # raises unless that rank's process is up

@@ -25,13 +25,22 @@ TOLERANCES = {
 }
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cases are built on the CPU, the kernel runs here
+
+
+def on_device(tensors: dict) -> dict:
+    return {name: tensor.to(DEVICE) for name, tensor in tensors.items()}
+
+
 def make_case(n, k, group_size, rows, dtype, sym=False, act_order=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, k, generator=g, dtype=torch.float64) / k**0.5
-    perm = torch.randperm(k, generator=g) if act_order else None
-    q = quantize_int4(weight, group_size, sym=sym, perm=perm, min_zero=1)
-    x = torch.randn(rows, k, generator=g, dtype=torch.float64).to(dtype)
-    return q, x, x.double() @ q.dense().T  # the exact product of the rounded input and the quantized weight
+    """(quantized weight on the CPU, x on DEVICE, the exact float64 product on the CPU)."""
+    with torch.device("cpu"):
+        g = torch.Generator().manual_seed(seed)
+        weight = torch.randn(n, k, generator=g, dtype=torch.float64) / k**0.5
+        perm = torch.randperm(k, generator=g) if act_order else None
+        q = quantize_int4(weight, group_size, sym=sym, perm=perm, min_zero=1)
+        x = torch.randn(rows, k, generator=g, dtype=torch.float64).to(dtype)
+    return q, x.to(DEVICE), x.double() @ q.dense().T  # the product of the rounded input and the quantized weight
 
 
 @pytest.mark.parametrize(
@@ -45,13 +54,13 @@ def make_case(n, k, group_size, rows, dtype, sym=False, act_order=False, seed=0)
 )
 def test_awq_gemm_matches_float64_reference(n, k, group_size, rows, dtype, zero_point):
     q, x, expected = make_case(n, k, group_size, rows, dtype, sym=not zero_point, seed=n + rows)
-    t = awq_tensors(q, zero_point=zero_point)
+    t = on_device(awq_tensors(q, zero_point=zero_point))
     assert t["qweight"].shape == (k, n // 8) and t["scales"].shape == (q.scales.shape[0], n)
     dense = awq_dequantize_ref(t["qweight"], t.get("qzeros"), t["scales"], group_size)
-    torch.testing.assert_close(dense, q.dense().T, rtol=0, atol=0)  # the reference unpacks AWQ's order right
+    torch.testing.assert_close(dense.cpu(), q.dense().T, rtol=0, atol=0)  # the reference unpacks AWQ's order right
     got = awq_gemm(x, t["qweight"], t.get("qzeros"), t["scales"], group_size)
     assert got.dtype == dtype and got.shape == (rows, n)
-    torch.testing.assert_close(got.double(), expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(got.double().cpu(), expected, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize(
@@ -65,23 +74,23 @@ def test_awq_gemm_matches_float64_reference(n, k, group_size, rows, dtype, zero_
 )
 def test_gptq_gemm_matches_float64_reference(n, k, group_size, rows, dtype, sym, act_order, zero_offset):
     q, x, expected = make_case(n, k, group_size, rows, dtype, sym=sym, act_order=act_order, seed=k + rows)
-    t = gptq_tensors(q, zero_offset=zero_offset)
+    t = on_device(gptq_tensors(q, zero_offset=zero_offset))
     g_idx = t["g_idx"] if act_order else None
     assert t["qweight"].shape == (k // 8, n) and t["qzeros"].shape == (k // group_size, n // 8)
     dense = gptq_dequantize_ref(t["qweight"], t["qzeros"], t["scales"], group_size, t["g_idx"], zero_offset)
-    torch.testing.assert_close(dense, q.dense().T, rtol=0, atol=0)
+    torch.testing.assert_close(dense.cpu(), q.dense().T, rtol=0, atol=0)
     got = gptq_gemm(x, t["qweight"], t["qzeros"], t["scales"], group_size, g_idx, zero_offset)
     assert got.dtype == dtype and got.shape == (rows, n)
-    torch.testing.assert_close(got.double(), expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(got.double().cpu(), expected, **TOLERANCES[dtype])
 
 
 def test_act_order_g_idx_is_read():
     """The same codes with the plain g_idx give a different product: the shuffled one is really used."""
     q, x, expected = make_case(64, 128, 32, 2, torch.float32, act_order=True, seed=5)
-    t = gptq_tensors(q)
+    t = on_device(gptq_tensors(q))
     plain = gptq_gemm(x, t["qweight"], t["qzeros"], t["scales"], 32, None)
-    assert (plain.double() - expected).abs().max() > 1e-2
-    torch.testing.assert_close(gptq_gemm(x, t["qweight"], t["qzeros"], t["scales"], 32, t["g_idx"]).double(),
+    assert (plain.double().cpu() - expected).abs().max() > 1e-2
+    torch.testing.assert_close(gptq_gemm(x, t["qweight"], t["qzeros"], t["scales"], 32, t["g_idx"]).double().cpu(),
                                expected, atol=1e-4, rtol=1e-4)
 
 
@@ -100,12 +109,37 @@ def test_packing_round_trips_and_awq_order():
 
 def test_three_dim_input_and_empty_batch():
     q, x, expected = make_case(64, 64, 32, 6, torch.float32, seed=1)
-    t = awq_tensors(q)
+    t = on_device(awq_tensors(q))
     got = awq_gemm(x.reshape(2, 3, 64), t["qweight"], t["qzeros"], t["scales"], 32)
-    torch.testing.assert_close(got.reshape(6, 64).double(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.reshape(6, 64).double().cpu(), expected, atol=1e-4, rtol=1e-4)
     assert awq_gemm(x[:0], t["qweight"], t["qzeros"], t["scales"], 32).shape == (0, 64)
     with pytest.raises(ValueError, match="group_size=48 does not divide"):
         awq_gemm(x, t["qweight"], t["qzeros"], t["scales"], 48)
+
+
+def test_sliced_and_fused_weights_feed_the_kernel():
+    """What the layers hand the kernel after `rows` (unaligned: repacked), `cols` and `concat_rows`."""
+    from tokenmill.workers.quantization.awq import AWQWeight
+    from tokenmill.workers.quantization.base import fuse_rows
+    from tokenmill.workers.quantization.gptq import GPTQWeight
+
+    q, x, _ = make_case(64, 128, 32, 3, torch.float32, act_order=True, seed=9)
+    t = on_device(awq_tensors(q))
+    awq = AWQWeight(t["qweight"], t["qzeros"], t["scales"], 32)
+    t = on_device(gptq_tensors(q))
+    gptq = GPTQWeight(t["qweight"], t["qzeros"], t["scales"], 32, t["g_idx"])
+    for weight in (fuse_rows([awq.rows(4, 16), awq.rows(32, 32)]).cols(32, 64),
+                   fuse_rows([gptq.rows(4, 16), gptq.rows(32, 32)]).cols(40, 48)):
+        if isinstance(weight, AWQWeight):
+            got = awq_gemm(x[:, 32:96], weight.qweight, weight.qzeros, weight.scales, weight.group_size)
+            inputs = x[:, 32:96]
+        else:
+            got = gptq_gemm(x[:, 40:88], weight.qweight, weight.qzeros, weight.scales, weight.group_size,
+                            weight.g_idx, weight.zero_offset)
+            inputs = x[:, 40:88]
+        assert got.shape == (3, 48)
+        torch.testing.assert_close(got.double(), inputs.double() @ weight.dequantize(torch.float64).T,
+                                   atol=1e-4, rtol=1e-4)
 
 
 _COMPILE_SCRIPT = """
@@ -148,4 +182,4 @@ def test_int4_and_fp8_gemm_compile_for_nvidia_targets():
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=300, cwd=repo_root)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok") == 6 + 3, result.stdout
+    assert result.stdout.count(": ok") == 6 + 4, result.stdout

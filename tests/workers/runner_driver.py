@@ -32,11 +32,14 @@ from tokenmill.workers.backends import attention_backend
 _plan_decoder = decoder(WorkerCommand)
 
 
-def logits_in_chunks(model, input_ids: torch.Tensor, chunk_bounds: list[int], block_size: int = 4) -> torch.Tensor:
-    """Run one sequence through a fresh paged cache (shuffled blocks) in chunks; float32 logits of every position."""
+def logits_in_chunks(model, input_ids: torch.Tensor, chunk_bounds: list[int], block_size: int = 4,
+                     kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Run one sequence through a fresh paged cache (shuffled blocks; the default dtype unless `kv_cache_dtype`) in
+    chunks; float32 logits of every position."""
     num_blocks = -(-len(input_ids) // block_size) + 8
     shape = model.kv_cache_shape(num_blocks, block_size)
-    kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
+    kv_caches = [(torch.zeros(shape, dtype=kv_cache_dtype), torch.zeros(shape, dtype=kv_cache_dtype))
+                 for _ in range(model.num_layers)]
     blocks = np.random.default_rng(0).permutation(num_blocks)
     logits = []
     for start, end in zip(chunk_bounds, chunk_bounds[1:]):

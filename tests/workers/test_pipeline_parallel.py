@@ -46,6 +46,17 @@ def test_micro_batches_are_contiguous_non_empty_and_about_even():
     assert [len(g) for g in micro_batches([("a", 0, 1), ("b", 0, 1), ("c", 0, 100)], 2)] == [2, 1]
 
 
+def test_parallel_sizes_are_checked_naming_the_field():
+    from tokenmill.config import EngineConfig, ModelConfig as Model, ParallelConfig
+    from tokenmill.launcher import check_parallel_config
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
+        check_parallel_config(EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=0)))
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 serves generation models only"):
+        check_parallel_config(EngineConfig(model=Model(task="embed"), parallel=ParallelConfig(pipeline_parallel_size=2)))
+    check_parallel_config(EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2)))
+
+
 def load_stage(path, hf_config, stage: PipelineStage):
     model = model_class(architecture_of(hf_config))(hf_config, pp=stage)
     wanted = lambda name: stage.weight_name(name, hf_config.num_hidden_layers, hf_config.tie_word_embeddings)
@@ -69,8 +80,10 @@ def test_two_stages_chained_give_hf_logits(tiny_checkpoint, kind):
     with torch.no_grad():
         expected = hf_model(input_ids[None]).logits[0]
     block_size, num_blocks = 4, 8
-    shapes = [m.kv_cache_shape(num_blocks, block_size) for m in stages]
-    caches = [[(torch.zeros(shape), torch.zeros(shape)) for _ in range(m.num_layers)] for m, shape in zip(stages, shapes)]
+    caches = []
+    for stage_model in stages:  # each stage's cache holds only its own layers
+        shape = stage_model.kv_cache_shape(num_blocks, block_size)
+        caches.append([(torch.zeros(shape), torch.zeros(shape)) for _ in range(stage_model.num_layers)])
     blocks = np.random.default_rng(0).permutation(num_blocks)
     logits = []
     for start, end in [(0, 9), (9, 22), (22, 23)]:  # a prompt in chunks, then a decode step

@@ -216,7 +216,7 @@ def test_smollm2_prompt_logprobs_equal_transformers_chunked():
     hf_model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF)
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. Paris is the capital of")["input_ids"]
-    engine = Engine(ModelConfig(path=path, gguf_file=SMOLLM2_GGUF, dtype="float32"), max_num_batched_tokens=6,
+    engine = Engine(ModelConfig(path=path, gguf_file=SMOLLM2_GGUF, dtype="float32", quantization="none"), max_num_batched_tokens=6,
                     num_blocks=64, block_size=16)
     outputs = engine.run(request("r", prompt, 4, max_tokens=2))
     assert_prompt_logprobs_match(outputs["r"][0].prompt_logprobs, prompt, reference_logprobs(hf_model, prompt), 4)

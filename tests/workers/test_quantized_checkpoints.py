@@ -1,7 +1,7 @@
-"""AWQ, GPTQ (act-order), FP8 and compressed-tensors (int4, FP8) checkpoints of a tiny Llama, made by the test quantizer (tests/quantized_checkpoints.py):
-what each reader builds from them, the model holding those quantized weights against the model on the dense
-checkpoint of the same dequantized weights, and the engine's greedy output on CPU (which dequantizes at load) against
-the engine on that dense checkpoint."""
+"""AWQ, GPTQ (act-order), FP8 and compressed-tensors (int4, FP8) checkpoints of a tiny Llama, made by the test
+quantizer (tests/quantized_checkpoints.py): what each reader builds from them; the model holding those quantized
+weights (fused, and sharded for two ranks) against the model on the dense checkpoint of the same dequantized weights;
+and the engine's greedy output on CPU, which dequantizes at load, against transformers' on that dense checkpoint."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_reader_groups_each_layer_into_one_quantized_weight(quantized, method):
         assert isinstance(weight, cls) and weight.shape == reference[name].shape, name
         prefix = name.removesuffix(".weight")
         stored = sum(tensors[f"{prefix}.{part}"].nbytes for part in parts)
-        if method in ("gptq", "compressed-int4"):  # act-order: the shuffled g_idx is kept; a plain one would have been dropped
+        if method in ("gptq", "compressed-int4"):  # act-order: the shuffled g_idx is kept (a plain one is dropped)
             assert weight.g_idx is not None
         assert weight.nbytes() == stored, name
         torch.testing.assert_close(weight.dequantize(torch.float32), reference[name], rtol=0, atol=0)
@@ -96,6 +96,44 @@ def test_model_on_quantized_weights_matches_dequantized_checkpoint(quantized, me
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_cpu_loads_dequantize_and_cuda_loads_keep_the_format(quantized, caplog):
+    path, reference_path, _ = quantized["gptq"]
+    model_cfg = ModelConfig(path=str(path), quantization="gptq")
+    reference = dict(iter_weights(ModelConfig(path=str(reference_path))))
+    with caplog.at_level("INFO"):
+        on_cpu = dict(iter_weights(model_cfg, "cpu"))
+    assert [r.getMessage() for r in caplog.records if "dequantizing" in r.getMessage()] == [
+        "dequantizing the gptq weights to float32 at load (on cpu)"]
+    assert set(on_cpu) == set(reference)
+    for name, tensor in on_cpu.items():
+        assert isinstance(tensor, torch.Tensor), name
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0)
+    on_cuda = dict(iter_weights(model_cfg, "cuda"))  # the reader builds them on the CPU; nothing touches a GPU here
+    assert sum(isinstance(weight, GPTQWeight) for weight in on_cuda.values()) == 2 * 7
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8"])
+def test_tensor_parallel_shards_are_the_dense_shards(quantized, method):
+    """Each of two ranks slices the quantized weights (q/k/v heads and gate/up columns by rows, o_proj/down_proj by
+    cols on group boundaries) into exactly its share of the dense weights."""
+    from tokenmill.workers.models.layers import TensorParallel
+
+    path, reference_path, _ = quantized[method]
+    hf_config = load_hf_config(ModelConfig(path=str(reference_path)))
+    cls = model_class(architecture_of(hf_config))
+    for rank in (0, 1):
+        ours, dense = cls(hf_config, tp=TensorParallel(rank, 2)), cls(hf_config, tp=TensorParallel(rank, 2))
+        ours.load_weights(read(path).items())
+        dense.load_weights(iter_weights(ModelConfig(path=str(reference_path))))
+        sharded = [(name, module.weight) for name, module in ours.named_modules()
+                   if isinstance(getattr(module, "weight", None), QuantizedWeight)]
+        assert len(sharded) == 2 * 4  # qkv, o, gate_up, down per layer
+        for name, weight in sharded:
+            expected = dense.get_submodule(name).weight
+            assert weight.shape == expected.shape, name
+            torch.testing.assert_close(weight.dequantize(torch.float32), expected, rtol=0, atol=0)
+
+
 def test_bad_quantization_configs_are_clear_errors(tmp_path):
     config = {"quantization_config": {"quant_method": "gptq", "bits": 8, "group_size": 128}}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -105,6 +143,18 @@ def test_bad_quantization_configs_are_clear_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="block-scaled FP8"):
         next(checkpoint_reader("fp8")(ModelConfig(path=str(tmp_path))))
+    from safetensors.torch import save_file
+
+    save_file({"proj.qweight": torch.zeros(64, 4, dtype=torch.int32), "proj.scales": torch.ones(2, 32).half()},
+              str(tmp_path / "model.safetensors"))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"proj.qweight but no proj.qzeros \(zero_point is true\)"):
+        next(checkpoint_reader("awq")(ModelConfig(path=str(tmp_path))))
+    config["quantization_config"]["zero_point"] = False  # then the codes are offset by 8
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    name, weight = next(checkpoint_reader("awq")(ModelConfig(path=str(tmp_path))))
+    assert name == "proj.weight" and torch.equal(weight.dequantize(), torch.full((32, 64), -8.0))
 
 
 @pytest.mark.slow
@@ -120,7 +170,7 @@ def test_engine_greedy_on_quantized_checkpoints_matches_dense(quantized, smollm2
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for method in ("awq", "gptq", "fp8"):
         path, reference_path, _ = quantized[method]
-        with LLM(str(path), dtype="float32", max_model_len=256) as llm:
+        with LLM(str(path), dtype="float32", max_model_len=256, device="cpu") as llm:
             assert llm.config.model.quantization == method
             outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
         hf_model = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch.float32).eval()

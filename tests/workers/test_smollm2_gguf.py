@@ -36,7 +36,9 @@ def smollm2():
     path = spec.submodule_search_locations[0]
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF)
-    return ModelConfig(path=path, gguf_file=SMOLLM2_GGUF), model, tokenizer
+    # dequantized at load: these tests check the weights and the float32 model against transformers
+    # (tests/engine/test_quantized_gguf.py checks the quantized path against this one)
+    return ModelConfig(path=path, gguf_file=SMOLLM2_GGUF, quantization="none"), model, tokenizer
 
 
 def test_gguf_weights_equal_transformers(smollm2):

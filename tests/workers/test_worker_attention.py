@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from tokenmill.kernels.kv_quant import dequantize, quantize
 from tokenmill.workers.attention import _decode_chunk_bounds, build_attention_metadata, write_kv_and_attend, write_kv_torch
 from tokenmill.workers.backends import attention_backend
 
@@ -27,14 +28,16 @@ def dense_reference(query, keys, values, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
 
 
-def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_tokens=None):
+def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_tokens=None,
+             cache_dtype=torch.float32, k_scale=1.0, v_scale=1.0):
     """Fill the cache for every sequence's history, then one step of new tokens; compare with dense attention.
 
-    Unused cache slots hold `garbage`, as a torch.empty cache may.
+    Unused cache slots hold `garbage`, as a torch.empty cache may. With an fp8 `cache_dtype` the cache holds keys /
+    k_scale and values / v_scale, and the dense reference sees the keys and values as stored (rounded to fp8).
     """
     generator = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    k_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), garbage)
+    k_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), garbage, dtype=cache_dtype)
     v_cache = torch.full_like(k_cache, garbage)
     free = [int(b) for b in rng.permutation(NUM_BLOCKS) if b != 0]
     max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens) + 1  # one spare column of padding
@@ -50,12 +53,14 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_to
             v_cache[block] = 0.0
         keys = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
         values = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
-        histories.append((keys, values))
+        stored_keys, stored_values = quantize(keys, k_scale, cache_dtype), quantize(values, v_scale, cache_dtype)
+        histories.append((dequantize(stored_keys, k_scale, torch.float32),
+                          dequantize(stored_values, v_scale, torch.float32)))
         cached = seq_len - q_len
         for pos in range(cached):  # what earlier steps stored
             slot = blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-            k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot] = keys[pos]
-            v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot] = values[pos]
+            k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot] = stored_keys[pos]
+            v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot] = stored_values[pos]
         queries.append(torch.randn(q_len, NUM_HEADS, HEAD_DIM, generator=generator))
         new_keys.append(keys[cached:])
         new_values.append(values[cached:])
@@ -64,7 +69,8 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_to
                                     attention_backend("cpu"), decode_chunk_tokens)
     scale = HEAD_DIM**-0.5
     out = write_kv_and_attend(
-        torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache), meta, scale
+        torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache), meta, scale,
+        k_scale=k_scale, v_scale=v_scale,
     )
     expected = torch.cat([dense_reference(q, k, v, scale) for q, (k, v) in zip(queries, histories)])
     return out, expected, meta
@@ -86,6 +92,20 @@ def test_paged_attention_matches_dense(use_cpu_backend, backend, query_lens, seq
     assert meta.is_decode_only == all(q == 1 for q in query_lens)
     assert torch.isfinite(out).all(), "garbage (NaN) cache slots leaked into the output"
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_fp8_caches_store_and_read_with_the_layer_scales(use_cpu_backend, backend, cache_dtype):
+    """Mixed decode and prefill over fp8 caches: this step's keys and values are quantized as earlier steps' were,
+    every path reads them back times their scale (NaN garbage in unused fp8 slots stays out)."""
+    use_cpu_backend(backend)
+    query_lens, seq_lens = [1, 6, 1, 3, 1], [17, 6, 2, 12, 40]
+    # scales no power of two, so that fp8 rounds the scaled values differently: a path that skipped a scale on
+    # write or read would be off by far more than the tolerance
+    out, expected, _ = run_case(query_lens, seq_lens, cache_dtype=cache_dtype, k_scale=0.3, v_scale=1.7)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -113,8 +113,10 @@ def new_parameter(*shape: int) -> nn.Parameter:
 
 def set_weight(module: nn.Module, weight: nn.Module | nn.Parameter) -> None:
     """Put a quantized weight (a module) where a layer's dense `weight` parameter was, or a parameter back."""
-    module._parameters.pop("weight", None)
+    dense = module._parameters.pop("weight", None)
     module._modules.pop("weight", None)
+    if dense is not None and isinstance(weight, nn.Module):
+        weight = weight.to(dense.device)  # checkpoint readers build quantized weights on the CPU
     setattr(module, "weight", weight)
 
 

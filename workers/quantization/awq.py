@@ -46,12 +46,15 @@ class AWQWeight(QuantizedWeight):
         in_features, out_features = qweight.shape[0], scales.shape[1]
         super().__init__(out_features, in_features)
         self.group_size = group_size if group_size > 0 else in_features
-        expected = {"qweight": (in_features, out_features // 8), "scales": (in_features // self.group_size, out_features)}
+        if in_features % self.group_size:
+            raise ValueError(f"AWQ group_size {self.group_size} does not divide in_features {in_features}")
+        num_groups = in_features // self.group_size
+        expected = [("qweight", qweight, (in_features, out_features // 8)),
+                    ("scales", scales, (num_groups, out_features))]
         if qzeros is not None:
-            expected["qzeros"] = expected["scales"][0], out_features // 8
-        for name, shape in expected.items():
-            tensor = {"qweight": qweight, "qzeros": qzeros, "scales": scales}[name]
-            if tuple(tensor.shape) != shape or in_features % self.group_size or out_features % 8:
+            expected.append(("qzeros", qzeros, (num_groups, out_features // 8)))
+        for name, tensor, shape in expected:
+            if tuple(tensor.shape) != shape or out_features % 8:
                 raise ValueError(f"AWQ {name} has shape {tuple(tensor.shape)}, expected {shape} for a "
                                  f"[{out_features}, {in_features}] weight with group_size {self.group_size}")
         self.register_buffer("qweight", qweight.to(torch.int32))
@@ -97,10 +100,11 @@ def read_awq(model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | Quant
     if config.get("version", "gemm").lower() != "gemm":
         raise ValueError(f"AWQ version {config['version']!r} is not supported (only the GEMM layout)")
     zero_point = bool(config.get("zero_point", True))
-    parts = ("qweight", "qzeros", "scales") if zero_point else ("qweight", "scales")
-    for name, item in iter_grouped_tensors(safetensors_files(model_cfg.path), parts):
-        if isinstance(item, dict):
-            yield f"{name}.weight", AWQWeight(item["qweight"], item.get("qzeros"), item["scales"],
-                                              settings.group_size)
-        else:
+    for name, item in iter_grouped_tensors(safetensors_files(model_cfg.path), ("qweight", "qzeros", "scales")):
+        if not isinstance(item, dict):
             yield name, item
+            continue
+        if "scales" not in item or (zero_point and "qzeros" not in item):
+            missing = "scales" if "scales" not in item else "qzeros (zero_point is true)"
+            raise ValueError(f"AWQ checkpoint has {name}.qweight but no {name}.{missing}")
+        yield f"{name}.weight", AWQWeight(item["qweight"], item.get("qzeros"), item["scales"], settings.group_size)

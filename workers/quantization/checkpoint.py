@@ -63,8 +63,9 @@ def _checkpoint_keys(files: list[str]) -> dict[str, str]:
 def iter_grouped_tensors(
     files: list[str], parts: Iterable[str], marker: str | None = None
 ) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
-    """Every tensor of the checkpoint's safetensors `files` in file order; a layer holding `<prefix>.<marker>` (default: the first part)
-    comes once, as (prefix, {part: tensor}) with whichever of `parts` it has, wherever it meets the first of them.
+    """Every tensor of the checkpoint's safetensors `files` in file order; a layer holding `<prefix>.<marker>`
+    (default: the first part) comes once, as (prefix, {part: tensor}) with whichever of `parts` it has, where the
+    first of them is met.
     Other tensors come as (name, tensor)."""
     from safetensors import safe_open
 

@@ -95,7 +95,8 @@ def fp8_items(path: str, static_input: bool) -> Iterator[tuple[str, torch.Tensor
     """The tensors of an FP8 checkpoint with each layer's weight/weight_scale(/input_scale) as one FP8Weight named
     `<prefix>.weight` (layers left unquantized are stored dense and pass through); KV-cache scales are dropped."""
     dropped = 0
-    for name, item in iter_grouped_tensors(safetensors_files(path), ("weight", "weight_scale", "input_scale"), marker="weight_scale"):
+    parts = ("weight", "weight_scale", "input_scale")
+    for name, item in iter_grouped_tensors(safetensors_files(path), parts, marker="weight_scale"):
         if isinstance(item, dict):
             input_scale = item.get("input_scale") if static_input else None
             if static_input and input_scale is None:

@@ -120,8 +120,13 @@ def read_gptq(model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | Quan
         if not isinstance(item, dict):
             yield name, item
             continue
+        missing = [part for part in ("qzeros", "scales") if part not in item]
+        if missing:
+            raise ValueError(f"GPTQ checkpoint has {name}.qweight but no {name}.{missing[0]}")
         group_size = settings.group_size if settings.group_size > 0 else item["qweight"].shape[0] * 8
         g_idx = item.get("g_idx")
+        if g_idx is None and settings.desc_act and settings.group_size > 0:
+            raise ValueError(f"GPTQ checkpoint has desc_act=true but no {name}.g_idx (act-order needs it)")
         if g_idx is not None and is_plain_g_idx(g_idx, group_size):
             g_idx = None
         yield f"{name}.weight", GPTQWeight(item["qweight"], item["qzeros"], item["scales"], group_size, g_idx,

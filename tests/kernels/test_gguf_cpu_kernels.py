@@ -1,0 +1,182 @@
+"""The GGUF CPU matmul kernels (kernels/gguf_cpu.cpp via kernels/gguf_ops.py) against float64 references, on every
+instruction-set version this machine can run.
+
+Two references per case, from the `gguf` package's dequantizer:
+- tight: the activations int8-quantized exactly as the kernels do (per block, d = max|x| / 127, q = rint(x * (127 /
+  max|x|)) in float32), then a float64 matmul. The kernels' integer dot products are exact, so what remains is float32
+  rounding of the per-block scales and partial sums: well under 1e-6 of sum_k |x_k| |W_nk|, with the unsigned
+  weights' offsets (up to 2x |W| for Q4_0's -8) counted in.
+- loose: the exact float64 x @ W^T. Rounding x to int8 moves each value by at most half a step, max|x_block| / 254,
+  so |y - exact| <= sum_blocks max|x_block| / 254 * sum_{k in block} |W_nk|, a bound the test checks per element.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from tokenmill.kernels import cpu_ops, gguf_ops
+
+Q = GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+BATCHES = [1, 2, 3, 7, 32, 64]
+
+needs_kernels = pytest.mark.skipif(gguf_ops.library() is None, reason="no C++ compiler here (the fallback is tested)")
+
+# byte offsets of each block type's fp16 scales: (offset, low, high) for a uniform draw
+_SCALES = {
+    Q.Q4_0: [(0, -0.02, 0.02)], Q.Q8_0: [(0, -0.02, 0.02)], Q.Q4_1: [(0, 0.0, 0.02), (2, -0.15, 0.0)],
+    Q.Q4_K: [(0, 0.0, 0.003), (2, 0.0, 0.003)], Q.Q5_K: [(0, 0.0, 0.002), (2, 0.0, 0.003)],
+    Q.Q6_K: [(208, -0.002, 0.002)],
+}
+
+
+def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks: every quant, scale byte and bit random, the fp16 scales finite and moderate."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // block_elems, block_bytes), dtype=np.uint8)
+    for offset, low, high in _SCALES[qtype]:
+        halves = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, offset:offset + 2] = halves[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def quantized_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' int8 activations, dequantized (float64), and each value's block max|x|."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inverse)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    return (q * scale.astype(np.float64)).reshape(x.shape), np.broadcast_to(amax, xb.shape).reshape(x.shape)
+
+
+def check(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType, y: torch.Tensor) -> None:
+    n, k = blocks.shape[0], x.shape[1]
+    w = gguf_quants.dequantize(blocks, qtype).astype(np.float64).reshape(n, k)
+    x64 = x.double().numpy()
+    xq, amax = quantized_activations(x.float().numpy(), GGML_QUANT_SIZES[qtype][0])
+    got = y.double().numpy()
+    magnitude = np.abs(xq) @ (2 * np.abs(w) + np.abs(w).max(axis=1, keepdims=True)).T
+    np.testing.assert_array_less(np.abs(got - xq @ w.T), 1e-6 * magnitude + 1e-30,
+                                 err_msg=f"{qtype.name}: not the int8-activation result")
+    bound = (amax / 254) @ np.abs(w).T
+    np.testing.assert_array_less(np.abs(got - x64 @ w.T), bound * (1 + 1e-4) + 1e-5 * magnitude,
+                                 err_msg=f"{qtype.name}: off the exact product by more than the int8 rounding")
+
+
+@pytest.fixture(params=gguf_ops.available_isas() or ["none"])
+def isa(request):
+    gguf_ops.set_isa(request.param)
+    yield request.param
+    gguf_ops.set_isa(None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_batch_matches_the_references(qtype, isa):
+    rng = np.random.default_rng(int(qtype))
+    block_elems = GGML_QUANT_SIZES[qtype][0]
+    n, k = 37, 3 * block_elems  # 37 rows: not a whole number of 4- or 16-row tiles
+    blocks = random_blocks(qtype, n, k, rng)
+    assert gguf_ops.isa() == isa
+    for batch in BATCHES:
+        x = torch.from_numpy(rng.standard_normal((batch, k)).astype(np.float32))
+        x[0, :block_elems] = 0.0  # an all-zero activation block (scale 0) in every batch
+        y = gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), n, k)
+        assert y.shape == (batch, n) and y.dtype == torch.float32
+        check(x, blocks, qtype, y)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_weights_quantized_by_gguf(qtype, isa):
+    """Blocks from the gguf package's own quantizer (real layouts), on a wider matrix."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((70, 320)).astype(np.float32) * 0.05
+    blocks = gguf_quants.quantize(w, qtype)
+    x = torch.from_numpy(rng.standard_normal((5, 320)).astype(np.float32))
+    check(x, blocks, qtype, gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), 70, 320))
+
+
+@needs_kernels
+def test_bfloat16_in_and_out_and_strided_rows():
+    rng = np.random.default_rng(3)
+    qtype = Q.Q4_K
+    blocks = torch.from_numpy(random_blocks(qtype, 19, 512, rng))
+    wide = torch.from_numpy(rng.standard_normal((6, 700)).astype(np.float32))
+    x = wide[:, 100:612]  # rows 700 apart
+    y = gguf_ops.gguf_matmul(x, blocks, int(qtype), 19, 512)
+    check(x.contiguous(), blocks.numpy(), qtype, y)
+    xb = x.to(torch.bfloat16)
+    yb = gguf_ops.gguf_matmul(xb, blocks, int(qtype), 19, 512)
+    assert yb.dtype == torch.bfloat16
+    expected = gguf_ops.gguf_matmul(xb.float(), blocks, int(qtype), 19, 512)
+    torch.testing.assert_close(yb, expected.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_dequantize_rows_is_the_gguf_reference():
+    rng = np.random.default_rng(5)
+    blocks = random_blocks(Q.Q6_K, 4, 512, rng)
+    w = gguf_ops.dequantize_rows(torch.from_numpy(blocks), int(Q.Q6_K), 4, 512)
+    assert w.dtype == torch.float32 and w.shape == (4, 512)
+    np.testing.assert_array_equal(w.numpy(), gguf_quants.dequantize(blocks, Q.Q6_K).astype(np.float32))
+
+
+def test_supported_types_and_bad_input():
+    assert gguf_ops.SUPPORTED_TYPES == frozenset(int(t) for t in TYPES)
+    blocks = torch.zeros((4, 18 * 2), dtype=torch.uint8)
+    x = torch.zeros((1, 64))
+    with pytest.raises(ValueError, match="qtype 1"):
+        gguf_ops.gguf_matmul(x, blocks, 1, 4, 64)  # F16 is not a block type here
+    with pytest.raises(ValueError, match="blocks must be a uint8 CPU tensor of shape \\(5, 36\\)"):
+        gguf_ops.gguf_matmul(x, blocks, int(Q.Q4_0), 5, 64)
+    with pytest.raises(ValueError, match="not a multiple of Q4_K's block of 256"):
+        gguf_ops.gguf_matmul(torch.zeros((1, 576)), torch.zeros((4, 324), dtype=torch.uint8), int(Q.Q4_K), 4, 576)
+    with pytest.raises(ValueError, match="x must be a float32 or bfloat16 CPU tensor \\[T, 64\\], got torch.float32 \\(1, 32\\)"):
+        gguf_ops.gguf_matmul(torch.zeros((1, 32)), blocks, int(Q.Q4_0), 4, 64)
+    with pytest.raises(ValueError, match="got torch.float64"):
+        gguf_ops.gguf_matmul(x.double(), blocks, int(Q.Q4_0), 4, 64)
+
+
+@needs_kernels
+def test_instruction_set_choice():
+    available = gguf_ops.available_isas()
+    assert "scalar" in available
+    best = gguf_ops.isa()
+    assert best == [name for name in ("avx512", "avx2", "neon", "scalar") if name in available][0]
+    try:
+        gguf_ops.set_isa("scalar")
+        assert gguf_ops.isa() == "scalar"
+        missing = [name for name in gguf_ops.ISA_CODES if name not in available]
+        for name in missing:
+            with pytest.raises(ValueError, match="not available here"):
+                gguf_ops.set_isa(name)
+    finally:
+        gguf_ops.set_isa(None)
+    assert gguf_ops.isa() == best
+
+
+def test_built_as_its_own_cached_library():
+    name = cpu_ops.library_name("g++", gguf_ops.SOURCE, gguf_ops.build_flags())
+    assert name.startswith("gguf_cpu-") and name != cpu_ops.library_name("g++")
+
+
+def test_without_kernels_the_fallback_dequantizes(monkeypatch, caplog):
+    rng = np.random.default_rng(11)
+    blocks = random_blocks(Q.Q5_K, 9, 256, rng)
+    x = torch.from_numpy(rng.standard_normal((3, 256)).astype(np.float32))
+    monkeypatch.setattr(gguf_ops, "library", lambda: None)
+    gguf_ops._log_fallback_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kernels.gguf_ops"):
+        y = gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(Q.Q5_K), 9, 256)
+        gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(Q.Q5_K), 9, 256)
+    assert caplog.text.count("dequantizing the weights") == 1
+    assert gguf_ops.isa() == "torch"
+    w = gguf_quants.dequantize(blocks, Q.Q5_K).astype(np.float64)
+    np.testing.assert_allclose(y.double().numpy(), x.double().numpy() @ w.T, rtol=1e-4, atol=1e-5)

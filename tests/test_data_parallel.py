@@ -1,0 +1,41 @@
+"""Data-parallel replicas' environments: each replica sees its own GPUs and its share of the CPU threads."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import EngineConfig, ParallelConfig
+from tokenmill.data_parallel import replica_environments
+
+
+def config(**parallel) -> EngineConfig:
+    return EngineConfig(parallel=ParallelConfig(**parallel))
+
+
+def test_one_replica_inherits_the_environment():
+    assert replica_environments(config(), {"CUDA_VISIBLE_DEVICES": "3"}) == [None]
+
+
+def test_replicas_get_consecutive_gpu_slices_of_what_is_visible():
+    envs = replica_environments(config(data_parallel_size=2, tensor_parallel_size=2),
+                                {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "OMP_NUM_THREADS": "3"})
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["4,5", "6,7"]
+    assert [env["OMP_NUM_THREADS"] for env in envs] == ["3", "3"]  # the user's choice stands
+    envs = replica_environments(config(data_parallel_size=3), {})
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["0", "1", "2"]
+    assert all(int(env["OMP_NUM_THREADS"]) >= 1 for env in envs)
+
+
+def test_hidden_gpus_stay_hidden_and_too_few_gpus_is_an_error():
+    envs = replica_environments(config(data_parallel_size=2), {"CUDA_VISIBLE_DEVICES": ""})
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["", ""]
+    with pytest.raises(ValueError, match="data_parallel_size 2"):
+        replica_environments(config(data_parallel_size=2, tensor_parallel_size=2, device="cuda"),
+                             {"CUDA_VISIBLE_DEVICES": "0,1,2"})
+
+
+def test_a_size_below_one_is_refused():
+    from tokenmill.data_parallel import DataParallelEngines
+
+    with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
+        DataParallelEngines(config(data_parallel_size=0))

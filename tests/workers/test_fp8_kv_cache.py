@@ -1,0 +1,153 @@
+"""`kv_cache_dtype="fp8"` on the default model (SmolLM2-135M, float32 activations) in the worker's ModelRunner, and
+through the offline `LLM` on a tiny checkpoint: the cache holds one byte per element, so a byte budget holds 4x the
+float32 blocks, and greedy output stays close to the float32 cache's (fp8 keys are lossy: close, not identical).
+Checkpoint KV-cache scales land on the attention layers.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from tests.workers.runner_driver import logits_in_chunks, run_greedy
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from tokenmill.frontend.tokenizer import load_tokenizer
+from tokenmill.model_source import resolve_config
+from tokenmill.workers.model_loader import iter_weights
+from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.models.registry import model_class
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "My favourite programming language is",
+    "In 1969, the first person to walk on the Moon",
+    "To make a cup of tea, first",
+]
+MAX_NEW_TOKENS = 16
+NUM_BLOCKS = 64
+BUDGET = 64 << 20
+MIN_AGREEING_PREFIX, MIN_FULLY_AGREEING = 0, 0  # PLACEHOLDER
+
+
+def use_kv_cache_dtype(runner: ModelRunner, name: str) -> None:
+    """The same weights over a KV cache of another dtype: the next `allocate_kv_cache` follows the config."""
+    cache = msgspec.structs.replace(runner.config.cache, kv_cache_dtype=name, num_kv_blocks=0,
+                                    kv_cache_memory_bytes=BUDGET)
+    runner.config = msgspec.structs.replace(runner.config, cache=cache)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    """(runner with the default model loaded, tokenized prompts)."""
+    config = resolve_config(EngineConfig(model=ModelConfig(model="", dtype="float32"),
+                                         cache=CacheConfig(num_kv_blocks=NUM_BLOCKS),
+                                         parallel=ParallelConfig(device="cpu")))
+    runner = ModelRunner(config)
+    runner.load_model()
+    tokenizer = load_tokenizer(config.model)
+    return runner, [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], kv_cache_dtype: str) -> list[list[int]]:
+    use_kv_cache_dtype(runner, kv_cache_dtype)
+    runner.allocate_kv_cache(NUM_BLOCKS)
+    return run_greedy(runner, prompts, MAX_NEW_TOKENS, num_blocks=NUM_BLOCKS, chunk_size=5)
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.slow
+def test_fp8_kv_cache_holds_four_times_the_float32_blocks(default_model):
+    runner, _ = default_model
+    use_kv_cache_dtype(runner, "auto")
+    float32_blocks, float32_block_bytes = runner.num_kv_blocks_for_budget(), runner.kv_block_bytes()
+    use_kv_cache_dtype(runner, "fp8")
+    assert runner.kv_cache_dtype == torch.float8_e4m3fn
+    assert runner.kv_block_bytes() * 4 == float32_block_bytes
+    # 64 MiB: 91 float32 blocks (30 layers x K and V x 16 tokens x 3 heads x 64 dims x 4 bytes = 720 KiB each)
+    assert (float32_blocks, runner.num_kv_blocks_for_budget()) == (91, 364)
+    runner.allocate_kv_cache(8)
+    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert (runner.kv_caches[0][0][0].view(torch.uint8) == 0).all()  # block 0 zeroed at once, as bytes
+
+
+@pytest.mark.slow
+def test_fp8_greedy_output_stays_close_to_the_float32_cache(default_model, use_cpu_backend):
+    """Measured on these prompts (first 16 tokens; fp8 e4m3 with scale 1.0, 3 mantissa bits): [FILLED IN]."""
+    runner, prompts = default_model
+    use_cpu_backend("kernels")
+    reference = greedy(runner, prompts, "auto")
+    fp8 = greedy(runner, prompts, "fp8")
+    agreeing = [agreeing_prefix(a, b) for a, b in zip(reference, fp8)]
+    print("tokens agreeing with the float32 cache, per prompt:", agreeing)
+    assert min(agreeing) >= MIN_AGREEING_PREFIX, agreeing
+    assert sum(n == MAX_NEW_TOKENS for n in agreeing) >= MIN_FULLY_AGREEING, agreeing
+
+    # the torch path (TOKENMILL_CPU_KERNELS=0) stores the same bytes and reads them the same way
+    use_cpu_backend("torch")
+    torch_fp8 = greedy(runner, prompts[:4], "fp8")
+    assert [agreeing_prefix(a, b) for a, b in zip(fp8, torch_fp8)] == [MAX_NEW_TOKENS] * 4
+
+
+def test_checkpoint_kv_scales_set_the_attention_scales(tiny_checkpoint):
+    """vLLM's spellings: self_attn.k_scale / v_scale, kv_scale (both), k_proj/v_proj.output_scale; q and prob scales
+    are read and dropped; a layer without any keeps 1.0."""
+    path, hf_model = tiny_checkpoint("llama")
+    model = model_class("LlamaForCausalLM")(hf_model.config)
+    scales = [("model.layers.0.self_attn.k_scale", torch.tensor(0.5)),
+              ("model.layers.0.self_attn.v_proj.output_scale", torch.tensor([0.25])),
+              ("model.layers.0.self_attn.q_scale", torch.tensor(3.0)),
+              ("model.layers.1.self_attn.kv_scale", torch.tensor([2.0, 1.5]))]  # per head: the largest
+    model.load_weights([*iter_weights(ModelConfig(path=str(path))), *scales])
+    layers = [layer.self_attn for layer in model.model.layers]
+    assert [(a.k_scale, a.v_scale) for a in layers] == [(0.5, 0.25), (2.0, 2.0)]
+    untouched = model_class("LlamaForCausalLM")(hf_model.config)
+    untouched.load_weights(iter_weights(ModelConfig(path=str(path))))
+    assert all((layer.self_attn.k_scale, layer.self_attn.v_scale) == (1.0, 1.0) for layer in untouched.model.layers)
+    with pytest.raises(ValueError, match="positive"):
+        model.load_weights([("model.layers.0.self_attn.k_scale", torch.tensor(0.0))])
+
+
+def test_scales_apply_only_to_an_fp8_cache(tiny_checkpoint):
+    """With a float32 cache the layer scales change nothing; with an fp8 one the model reads what it stored (its
+    logits stay near the float32 cache's whatever the scale)."""
+    path, hf_model = tiny_checkpoint("llama")
+    model = model_class("LlamaForCausalLM")(hf_model.config)
+    model.load_weights(iter_weights(ModelConfig(path=str(path))))
+    input_ids = torch.randint(3, hf_model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
+    chunks = [0, 11, 12, 30]
+    plain = logits_in_chunks(model, input_ids, chunks)
+    for layer in model.model.layers:
+        layer.self_attn.k_scale, layer.self_attn.v_scale = 0.37, 3.1
+    assert torch.equal(logits_in_chunks(model, input_ids, chunks), plain)
+    fp8 = logits_in_chunks(model, input_ids, chunks, kv_cache_dtype=torch.float8_e4m3fn)
+    assert not torch.equal(fp8, plain)
+    # about 0.008 at any scale; 2.5 when the scales are applied on write but not on read
+    assert mean_kl(plain, fp8) < 0.05
+
+
+def mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    reference, other = reference_logits.double().log_softmax(-1), logits.double().log_softmax(-1)
+    return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+
+@pytest.mark.slow
+def test_llm_runs_with_an_fp8_kv_cache_of_four_times_the_blocks(tiny_checkpoints):
+    from tokenmill import LLM, SamplingParams
+
+    # the tiny llama: 2 layers x 2 kv heads x head dim 16 -> 512 bytes of float32 KV a token, 128 in fp8
+    with LLM(str(tiny_checkpoints("llama")), kv_cache_dtype="fp8", kv_cache_memory_bytes=32 * 16 * 512,
+             max_model_len=256) as llm:
+        assert llm.engine_info.num_kv_blocks == 4 * 32
+        out = llm.generate(["Hello there", "A longer prompt of a few more words"],
+                           SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [len(r.outputs[0].token_ids) for r in out] == [12, 12]
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+        LLM(str(tiny_checkpoints("llama")), kv_cache_dtype="int8")
