@@ -923,8 +923,12 @@ template <int NT> struct RowQ8_0 {
   }
 };
 #else
-template <int NT> struct RowQ4_0 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_0<NT>(r, nb, a, t0, o); } };
-template <int NT> struct RowQ4_1 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_1<NT>(r, nb, a, t0, o); } };
+template <int NT> struct RowQ4_0 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_0<NT>(r, nb, a, t0, o); }
+};
+template <int NT> struct RowQ4_1 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_1<NT>(r, nb, a, t0, o); }
+};
 template <int NT> struct RowQ8_0 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q8_0<NT>(r, nb, a, t0, o); } };
 #endif
 template <int NT> struct RowQ4_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q45_k<NT, false>(r, nb, a, t0, o); } };

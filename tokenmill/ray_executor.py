@@ -108,8 +108,11 @@ class RayWorkers:
         ]
         self.actors = actors  # stop() kills them even if the rest of the placement fails
         here = ray.util.get_node_ip_address()
-        nodes = ray.get([actor.node.remote() for actor in actors])
-        order = sorted(range(world), key=lambda index: (nodes[index][1] != here, nodes[index][1], index))
+        here_node = ray.get_runtime_context().get_node_id()
+        nodes = ray.get([actor.node.remote() for actor in actors])  # (node id, IP) per bundle
+        # this node first, then by IP; on one IP (test clusters) by node, so a node's ranks stay contiguous
+        order = sorted(range(world), key=lambda index: (nodes[index][1] != here, nodes[index][1],
+                                                        nodes[index][0] != here_node, nodes[index][0], index))
         self.actors = [actors[index] for index in order]
         self.node_ids = [nodes[index][0] for index in order]  # per rank
         self.node_ips = [nodes[index][1] for index in order]

@@ -277,3 +277,49 @@ def test_back_off_when_drafts_are_rejected():
     drafts = [d for _, d in worker.drafts_seen]
     assert drafts and len(drafts) <= 8, drafts
     assert all(len(d) == 1 for d in drafts[1:])
+
+
+# ---------------------------------------------------------------- metrics and the log line
+
+
+def test_metrics_expose_vllm_spec_decode_counters_as_running_totals():
+    from types import SimpleNamespace
+
+    from tokenmill.frontend.engine_client import AsyncEngineClient
+    from tokenmill.frontend.metrics import FrontendMetrics
+    from tokenmill.messages import SchedulerStats
+
+    engine = SimpleNamespace(latest_stats=None)
+    for report in ([3, 1], [2, 2, 1]):  # per-position counts grow with k between reports
+        stats = SchedulerStats(1, 0, 0.1, 0, 0, 0, spec_num_drafts=4, spec_num_draft_tokens=9,
+                               spec_num_accepted_tokens=sum(report), spec_accepted_per_pos=report)
+        AsyncEngineClient._accumulate(engine, stats)
+    text = FrontendMetrics(engine, "m").render().decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 8.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 18.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 5.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
+    engine.latest_stats = SchedulerStats(1, 0, 0.1, 0, 0, 0)  # speculation off: no spec_decode series at all
+    assert "spec_decode" not in FrontendMetrics(engine, "m").render().decode()
+
+
+def test_log_line_reports_acceptance_rate_and_length():
+    from tokenmill.messages import SchedulerStats
+    from tokenmill.scheduler.spec_decode import SpecDecodeLogger
+
+    class Log:
+        lines: list[str] = []
+
+        def info(self, fmt, line):
+            self.lines.append(line)
+
+    now = [0.0]
+    logger = SpecDecodeLogger(Log(), interval_s=10, clock=lambda: now[0])
+    stats = SchedulerStats(1, 0, 0.1, 0, 0, 0, spec_num_drafts=10, spec_num_draft_tokens=40,
+                           spec_num_accepted_tokens=20, spec_accepted_per_pos=[8, 6, 4, 2])
+    assert logger.observe(stats) is None  # not due yet
+    now[0] = 10.0
+    line = logger.observe(stats)
+    assert "Mean acceptance length: 3.00" in line and "Avg Draft acceptance rate: 50.0%" in line
+    assert "Per-position acceptance rate: 1.600, 1.200, 0.800, 0.400" in line

@@ -69,6 +69,11 @@ def test_two_stages_chained_give_hf_logits(tiny_checkpoint, kind):
     path, hf_model = tiny_checkpoint(kind)
     config = hf_model.config
     stages = [load_stage(path, config, PipelineStage(rank, 2)) for rank in range(2)]
+    stage0 = PipelineStage(0, 2)
+    read = {name for name, _ in iter_weights(ModelConfig(path=str(path)), wanted=lambda name: stage0.weight_name(
+        name, config.num_hidden_layers, config.tie_word_embeddings) is not None)}
+    others = {name for name in read if ".layers.1." in name or name in ("model.norm.weight", "lm_head.weight")}
+    assert "model.layers.0.mlp.down_proj.weight" in read and others == set(), "stage 0 read another stage's tensors"
     first, last = stages
     assert isinstance(first.model.layers[1], MissingLayer) and isinstance(last.model.layers[0], MissingLayer)
     assert first.lm_head is None and isinstance(last.model.embed_tokens, MissingLayer)
