@@ -1,7 +1,7 @@
 // y[T, N] = x[T, K] @ W[N, K]^T with W kept in GGUF (llama.cpp) blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
 //
 // As llama.cpp's vec_dot: each activation row is quantized once to int8 (per 32 values for the 32-wide types, per
-// 256 for the k-quants, a float scale each, plus the sums of every 16 int8 values), and each weight block is
+// 256 for the k-quants, a float scale each, plus the sums of every 16 and 32 int8 values), and each weight block is
 // unpacked to unsigned 8-bit integers and multiplied with those in integer arithmetic; the block's scale (and its min
 // or its -8 / -32 offset, through the activation sums) is applied once per block. For batch > 1, a weight row's block
 // is unpacked once and used against up to 4 activation rows, over a tile of rows small enough to stay in L1/L2, so a
@@ -9,10 +9,12 @@
 //
 // Instruction sets: the kernels below the `TM_GGUF_BODY` line are written once against a handful of vector ops and
 // compiled several times, by including this file into itself, once per instruction set: a portable scalar version,
-// AVX2+FMA (maddubs), AVX-512 VL+BW+VNNI (vpdpbusd / vpdpwssd on 256-bit vectors: on Zen 4 and Ice Lake+ the
-// 512-bit forms win nothing for these byte shuffles) and AArch64 NEON (sdot where the CPU has dotprod). The x86
-// versions carry `#pragma GCC target`, so one library built for x86-64 runs on every x86 CPU and picks the best
-// version with __builtin_cpu_supports; `tm_gguf_set_isa` forces a lower one (the tests run every available one).
+// AVX2+FMA (maddubs), AVX-512 VL+BW+VNNI (vpdpbusd / vpdpwssd on 256-bit vectors: two Q4_0 blocks per 512-bit
+// vpdpbusd measured no faster on this Zen 4, which splits 512-bit operations in two) and AArch64 NEON (sdot where
+// the CPU has dotprod). The x86 versions carry `#pragma GCC target`, so one library built for x86-64 runs on every
+// x86 CPU and picks the best version with __builtin_cpu_supports; `tm_gguf_set_isa` forces a lower one (the tests
+// run every available one). The NEON version has run only under qemu-aarch64, against the portable one, with and
+// without dotprod (tests/kernels/gguf_neon_check.cpp), never on ARM hardware; its speed is unknown.
 //
 // Built by kernels/gguf_ops.py through kernels/cpu_ops.py's cached, private build; a plain C ABI on raw pointers.
 
@@ -107,7 +109,11 @@ struct Activations {
   int64_t K;
   int block;
   int64_t ldy;  // the output's row stride
+  // For Q4_0 / Q4_1 (else null): the same int8 values with each pair of blocks b, b + 1 stored as the first 16 of b,
+  // the first 16 of b + 1, the last 16 of b, the last 16 of b + 1 -- the order of two blocks' low then high nibbles.
+  const int8_t* q_pairs;
   const int8_t* qrow(int64_t t) const { return q + t * K; }
+  const int8_t* q_pairs_row(int64_t t) const { return q_pairs + t * K; }
   const float* scale_row(int64_t t) const { return scale + t * (K / block); }
   const int16_t* sums16_row(int64_t t) const { return sums16 + t * (K / 16); }
   const int16_t* sums32_row(int64_t t) const { return sums32 + t * (K / 32); }
@@ -128,7 +134,8 @@ inline float load_activation(const uint16_t* x, int64_t i) { return bits_to_floa
 // An instruction set's two halves: quantize activation rows [t_begin, t_end) of x (dtype 0 float32, 1 bfloat16)
 // into the buffers of `act`; and compute the tile of output rows [row_begin, row_end) for all T activation rows,
 // into y (row stride act.ldy).
-using QuantizeFn = void (*)(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64_t t_end, const Activations& act);
+using QuantizeFn = void (*)(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64_t t_end,
+                            const Activations& act);
 using TileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
                         const Activations& act, int64_t T, float* y);
 struct Kernels {
@@ -259,10 +266,12 @@ int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8
   if (T <= 0 || N <= 0) return 0;
   const int64_t row_bytes = K / block * block_bytes(qtype);
   // Per-thread scratch kept between calls: decode calls are small, and allocating costs as much as a small matmul.
-  thread_local std::vector<int8_t> q;
+  thread_local std::vector<int8_t> q, q_pairs;
   thread_local std::vector<float> scale, scaled_sums, out_f32;
   thread_local std::vector<int16_t> sums16, sums32;
   q.resize(static_cast<size_t>(T * K));
+  const bool nibble_pairs = qtype == Q4_0 || qtype == Q4_1;
+  if (nibble_pairs) q_pairs.resize(q.size());
   scale.resize(static_cast<size_t>(T * (K / block)));
   scaled_sums.resize(scale.size());
   sums16.resize(static_cast<size_t>(T * (K / 16)));
@@ -270,7 +279,8 @@ int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8
   if (dtype != 0) out_f32.resize(static_cast<size_t>(T * N));
   float* out = dtype == 0 ? static_cast<float*>(y) : out_f32.data();
   const int64_t ld_out = dtype == 0 ? ldy : N;
-  const Activations act{q.data(), scale.data(), sums16.data(), sums32.data(), scaled_sums.data(), K, block, ld_out};
+  const Activations act{q.data(), scale.data(), sums16.data(),  sums32.data(),
+                       scaled_sums.data(), K, block, ld_out, nibble_pairs ? q_pairs.data() : nullptr};
   const Kernels kernels = kernels_for(active_isa());
   if (T * K < (int64_t{1} << 16)) {
     kernels.quantize(dtype, x, ldx, 0, T, act);
@@ -612,6 +622,15 @@ void quantize_row(const T* x, const Activations& act, int64_t t) {
     scale[b] = amax / 127.0f;
     scaled_sums[b] = scale[b] * static_cast<float>(block_sum);
   }
+  if (act.q_pairs != nullptr) {
+    int8_t* pairs = const_cast<int8_t*>(act.q_pairs_row(t));
+    const int64_t nb = act.K / 32;
+    for (int64_t b = 0; b + 2 <= nb; b += 2)
+      for (int half = 0; half < 2; ++half)
+        for (int blk = 0; blk < 2; ++blk)
+          std::memcpy(pairs + b * 32 + half * 32 + blk * 16, q + (b + blk) * 32 + half * 16, 16);
+    if (nb % 2) std::memcpy(pairs + (nb - 1) * 32, q + (nb - 1) * 32, 32);
+  }
 }
 
 void quantize_rows(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64_t t_end, const Activations& act) {
@@ -719,7 +738,7 @@ void row_q8_0(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
 // The 32-wide types on x86 for 2-4 activation rows, eight blocks at a time: one gather fetches the eight fp16 scales
 // (and Q4_1's mins), one conversion and one multiply per row make the weight-scale x activation-scale products, and
 // each block takes its product with one in-register permute. 1.5x faster per row than a block at a time at 4 rows;
-// slower at 1 row (measured), where the block-at-a-time kernels above run instead.
+// slower at 1 row (measured), where row_q4_pairs (Q4_0, Q4_1) and row_q8_0 run instead.
 // KIND: 0 Q4_0 (d * (q - 8)), 1 Q4_1 (d * q + m), 2 Q8_0 (d * q, q signed).
 template <int KIND>
 inline U8 weights_32wide(const uint8_t* blk) {
@@ -743,6 +762,50 @@ inline __m256 halves_to_float(__m256i lanes) {
                                                8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(lanes, pick), 0x08);
   return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+// Q4_0 / Q4_1 for one activation row on x86, two blocks per 256-bit vector: one 32-byte vector holds both blocks'
+// nibbles, so the unpacking is an AND and a shift per two blocks, and the two blocks' scales are converted and
+// multiplied together. Reads the activations in the pair-interleaved order (Activations::q_pairs).
+template <int KIND>
+void row_q4_pairs(const uint8_t* row, int64_t nb, const Activations& a, int64_t t, float* out) {
+  constexpr int kBytes = KIND == 0 ? 18 : 20, kQs = KIND == 0 ? 2 : 4;
+  const int8_t* xp = a.q_pairs_row(t);
+  const float* dx = a.scale_row(t);
+  const float* dxs = a.scaled_sums_row(t);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m128 offset = _mm_setzero_ps();
+  int64_t b = 0;
+  for (int lane = 0; b + 2 <= nb; b += 2, lane ^= 1) {
+    const uint8_t* blk = row + b * kBytes;
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kQs))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + kQs)), 1);
+    const U8 lo = _mm256_and_si256(v, low_nibbles), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+    const I32 sums = dot(dot(izero(), lo, xp + b * 32), hi, xp + b * 32 + 32);  // lanes 0-3: block b; 4-7: b + 1
+    __m128i halves = _mm_insert_epi16(_mm_cvtsi32_si128(load_u16(blk)), load_u16(blk + kBytes), 1);
+    if constexpr (KIND == 1) {
+      halves = _mm_insert_epi16(halves, load_u16(blk + 2), 2);
+      halves = _mm_insert_epi16(halves, load_u16(blk + kBytes + 2), 3);
+    }
+    const __m128 dm = _mm_cvtph_ps(halves);  // d_b, d_b+1 (, m_b, m_b+1)
+    const __m128 scales = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + b))));
+    acc[lane] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales), spread), acc[lane]);
+    const __m128 factor = KIND == 0 ? dm : _mm_movehl_ps(dm, dm);
+    offset = _mm_fmadd_ps(factor, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dxs + b))), offset);
+  }
+  float total = hsum(_mm256_add_ps(acc[0], acc[1]));
+  float offsets = _mm_cvtss_f32(_mm_add_ss(offset, _mm_movehdup_ps(offset)));
+  if (b < nb) {  // an odd last block, stored in natural order
+    const uint8_t* blk = row + b * kBytes;
+    const float d = half_to_float(blk);
+    total += hsum(fma_i32(fzero(), dot(izero(), nibbles16(blk + kQs), xp + b * 32), d * dx[b]));
+    offsets += (KIND == 0 ? d : half_to_float(blk + 2)) * dxs[b];
+  }
+  out[0] = total + (KIND == 0 ? -8.0f * offsets : offsets);
 }
 
 template <int NT, int KIND>
@@ -909,12 +972,12 @@ void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t row_begi
 #if TM_ISA_X86
 template <int NT> struct RowQ4_0 {
   static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
-    if constexpr (NT == 1) row_q4_0<1>(r, nb, a, t0, o); else row_32wide<NT, 0>(r, nb, a, t0, o);
+    if constexpr (NT == 1) row_q4_pairs<0>(r, nb, a, t0, o); else row_32wide<NT, 0>(r, nb, a, t0, o);
   }
 };
 template <int NT> struct RowQ4_1 {
   static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
-    if constexpr (NT == 1) row_q4_1<1>(r, nb, a, t0, o); else row_32wide<NT, 1>(r, nb, a, t0, o);
+    if constexpr (NT == 1) row_q4_pairs<1>(r, nb, a, t0, o); else row_32wide<NT, 1>(r, nb, a, t0, o);
   }
 };
 template <int NT> struct RowQ8_0 {
@@ -924,16 +987,36 @@ template <int NT> struct RowQ8_0 {
 };
 #else
 template <int NT> struct RowQ4_0 {
-  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_0<NT>(r, nb, a, t0, o); }
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q4_0<NT>(r, nb, a, t0, o);
+  }
 };
 template <int NT> struct RowQ4_1 {
-  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q4_1<NT>(r, nb, a, t0, o); }
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q4_1<NT>(r, nb, a, t0, o);
+  }
 };
-template <int NT> struct RowQ8_0 { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q8_0<NT>(r, nb, a, t0, o); } };
+template <int NT> struct RowQ8_0 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q8_0<NT>(r, nb, a, t0, o);
+  }
+};
 #endif
-template <int NT> struct RowQ4_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q45_k<NT, false>(r, nb, a, t0, o); } };
-template <int NT> struct RowQ5_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q45_k<NT, true>(r, nb, a, t0, o); } };
-template <int NT> struct RowQ6_K { static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) { row_q6_k<NT>(r, nb, a, t0, o); } };
+template <int NT> struct RowQ4_K {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q45_k<NT, false>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ5_K {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q45_k<NT, true>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ6_K {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q6_k<NT>(r, nb, a, t0, o);
+  }
+};
 
 void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
               const Activations& a, int64_t T, float* y) {

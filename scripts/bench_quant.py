@@ -36,7 +36,8 @@ CONFIGS = {  # name -> (--quantization, --dtype)
 BLOCK_SIZE = 16
 
 
-def build_runner(quantization: str, dtype: str, num_blocks: int):
+def build_runner(quantization: str, dtype: str, num_blocks: int, memory: dict | None = None):
+    """A runner of the default model; `memory` gets the RSS before and after loading the weights."""
     from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
     from tokenmill.model_source import resolve_config
     from tokenmill.workers.model_runner import ModelRunner
@@ -45,7 +46,10 @@ def build_runner(quantization: str, dtype: str, num_blocks: int):
                                          cache=CacheConfig(num_kv_blocks=num_blocks, block_size=BLOCK_SIZE),
                                          parallel=ParallelConfig(device="cpu")))
     runner = ModelRunner(config)
+    memory = {} if memory is None else memory
+    memory["rss_before_load"] = rss_bytes()
     runner.load_model()
+    memory["rss_loaded"] = rss_bytes()
     runner.allocate_kv_cache(num_blocks)
     return runner
 
@@ -86,23 +90,28 @@ def measure(name: str, threads: int, context: int, steps: int) -> dict:
     quantization, dtype = CONFIGS[name]
     batches = (1, 32)
     blocks_each = -(-(context + steps + 4) // BLOCK_SIZE)
-    runner = build_runner(quantization, dtype, 1 + max(batches) * blocks_each)
+    memory: dict = {}
+    runner = build_runner(quantization, dtype, 1 + max(batches) * blocks_each, memory)
     speeds = {f"batch{b}": decode_tokens_per_s(runner, b, context, steps) for b in batches}
     rss = rss_bytes()
     bandwidth = memory_bandwidth()
-    return {"name": name, "threads": threads, **speeds, "rss": rss, "weight_bytes": runner.weight_bytes,
+    kv_bytes = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+    return {"name": name, "threads": threads, **speeds, "rss": rss, **memory, "kv_bytes": kv_bytes,
+            "weight_bytes": runner.weight_bytes,
             "bandwidth": bandwidth,
             "bandwidth_fraction": runner.weight_bytes * speeds["batch1"] / bandwidth}
 
 
 def table(results: list[dict]) -> str:
     lines = ["| threads | configuration | decode tok/s batch 1 | decode tok/s batch 32 | weights MiB | RSS MiB "
-             "| batch-1 share of bandwidth bound | measured bandwidth GB/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(loading added) | KV cache MiB | batch-1 share of bandwidth bound | measured bandwidth GB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        mib = 2**20
         lines.append(f"| {r['threads']} | {r['name']} | {r['batch1']:.1f} | {r['batch32']:.1f} "
-                     f"| {r['weight_bytes'] / 2**20:.0f} | {r['rss'] / 2**20:.0f} | {100 * r['bandwidth_fraction']:.0f}% "
-                     f"| {r['bandwidth'] / 1e9:.1f} |")
+                     f"| {r['weight_bytes'] / mib:.0f} | {r['rss'] / mib:.0f} "
+                     f"({(r['rss_loaded'] - r['rss_before_load']) / mib:+.0f}) | {r['kv_bytes'] / mib:.0f} "
+                     f"| {100 * r['bandwidth_fraction']:.0f}% | {r['bandwidth'] / 1e9:.1f} |")
     return "\n".join(lines)
 
 

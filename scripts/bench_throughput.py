@@ -184,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=32, help="engine max batch = baseline batch size")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     parser.add_argument("--probe-input-len", type=int, default=None, help="default: the middle of --input-len")
     parser.add_argument("--probe-output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None,
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_memory_bytes:
         engine_args["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    engine_args["kv_cache_dtype"] = args.kv_cache_dtype
     with LLM(args.model, **engine_args) as llm:
         tokenizer = llm.get_tokenizer()
         requests = build_workload(tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed)

@@ -18,7 +18,8 @@ from triton.compiler import ASTSource
 
 from tokenmill.kernels import kv_write, paged_attention, rms_norm, rotary
 
-TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "fp8e4nv": "*fp8e4nv", "fp8e5": "*fp8e5"}
+FP8_CAPABILITY = 89  # Triton converts to and from fp8 from sm_89 (Ada, Hopper) on
 
 
 def compile_kernel(kernel, target: GPUTarget, pointers: dict[str, str], constexprs: dict, floats=()):
@@ -36,12 +37,13 @@ def compile_kernel(kernel, target: GPUTarget, pointers: dict[str, str], constexp
     return triton.compile(ASTSource(kernel, signature, constexprs), target=target)
 
 
-def attention_pointers(dtype: str) -> dict[str, str]:
+def attention_pointers(dtype: str, cache_dtype: str | None = None) -> dict[str, str]:
     ptr = TYPES[dtype]
+    cache_ptr = TYPES[cache_dtype or dtype]
     return {
         "query_ptr": ptr,
-        "k_cache_ptr": ptr,
-        "v_cache_ptr": ptr,
+        "k_cache_ptr": cache_ptr,
+        "v_cache_ptr": cache_ptr,
         "out_ptr": ptr,
         "block_tables_ptr": "*i32",
         "seq_lens_ptr": "*i32",
@@ -49,9 +51,13 @@ def attention_pointers(dtype: str) -> dict[str, str]:
     }
 
 
-def kernel_configs():
-    """(label, kernel, pointers, constexprs, float args) for each config worth compiling."""
-    for dtype, group, head_dim, block_size in [("fp16", 8, 128, 16), ("bf16", 3, 80, 32), ("fp32", 1, 64, 8)]:
+def kernel_configs(capability: int):
+    """(label, kernel, pointers, constexprs, float args) for each config worth compiling on `capability`: fp8 KV
+    caches only where Triton has fp8 conversions."""
+    attention_configs = [("fp16", 8, 128, 16, None), ("bf16", 3, 80, 32, None), ("fp32", 1, 64, 8, None)]
+    if capability >= FP8_CAPABILITY:
+        attention_configs.append(("bf16", 3, 64, 16, "fp8e4nv"))
+    for dtype, group, head_dim, block_size, cache_dtype in attention_configs:
         common = dict(
             GROUP=group,
             HEAD_DIM=head_dim,
@@ -62,17 +68,21 @@ def kernel_configs():
         decode = dict(
             common, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), TILE_KEYS=paged_attention.DECODE_TILE_KEYS
         )
-        yield f"decode {dtype} G{group} D{head_dim} BS{block_size}", paged_attention._decode_kernel, attention_pointers(dtype), decode, ("scale_log2",)
+        cache_label = f" {cache_dtype} cache" if cache_dtype else ""
+        yield f"decode {dtype}{cache_label} G{group} D{head_dim} BS{block_size}", paged_attention._decode_kernel, attention_pointers(dtype, cache_dtype), decode, ("scale_log2", "v_scale")
         tokens_per_tile, block_rows = paged_attention.prefill_tile_shape(group)
         prefill = dict(
             common, TOKENS_PER_TILE=tokens_per_tile, BLOCK_ROWS=block_rows, TILE_KEYS=paged_attention.PREFILL_TILE_KEYS
         )
-        yield f"prefill {dtype} G{group} D{head_dim} BS{block_size}", paged_attention._prefill_kernel, attention_pointers(dtype), prefill, ("scale_log2",)
-    for dtype, head_dim in [("fp16", 128), ("bf16", 80)]:
-        ptr = TYPES[dtype]
-        pointers = {"key_ptr": ptr, "value_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_mapping_ptr": "*i64"}
-        constexprs = dict(NUM_KV_HEADS=3, HEAD_DIM=head_dim, BLOCK_HEADS=4, BLOCK_DIM=triton.next_power_of_2(head_dim), BLOCK_SIZE=16)
-        yield f"write_kv {dtype} D{head_dim}", kv_write._write_kv_kernel, pointers, constexprs, ()
+        yield f"prefill {dtype}{cache_label} G{group} D{head_dim} BS{block_size}", paged_attention._prefill_kernel, attention_pointers(dtype, cache_dtype), prefill, ("scale_log2", "v_scale")
+    write_configs = [("fp16", 128, None), ("bf16", 80, None)]
+    if capability >= FP8_CAPABILITY:
+        write_configs += [("bf16", 64, "fp8e4nv"), ("fp32", 64, "fp8e5")]
+    for dtype, head_dim, cache_dtype in write_configs:
+        ptr, cache_ptr = TYPES[dtype], TYPES[cache_dtype or dtype]
+        pointers = {"key_ptr": ptr, "value_ptr": ptr, "k_cache_ptr": cache_ptr, "v_cache_ptr": cache_ptr, "slot_mapping_ptr": "*i64"}
+        constexprs = dict(NUM_KV_HEADS=3, HEAD_DIM=head_dim, BLOCK_HEADS=4, BLOCK_DIM=triton.next_power_of_2(head_dim), BLOCK_SIZE=16, FP8=cache_dtype is not None)
+        yield f"write_kv {dtype}{f' {cache_dtype} cache' if cache_dtype else ''} D{head_dim}", kv_write._write_kv_kernel, pointers, constexprs, ("k_scale", "v_scale")
     for dtype, hidden, residual in [("bf16", 4096, True), ("fp16", 576, False)]:
         ptr = TYPES[dtype]
         pointers = {"x_ptr": ptr, "residual_ptr": ptr, "weight_ptr": ptr, "out_ptr": ptr, "residual_out_ptr": ptr}
@@ -91,7 +101,7 @@ def kernel_configs():
 def main(capabilities: list[int]) -> int:
     for capability in capabilities:
         target = GPUTarget("cuda", capability, 32)
-        for label, kernel, pointers, constexprs, floats in kernel_configs():
+        for label, kernel, pointers, constexprs, floats in kernel_configs(capability):
             start = time.perf_counter()
             compiled = compile_kernel(kernel, target, pointers, constexprs, floats)
             assert compiled.asm.get("cubin"), f"{label}: no cubin"

@@ -90,10 +90,15 @@ def test_fp8_greedy_output_stays_close_to_the_float32_cache(default_model, use_c
     assert min(agreeing) >= MIN_AGREEING_PREFIX, agreeing
     assert sum(n == MAX_NEW_TOKENS for n in agreeing) >= MIN_FULLY_AGREEING, agreeing
 
-    # the torch path (TOKENMILL_CPU_KERNELS=0) stores the same bytes and reads them the same way
+    # The torch path (TOKENMILL_CPU_KERNELS=0) stores the same bytes for the same values and reads them the same way,
+    # but its float32 sums round differently, and a last-bit difference that moves a value across an fp8 rounding
+    # boundary becomes a 6% one in the cache: it too stays close to the kernels' fp8 output, not identical.
     use_cpu_backend("torch")
-    torch_fp8 = greedy(runner, prompts[:4], "fp8")
-    assert [agreeing_prefix(a, b) for a, b in zip(fp8, torch_fp8)] == [MAX_NEW_TOKENS] * 4
+    torch_fp8 = greedy(runner, prompts, "fp8")
+    agreeing = [agreeing_prefix(a, b) for a, b in zip(fp8, torch_fp8)]
+    print("tokens agreeing with the kernels' fp8 output, per prompt:", agreeing)
+    assert min(agreeing) >= MIN_AGREEING_PREFIX, agreeing
+    assert sum(n == MAX_NEW_TOKENS for n in agreeing) >= MIN_FULLY_AGREEING, agreeing
 
 
 def test_checkpoint_kv_scales_set_the_attention_scales(tiny_checkpoint):
