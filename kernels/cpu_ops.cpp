@@ -10,6 +10,7 @@
 // strides are checked by the Python wrappers, not here. The KV cache may instead be fp8 (cache dtype code 3: e4m3fn,
 // 4: e5m2, stored as bytes) holding value / scale, vLLM's per-tensor scaled fp8 KV cache (kernels/kv_quant.py).
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -165,10 +166,28 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef _Float16 f16x16 __attribute__((vector_size(32)));
 
-inline f32x16 load16(const fp8e4m3* p) {
+// 16 bytes widened to 16 uint32 lanes (GCC lowers __builtin_convertvector of bytes to a lane-by-lane extract and insert)
+inline u32x16 widen16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (u32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
   u8x16 bytes;
   std::memcpy(&bytes, p, sizeof bytes);
-  const u32x16 x = __builtin_convertvector(bytes, u32x16);
+  return __builtin_convertvector(bytes, u32x16);
+#endif
+}
+
+inline f32x16 load16(const fp8e4m3* p) {
+#if defined(__AVX512F__)
+  // as a float16 with the same fields (exponent bias 15, not 7), times 2^8: exact, subnormals included
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(bytes, _mm256_set1_epi16(0x7f));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+  __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7), sign);
+  half = _mm256_blendv_epi8(half, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f)));
+  return (f32x16)_mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+#else
+  const u32x16 x = widen16(&p->bits);
   const u32x16 magnitude = x & 0x7fu;
   const u32x16 normal = (magnitude << 20) + (120u << 23);
   const f32x16 subnormal_value = __builtin_convertvector(magnitude & 7u, f32x16) * 0x1p-9f;
@@ -181,14 +200,18 @@ inline f32x16 load16(const fp8e4m3* p) {
   f32x16 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+#endif
 }
-inline f32x16 load16(const fp8e5m2* p) {
-  u8x16 bytes;
-  std::memcpy(&bytes, p, sizeof bytes);
-  const u16x16 halves = __builtin_convertvector(bytes, u16x16) << 8;
+inline f32x16 load16(const fp8e5m2* p) {  // e5m2 is the top byte of a float16
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (f32x16)_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
+#else
+  const u16x16 halves = __builtin_convertvector(widen16(&p->bits), u16x16) << 8;
   f16x16 h;
   std::memcpy(&h, &halves, sizeof h);
   return __builtin_convertvector(h, f32x16);
+#endif
 }
 template <typename C>
 constexpr bool is_fp8 = std::is_same_v<C, fp8e4m3> || std::is_same_v<C, fp8e5m2>;
@@ -583,8 +606,13 @@ int tm_fp8_convert(int fp8_dtype, int to_fp8, const void* in, void* out, int64_t
     using F = decltype(fp8);
     if (to_fp8) {
       for (int64_t i = 0; i < n; ++i) static_cast<F*>(out)[i] = from_float<F>(static_cast<const float*>(in)[i]);
-    } else {
-      for (int64_t i = 0; i < n; ++i) static_cast<float*>(out)[i] = to_float(static_cast<const F*>(in)[i]);
+    } else {  // 16 at a time as the attention kernel reads them, the rest one by one
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        const f32x16 v = load16(static_cast<const F*>(in) + i);
+        std::memcpy(static_cast<float*>(out) + i, &v, sizeof v);
+      }
+      for (; i < n; ++i) static_cast<float*>(out)[i] = to_float(static_cast<const F*>(in)[i]);
     }
     return 0;
   };

@@ -92,3 +92,11 @@ def scale_value(tensor: torch.Tensor, name: str) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"KV-cache scale {name!r} must be a positive finite number, got {value}")
     return value
+
+
+def check_kv_cache_device(dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ValueError where the kernels cannot run an fp8 cache: Triton converts fp8 on CUDA from sm_89 on."""
+    if is_fp8(dtype) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype {dtype} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for "
+                         f"the Triton kernels' fp8 conversions; this one is {major}.{minor}: use kv_cache_dtype='auto'")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
-from tokenmill.kernels.kv_quant import as_bytes, kv_cache_torch_dtype
+from tokenmill.kernels.kv_quant import as_bytes, check_kv_cache_device, kv_cache_torch_dtype
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
 from tokenmill.workers.attention import DECODE_GATHER_BYTES, AttentionMetadata, build_attention_metadata, token_positions
 from tokenmill.workers.backends import attention_backend
@@ -329,6 +329,7 @@ class ModelRunner:
         """
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         dtype = self.kv_cache_dtype
+        check_kv_cache_device(dtype, self.device)
         self.kv_caches = [
             (
                 torch.empty(shape, dtype=dtype, device=self.device),

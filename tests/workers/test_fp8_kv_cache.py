@@ -31,7 +31,12 @@ PROMPTS = [
 MAX_NEW_TOKENS = 16
 NUM_BLOCKS = 64
 BUDGET = 64 << 20
-MIN_AGREEING_PREFIX, MIN_FULLY_AGREEING = 0, 0  # PLACEHOLDER
+# Measured (first divergence per prompt, fp8 e4m3 with scale 1.0 vs the float32 cache): [5, 13, 5, 3, 9, 11, 15, 6]
+# here, [5, 13, 5, 3, 16, 12, 7, 13] through the offline LLM (whole prompts). SmolLM2-135M is sensitive: 3 mantissa
+# bits put ~2% noise on every key, teacher-forced next-token KL is 0.012 nats and 5% of argmaxes flip
+# (docs/benchmarks.md). The floors leave room below that and still catch a broken path (misapplied scales give
+# KL 2.5: divergence at the first token or two).
+MIN_AGREEING_PREFIX, MIN_MEAN_AGREEING_PREFIX = 2, 5
 
 
 def use_kv_cache_dtype(runner: ModelRunner, name: str) -> None:
@@ -79,26 +84,17 @@ def test_fp8_kv_cache_holds_four_times_the_float32_blocks(default_model):
 
 
 @pytest.mark.slow
-def test_fp8_greedy_output_stays_close_to_the_float32_cache(default_model, use_cpu_backend):
-    """Measured on these prompts (first 16 tokens; fp8 e4m3 with scale 1.0, 3 mantissa bits): [FILLED IN]."""
+def test_fp8_greedy_output_stays_close_to_the_float32_cache(default_model):
+    """The first 16 greedy tokens of 8 prompts: fp8 keys are lossy, so close to the float32 cache's, not identical.
+    (The torch path's fp8 reads and writes are held to the kernels' in test_worker_attention.py and
+    tests/kernels/test_cpu_ops.py.)"""
     runner, prompts = default_model
-    use_cpu_backend("kernels")
     reference = greedy(runner, prompts, "auto")
     fp8 = greedy(runner, prompts, "fp8")
     agreeing = [agreeing_prefix(a, b) for a, b in zip(reference, fp8)]
     print("tokens agreeing with the float32 cache, per prompt:", agreeing)
     assert min(agreeing) >= MIN_AGREEING_PREFIX, agreeing
-    assert sum(n == MAX_NEW_TOKENS for n in agreeing) >= MIN_FULLY_AGREEING, agreeing
-
-    # The torch path (TOKENMILL_CPU_KERNELS=0) stores the same bytes for the same values and reads them the same way,
-    # but its float32 sums round differently, and a last-bit difference that moves a value across an fp8 rounding
-    # boundary becomes a 6% one in the cache: it too stays close to the kernels' fp8 output, not identical.
-    use_cpu_backend("torch")
-    torch_fp8 = greedy(runner, prompts, "fp8")
-    agreeing = [agreeing_prefix(a, b) for a, b in zip(fp8, torch_fp8)]
-    print("tokens agreeing with the kernels' fp8 output, per prompt:", agreeing)
-    assert min(agreeing) >= MIN_AGREEING_PREFIX, agreeing
-    assert sum(n == MAX_NEW_TOKENS for n in agreeing) >= MIN_FULLY_AGREEING, agreeing
+    assert sum(agreeing) >= MIN_MEAN_AGREEING_PREFIX * len(agreeing), agreeing
 
 
 def test_checkpoint_kv_scales_set_the_attention_scales(tiny_checkpoint):
