@@ -24,6 +24,7 @@ from typing import Callable, Iterable, NamedTuple
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
 from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.scheduler.draft_speculator import DraftModelSpeculator
 from tokenmill.scheduler.spec_decode import Speculator
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, GrammarError, RequestGrammar
 from tokenmill.config import EngineConfig
@@ -77,7 +78,9 @@ class Scheduler:
         self._reported_counters = (0, 0, 0)  # the three counters above, summed over every stats() report
         self._pending_outputs: list[RequestOutput] = []  # outputs found while planning (grammars that failed)
         # speculative decoding (scheduler/spec_decode.py): None when off; the drafts scheduled by the step being planned
-        self.speculator = Speculator(config.speculative) if config.speculative.method == "ngram" else None
+        method = config.speculative.method
+        self.speculator = (Speculator(config.speculative) if method == "ngram"
+                           else DraftModelSpeculator(config.speculative) if method == "draft_model" else None)
         self._step_drafts: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ admission and aborts
@@ -179,6 +182,8 @@ class Scheduler:
                 continue
             self._free_slid_out_blocks(req)
             drafts = self._propose_drafts(req, budget) if num_new == 1 else []
+            if self._lookahead_slots(req, num_new):  # best effort: with the pool short, fewer drafts come back
+                self.kv.allocate_slots(req, num_new + len(drafts) + self._lookahead_slots(req, num_new))
             if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
                 drafts = []  # the pool is short: no speculation rather than a preemption
             while not drafts and self.kv.allocate_slots(req, num_new) is None:
@@ -211,6 +216,14 @@ class Scheduler:
             return []
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_seq_len - req.num_tokens - 1)
         return self.speculator.propose(req, limit)
+
+    def _lookahead_slots(self, req: Request, num_new: int) -> int:
+        """KV slots past a request's scheduled tokens that the workers' draft model writes while proposing after
+        them (scheduler/draft_speculator.py): only when the step reaches the request's end."""
+        lookahead = getattr(self.speculator, "lookahead_slots", 0)
+        if not lookahead or req.num_computed_tokens + num_new < req.num_tokens or not self.speculator.allowed(req):
+            return 0
+        return lookahead
 
     def _admit_waiting(self, now: float, budget: int, scheduled: dict[str, int]) -> int:
         """Admit waiting requests in policy order until one does not fit; returns the budget left."""
@@ -399,6 +412,8 @@ class Scheduler:
                 # are overwritten when their positions are computed again
                 req.num_computed_tokens = req.num_tokens - 1
                 self.kv.cache_computed_blocks(req)
+            if finish_reason is None and result.draft_token_ids is not None and self.speculator is not None:
+                self.speculator.receive(req, result.draft_token_ids[i])
             outputs.append(RequestOutput(
                 request_id, new_token_ids, finish_reason, stop_token_id, req.num_prompt_tokens,
                 max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs and len(new_token_ids) == 1 else None,

@@ -35,10 +35,12 @@ class Speculator:
     """Proposes drafts for the scheduler and keeps vLLM's spec_decode counters until `take_stats`."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method != "ngram":
+        if config.method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative method {config.method!r} is not available in the scheduler")
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # draft_model: the workers' draft model proposes (scheduler/draft_speculator.py overrides `propose`)
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.method == "ngram" else None)
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

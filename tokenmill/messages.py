@@ -305,6 +305,8 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     # speculative decoding, when some request verified drafts this step: aligned with request_ids, every request's
     # tokens in order (1 + its accepted drafts; sampled_token_ids holds each list's first token)
     accepted_token_ids: list[list[int]] | None = None
+    # draft_model speculation: the draft model's proposals after each request's newest token, aligned with request_ids
+    draft_token_ids: list[list[int]] | None = None
 
 
 class WorkerError(msgspec.Struct, tag=True, array_like=True):

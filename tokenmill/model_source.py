@@ -234,4 +234,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if task == "embed" and scheduler.max_num_batched_tokens < model.max_model_len:
         # embeddings are never chunked: a whole prompt must fit one step
         scheduler = replace(scheduler, max_num_batched_tokens=model.max_model_len)
-    return replace(config, model=model, scheduler=scheduler)
+    speculative = config.speculative
+    if speculative.method == "draft_model":  # located now: a missing draft fails before any process starts
+        draft_path, draft_gguf, _ = locate_model(speculative.model)
+        speculative = replace(speculative, path=str(draft_path / draft_gguf) if draft_gguf else str(draft_path))
+    return replace(config, model=model, scheduler=scheduler, speculative=speculative)

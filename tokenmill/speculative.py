@@ -73,7 +73,7 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     model = value.get("model")
     if not isinstance(model, str) or not model:
         raise ValueError("speculative_config: method 'draft_model' needs 'model' (a checkpoint directory or hub id)")
-    raise ValueError("speculative_config: method 'draft_model' is not available yet in tokenmill; use 'ngram'")
+    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=model)
 
 
 def _is_int(value: Any) -> bool:

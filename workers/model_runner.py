@@ -26,6 +26,7 @@ from tokenmill.messages import NewRequestData, StepPlan, StepResult
 from tokenmill.workers.attention import DECODE_GATHER_BYTES, AttentionMetadata, build_attention_metadata, token_positions
 from tokenmill.workers.backends import attention_backend
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
+from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.model_loader import iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
 from tokenmill.workers.quantization.base import QuantizedWeight
@@ -105,6 +106,7 @@ class ModelRunner:
         self._never_used_blocks = np.zeros(0, dtype=bool)
         self._requests: dict[str, _Request] = {}
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (workers/draft_proposer.py)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._cuda_memory_at_start = torch.cuda.mem_get_info(self.device)  # (free, total) before any weight
@@ -155,6 +157,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             pack_linear_weights(model)
         self.eos_token_ids = self._read_eos_token_ids()
+        if self.config.speculative.method == "draft_model":
+            self.draft = DraftModel(self.config, self.device, self.dtype, self.kv_cache_dtype, self.max_model_len(),
+                                    self.vocab_size, model_cfg.path)
         log.info(
             "loaded %s (%s, %.1f MiB of weights on %s) in %.1f s",
             self.architecture,
@@ -212,14 +217,17 @@ class ModelRunner:
         return kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype)
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one block across every layer, K and V."""
+        """Bytes of one block across every layer, K and V (the draft model's layers too: they share the blocks)."""
+        return self._target_kv_block_bytes() + (self.draft.kv_block_bytes() if self.draft is not None else 0)
+
+    def _target_kv_block_bytes(self) -> int:
         model = self.model
         per_layer = self.block_size * model.num_kv_heads * model.head_dim * self.kv_cache_dtype.itemsize
         return 2 * model.num_layers * per_layer
 
     def decode_chunk_tokens(self) -> int:
         """Keys per decode-attention chunk on the torch path: `DECODE_GATHER_BYTES` of one layer's K and V."""
-        return max(1, DECODE_GATHER_BYTES * self.model.num_layers * self.block_size // self.kv_block_bytes())
+        return max(1, DECODE_GATHER_BYTES * self.model.num_layers * self.block_size // self._target_kv_block_bytes())
 
     def max_model_len(self) -> int:
         return self.config.model.max_model_len or int(self.text_config.max_position_embeddings)
@@ -316,6 +324,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - dummy_kv_bytes
         self.kv_caches = []
+        if self.draft is not None:
+            self.draft.kv_caches = []
         del hidden
         torch.cuda.empty_cache()
         log.info("profiled a %d-token step: %.2f GiB peak besides the KV cache", num_tokens, peak / 2**30)
@@ -337,6 +347,8 @@ class ModelRunner:
             )
             for _ in range(self.model.num_layers)
         ]
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
         self._never_used_blocks = np.ones(num_blocks, dtype=bool)
         self._zero_never_used_blocks([0])
 
@@ -374,6 +386,8 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:  # as bytes: torch has no CPU index_fill_ for fp8 (0 is +0.0)
             as_bytes(k_cache).index_fill_(0, index, 0)
             as_bytes(v_cache).index_fill_(0, index, 0)
+        if self.draft is not None:
+            self.draft.zero_blocks(index)
 
     # ---------------------------------------------------------------- steps
 
@@ -414,6 +428,8 @@ class ModelRunner:
                 hidden = graphs.run(batch.input_ids, batch.positions, batch.attn)
             else:
                 hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+            if self.draft is not None:  # the draft's KV for the same tokens, in its own caches
+                self.draft.fill(batch.input_ids, batch.positions, batch.attn)
         rows = prompt_rows(scheduled)  # every rank: the LM head over the prompt positions that ask for logprobs
         prompt_logprobs = rows and compute_prompt_logprobs(self.model.compute_logits, hidden, rows, self.tp.rank,
                                                            max(8, self.config.scheduler.max_num_seqs // 2))
@@ -433,7 +449,8 @@ class ModelRunner:
                 state.output_token_ids.extend(token_ids)
             return StepResult(plan.step_id, [request.request_id for request in batch.sampled_requests],
                               [token_ids[0] for token_ids in accepted], model_time_s=time.perf_counter() - started,
-                              prompt_logprobs=prompt_logprobs or None, accepted_token_ids=accepted)
+                              prompt_logprobs=prompt_logprobs or None, accepted_token_ids=accepted,
+                              draft_token_ids=self._propose_drafts(batch.sampled_requests, accepted))
         result = sample(logits, states)
         for state, token_id in zip(states, result.token_ids):
             state.output_token_ids.append(token_id)
@@ -444,7 +461,17 @@ class ModelRunner:
             logprobs=result.logprobs,
             model_time_s=time.perf_counter() - started,
             prompt_logprobs=prompt_logprobs or None,
+            draft_token_ids=self._propose_drafts(batch.sampled_requests, [[token] for token in result.token_ids]),
         )
+
+    def _propose_drafts(self, requests: list[_Request], new_token_ids: list[list[int]]) -> list[list[int]] | None:
+        """With a draft model, its proposals after each sampled request's new tokens (they reach the request's token
+        list with the next plan), aligned with `requests`; None without one."""
+        if self.draft is None:
+            return None
+        positions = [len(request.token_ids) + len(tokens) - 1 for request, tokens in zip(requests, new_token_ids)]
+        return self.draft.propose([tokens[-1] for tokens in new_token_ids], positions,
+                                  [request.block_ids for request in requests])
 
     def _add_request(self, new: NewRequestData) -> _Request:
         sampling = None
