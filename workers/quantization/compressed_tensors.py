@@ -25,7 +25,7 @@ from tokenmill.kernels.int4_gemm import pack_int4, unpack_int4
 from tokenmill.workers.model_loader import safetensors_files
 from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.quantization.checkpoint import iter_grouped_tensors, quantization_config
-from tokenmill.workers.quantization.fp8 import KV_SCALE_SUFFIXES, FP8Weight
+from tokenmill.workers.quantization.fp8 import FP8Weight
 from tokenmill.workers.quantization.gptq import GPTQWeight, is_plain_g_idx
 
 PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "input_scale")
@@ -84,14 +84,13 @@ def fp8_weight(prefix: str, tensors: dict[str, torch.Tensor], scheme: dict) -> F
 
 def read_compressed_tensors(model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The checkpoint's tensors with each quantized layer as one GPTQWeight (int4) or FP8Weight named
-    `<prefix>.weight`; KV-cache scales are dropped (the KV cache is not fp8)."""
+    `<prefix>.weight`; everything else (dense layers, KV-cache scales) passes through."""
     config = quantization_config(model_cfg.path)
     if config.get("sparsity_config"):
         raise ValueError("compressed-tensors checkpoints with sparsity (sparsity_config) are not supported")
     for name, item in iter_grouped_tensors(safetensors_files(model_cfg.path), PARTS, marker="weight_scale"):
         if not isinstance(item, dict):
-            if not name.endswith(KV_SCALE_SUFFIXES):
-                yield name, item
+            yield name, item
             continue
         scheme = scheme_for(config, name)
         if "weight_packed" in item:

@@ -22,8 +22,6 @@ from tokenmill.workers.quantization.checkpoint import iter_grouped_tensors, quan
 
 log = logging.getLogger(__name__)
 
-# per-attention-layer KV-cache scales some FP8 checkpoints carry: the KV cache here is not fp8, so they are unused
-KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
 
 
 class FP8Weight(QuantizedWeight):
@@ -93,8 +91,8 @@ def fp8_settings(config: dict) -> bool:
 
 def fp8_items(path: str, static_input: bool) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The tensors of an FP8 checkpoint with each layer's weight/weight_scale(/input_scale) as one FP8Weight named
-    `<prefix>.weight` (layers left unquantized are stored dense and pass through); KV-cache scales are dropped."""
-    dropped = 0
+    `<prefix>.weight`; everything else passes through, dense layers and KV-cache scales (`self_attn.k_scale`, read
+    by the model for an fp8 KV cache) alike."""
     parts = ("weight", "weight_scale", "input_scale")
     for name, item in iter_grouped_tensors(safetensors_files(path), parts, marker="weight_scale"):
         if isinstance(item, dict):
@@ -102,12 +100,8 @@ def fp8_items(path: str, static_input: bool) -> Iterator[tuple[str, torch.Tensor
             if static_input and input_scale is None:
                 raise ValueError(f"{name}: activation_scheme is 'static' but the checkpoint has no input_scale")
             yield f"{name}.weight", FP8Weight(item["weight"], item["weight_scale"], input_scale)
-        elif name.endswith(KV_SCALE_SUFFIXES):
-            dropped += 1
         else:
             yield name, item
-    if dropped:
-        log.info("ignored %d KV-cache scales of the FP8 checkpoint (the KV cache is not fp8)", dropped)
 
 
 def read_fp8(model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
