@@ -168,6 +168,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
         self._step_drafts = {}
+        if self.speculator is not None:
+            self.speculator.begin_step(len(self.running))
         preempted_any = False
 
         # running requests first; when blocks run out, preempt from the back of the policy order
@@ -255,6 +257,9 @@ class Scheduler:
                     break  # the pool is short: keep the policy order strict, try again next step
                 self._prefix_queries += req.num_tokens
                 self._prefix_hits += num_cached
+                lookahead = self._lookahead_slots(req, num_cached + num_new)  # it has computed none yet
+                if lookahead:  # best effort, as for running requests
+                    self.kv.allocate_slots(req, num_cached + num_new + lookahead)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:

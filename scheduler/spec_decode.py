@@ -8,6 +8,11 @@ presence/frequency/repetition penalties, logprobs and prompt logprobs run withou
 Back-off, per request: after a step that accepted every draft the allowance grows again (up to k), after one that
 rejected some it shrinks to what was accepted + 1, and a step that accepted none makes the request skip proposing
 for 1, 2, 4, ... up to MAX_SKIP_STEPS steps. Requests whose history never repeats propose nothing and cost nothing.
+
+Per step, all requests together: drafts stop where the step would hold more than STEP_TOKEN_BUDGET tokens (one per
+running request plus the drafts), as vLLM's `disable_by_batch_size` stops speculating at a large batch. On a CPU a
+forward costs about the same for 1 to ~8 query tokens with float32 weights (reading the weights dominates); past
+that it grows with every token, so at batch 8 a draft token costs what a decoded token does and gains less.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from tokenmill.scheduler.ngram_proposer import NgramProposer, TokenBuffer
 from tokenmill.scheduler.request import Request
 
 MAX_SKIP_STEPS = 32
+STEP_TOKEN_BUDGET = 8
 
 
 class SpecDecodeState:
@@ -45,6 +51,11 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+        self.step_draft_budget = STEP_TOKEN_BUDGET - 1  # draft tokens the step being planned may still take
+
+    def begin_step(self, num_running: int) -> None:
+        """A new step is being planned with `num_running` running requests: reset the step's draft-token budget."""
+        self.step_draft_budget = max(0, STEP_TOKEN_BUDGET - num_running)
 
     @staticmethod
     def allowed(req: Request) -> bool:
@@ -64,10 +75,12 @@ class Speculator:
         if state.skip_steps > 0:
             state.skip_steps -= 1
             return []
-        limit = min(limit, state.max_drafts)
+        limit = min(limit, state.max_drafts, self.step_draft_budget)
         if limit <= 0:
             return []
-        return self.proposer.propose(state.tokens.sync(req.all_token_ids), limit)
+        drafts = self.proposer.propose(state.tokens.sync(req.all_token_ids), limit)
+        self.step_draft_budget -= len(drafts)
+        return drafts
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """A verification's outcome: the counters, and the request's allowance for next time."""

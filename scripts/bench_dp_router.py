@@ -10,9 +10,9 @@ tokens found in their prefix caches over those looked up (`vllm:prefix_cache_hit
 
 Cache-aware routing matters when the replicas' caches together, not each alone, hold the working set of prefixes:
 round-robin then sends every prefix to every replica, and each replica's LRU cache thrashes between them. The
-default `--serve-args` give each replica room for about two of the four system prompts besides the running requests
-(`--num-gpu-blocks-override`); `--serve-args` with a large cache shows the other case (both policies then miss only
-each prefix's first request per replica).
+default `--serve-args` give each replica 80 blocks of 16 tokens: two of the four 512-token system prompts (32 blocks
+each) besides the running requests. `--serve-args` with a larger cache shows the cases between (with room for all
+four, both policies miss only each prefix's first requests per replica).
 
     python scripts/bench_dp_router.py [--num-system-prompts 4] [--requests-per-prompt 64] [--system-len 512]
 """
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     parser.add_argument("--data-parallel-size", type=int, default=2)
     parser.add_argument("--policies", default="cache-aware,round-robin")
-    parser.add_argument("--serve-args", default="--max-model-len 1024 --num-gpu-blocks-override 104",
+    parser.add_argument("--serve-args", default="--max-model-len 1024 --num-gpu-blocks-override 80",
                         help="extra `tokenmill serve` flags for every server (model, dtype, cache size, ...)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-root", type=Path, default=REPO_ROOT / "bench_results")

@@ -12,8 +12,10 @@ Workloads (chat-templated, greedy):
   chat:  ordinary questions, where little repeats (target: not slower than 0.95x; the proposer backs off).
 
     python scripts/bench_spec_decode.py [--rounds 2] [--batch-sizes 1,8] [--max-tokens 128]
-        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5,
-                                 "prompt_lookup_min": 2}'] [--engine-args '{"dtype": "float32"}']
+        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 5,
+                                 "prompt_lookup_min": 3}'] [--engine-args '{"dtype": "float32"}']
+
+Also per engine: its mean step time and steps per round (a verification step's cost against a one-token step's).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+# k = 7 fills the per-step token budget of scheduler/spec_decode.py at batch 1; a 3-token minimum match proposed
+# fewer wrong drafts than 2 on these workloads (replaying their greedy outputs through the proposer) and as many right
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 3, "prompt_lookup_max": 5}
 
 CODE_SNIPPETS = [
     '''def mean(values):
@@ -151,19 +155,24 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = [all_prompts[i % len(base)] for i in range(max(batch, args.prompts_per_round))]
                 best = {"off": 0.0, "on": 0.0}
                 outputs = {}
-                before = engines["on"].engine_stats()
+                before = {mode: llm.engine_stats() for mode, llm in engines.items()}
                 for _ in range(args.rounds):
                     for mode, llm in engines.items():
                         num_tokens, seconds, outputs[mode] = run_round(llm, prompts, batch, params)
                         best[mode] = max(best[mode], num_tokens / seconds)
-                spec = engines["on"].engine_stats().since(before)
+                spec = engines["on"].engine_stats().since(before["on"])
+                plain = engines["off"].engine_stats().since(before["off"])
                 same = sum(a == b for a, b in zip(outputs["off"], outputs["on"]))
                 row = {"workload": workload, "batch": batch, "off_tok_s": best["off"], "on_tok_s": best["on"],
                        "speedup": best["on"] / best["off"], "acceptance_rate": spec.spec_acceptance_rate,
                        "mean_acceptance_length": (1 + spec.spec_num_accepted_tokens / spec.spec_num_drafts
                                                   if spec.spec_num_drafts else 0.0),
                        "drafts_per_step": spec.spec_num_drafts / max(1, spec.num_steps),
-                       "identical_outputs": f"{same}/{len(prompts)}"}
+                       "identical_outputs": f"{same}/{len(prompts)}",
+                       "off_ms_per_step": 1e3 * plain.step_time_s / max(1, plain.num_steps),
+                       "on_ms_per_step": 1e3 * spec.step_time_s / max(1, spec.num_steps),
+                       "off_steps_per_round": plain.num_steps / args.rounds,
+                       "on_steps_per_round": spec.num_steps / args.rounds}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -173,13 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speculative config: {json.dumps(spec_config)}; engine args: {json.dumps(engine_args)}; "
           f"max_tokens {args.max_tokens}; batch 1: {args.prompts_per_round} prompts per round; best of "
           f"{args.rounds} rounds")
-    print("| workload | batch | off (tok/s) | ngram (tok/s) | speed-up | draft acceptance | mean acceptance length "
-          "| verifying requests / step | identical outputs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| workload | batch | off (tok/s) | {spec_config.get('method', 'ngram')} (tok/s) | speed-up | draft acceptance | mean acceptance length "
+          "| verifying requests / step | identical outputs | ms / step off, ngram | steps / round off, ngram |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['speedup']:.2f}x "
               f"| {100 * r['acceptance_rate']:.0f} % | {r['mean_acceptance_length']:.2f} | "
-              f"{r['drafts_per_step']:.2f} | {r['identical_outputs']} |")
+              f"{r['drafts_per_step']:.2f} | {r['identical_outputs']} | {r['off_ms_per_step']:.1f}, "
+              f"{r['on_ms_per_step']:.1f} | {r['off_steps_per_round']:.0f}, {r['on_steps_per_round']:.0f} |")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(rows, indent=1))
     return 0

@@ -35,7 +35,7 @@ def write_first_layers_checkpoint(model_cfg, num_layers: int, out_dir: Path, tok
         if layer is None or int(layer.group(1)) < num_layers:
             tensors[name] = tensor.to(torch.float32).contiguous()
     hf_config.num_hidden_layers = num_layers
-    hf_config.torch_dtype = "float32"
+    hf_config.dtype = "float32"
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

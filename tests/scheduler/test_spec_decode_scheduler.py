@@ -47,9 +47,12 @@ def test_parse_rejects_bad_config_naming_the_key(value, key):
         parse_speculative_config(value)
 
 
-def test_draft_model_is_refused_clearly():
-    with pytest.raises(ValueError, match="draft_model' is not available yet"):
-        parse_speculative_config({"method": "draft_model", "model": "/some/dir", "num_speculative_tokens": 3})
+def test_parse_draft_model_config():
+    config = parse_speculative_config({"model": "/some/dir", "num_speculative_tokens": 3})  # method implied
+    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/some/dir", 3)
+    with pytest.raises(ValueError, match="'prompt_lookup_max' is only used by method 'ngram'"):
+        parse_speculative_config({"method": "draft_model", "model": "/d", "num_speculative_tokens": 3,
+                                  "prompt_lookup_max": 2})
 
 
 def test_cli_and_llm_arguments_reach_the_engine_config():
@@ -253,6 +256,27 @@ def test_requests_that_cannot_speculate_share_the_batch():
     assert drafted == {"plain"}
     assert all(tokens == TARGET[:20] for tokens in outputs.values())
     assert any(len(p.running) == 4 and any(r.spec_token_ids for r in p.running) for p in plans)
+
+
+@pytest.mark.parametrize("num_requests", [1, 3, 8])
+def test_draft_tokens_per_step_shrink_with_the_batch(num_requests):
+    """A step holds at most STEP_TOKEN_BUDGET tokens with its drafts: k drafts alone, fewer each with more running
+    requests, none at a batch of STEP_TOKEN_BUDGET (outputs unchanged either way)."""
+    from tokenmill.scheduler.spec_decode import STEP_TOKEN_BUDGET
+
+    k = STEP_TOKEN_BUDGET - 1
+    scheduler = make_scheduler(SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=2,
+                                                 prompt_lookup_max=4), num_blocks=256)
+    worker = SpecFakeWorker(4, lambda request_id: TARGET)
+    for i in range(num_requests):
+        scheduler.add_request(make_request(f"r{i}", PROMPT, max_tokens=20))
+    outputs, _, plans = run(scheduler, worker)
+    assert len(outputs) == num_requests and all(tokens == TARGET[:20] for tokens in outputs.values())
+    for plan in plans:
+        drafts = sum(len(r.spec_token_ids) for r in plan.running)
+        assert drafts <= max(0, STEP_TOKEN_BUDGET - len(plan.running) - len(plan.new_requests))
+    most = max(sum(len(r.spec_token_ids) for r in plan.running) for plan in plans)
+    assert most == max(0, STEP_TOKEN_BUDGET - num_requests)
 
 
 def test_structured_output_requests_never_speculate():
