@@ -14,6 +14,14 @@ from tokenmill.speculative import parse_speculative_config
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a process count)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
 def parse_bytes(text: str) -> int:
     """'4GiB', '512M', '1073741824' -> bytes (binary units)."""
     match = _SIZE.match(text)
@@ -80,14 +88,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
 
     p = parser.add_argument_group("parallelism")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
                    help="split the decoder layers into this many stages (world size = pipeline x tensor parallel)")
     p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
                    help="mp: worker processes on this host; ray: Ray actors placed across a Ray cluster's nodes "
                         "(pip install tokenmill[ray]; see docs/deploy.md)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+    p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                    help="engine replicas (each a scheduler with its workers and its own KV cache) behind one frontend")
     p.add_argument("--data-parallel-routing", default="cache-aware", choices=["cache-aware", "round-robin"],
                    help="how the frontend picks a replica: longest cached prefix, then load (SGLang's cache-aware "
