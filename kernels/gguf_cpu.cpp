@@ -7,6 +7,10 @@
 // is unpacked once and used against up to 4 activation rows, over a tile of rows small enough to stay in L1/L2, so a
 // 32-token batch reads the weights from memory once, not 32 times. Threads split the output rows (OpenMP).
 //
+// tm_gguf_matmul_float is the float-activation alternative: no int8 rounding; each weight block is dequantized in
+// registers exactly as gguf.quants does and multiplied with the float32 activations by FMA, summed in float32, with
+// the same batching (see "the float-activation path" below).
+//
 // Instruction sets: the kernels below the `TM_GGUF_BODY` line are written once against a handful of vector ops and
 // compiled several times, by including this file into itself, once per instruction set: a portable scalar version,
 // AVX2+FMA (maddubs), AVX-512 VL+BW+VNNI (vpdpbusd / vpdpwssd on 256-bit vectors: two Q4_0 blocks per 512-bit
@@ -138,9 +142,14 @@ using QuantizeFn = void (*)(int dtype, const void* x, int64_t ldx, int64_t t_beg
                             const Activations& act);
 using TileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
                         const Activations& act, int64_t T, float* y);
+// The float-activation path: the tile of output rows [row_begin, row_end) for all T float32 activation rows of x
+// (row stride ldx), into y (row stride ldy).
+using FloatTileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
+                             const float* x, int64_t ldx, int64_t K, int64_t T, float* y, int64_t ldy);
 struct Kernels {
   QuantizeFn quantize;
   TileFn tile;
+  FloatTileFn float_tile;
 };
 
 }  // namespace
@@ -227,13 +236,13 @@ int active_isa() {
 Kernels kernels_for(int isa) {
   switch (isa) {
 #if TM_X86
-    case ISA_AVX512: return {tm_avx512::quantize_rows, tm_avx512::run_tile};
-    case ISA_AVX2: return {tm_avx2::quantize_rows, tm_avx2::run_tile};
+    case ISA_AVX512: return {tm_avx512::quantize_rows, tm_avx512::run_tile, tm_avx512::run_float_tile};
+    case ISA_AVX2: return {tm_avx2::quantize_rows, tm_avx2::run_tile, tm_avx2::run_float_tile};
 #endif
 #if TM_NEON
-    case ISA_NEON: return {tm_neon::quantize_rows, tm_neon::run_tile};
+    case ISA_NEON: return {tm_neon::quantize_rows, tm_neon::run_tile, tm_neon::run_float_tile};
 #endif
-    default: return {tm_scalar::quantize_rows, tm_scalar::run_tile};
+    default: return {tm_scalar::quantize_rows, tm_scalar::run_tile, tm_scalar::run_float_tile};
   }
 }
 
@@ -312,6 +321,27 @@ int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8
           yb[t * ldy + n] = static_cast<uint16_t>(bits >> 16);
         }
       }
+  }
+  return 0;
+}
+
+// The float-activation version of tm_gguf_matmul: y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k] with x and y
+// float32, each weight dequantized in registers exactly as gguf.quants does and multiplied with the float
+// activations by FMA, summed in float32 -- the dequantized-weight matmul up to float summation order. Same returns.
+int tm_gguf_matmul_float(int qtype, const float* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N, int64_t K,
+                         float* y, int64_t ldy) {
+  if (block_bytes(qtype) == 0) return -1;
+  const int block = block_elems(qtype);
+  if (K % block != 0 || K <= 0) return -2;
+  if (T <= 0 || N <= 0) return 0;
+  const int64_t row_bytes = K / block * block_bytes(qtype);
+  const Kernels kernels = kernels_for(active_isa());
+  const int64_t tile = T <= 4 ? 4 : 16;  // as tm_gguf_matmul
+  const int64_t tiles = (N + tile - 1) / tile;
+#pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t begin = i * tile, end = std::min(N, begin + tile);
+    kernels.float_tile(qtype, w, row_bytes, begin, end, x, ldx, K, T, y, ldy);
   }
   return 0;
 }
@@ -1028,6 +1058,221 @@ void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin,
     case Q4_K: tile_rows<RowQ4_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q5_K: tile_rows<RowQ5_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q6_K: tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------- the float-activation path
+// Each weight block is dequantized exactly as gguf.quants does (every product there is exact in float32: an fp16
+// scale times a small integer; Q4_1 / k-quant mins add with one rounding, as there), then multiplied with the float32
+// activations by FMA into float32 accumulators: FV is this set's float vector of kW lanes.
+
+#if TM_ISA_X86 && TM_VNNI
+using FV = __m512;
+constexpr int kW = 16;
+inline FV fv_zero() { return _mm512_setzero_ps(); }
+inline FV fv_load(const float* p) { return _mm512_loadu_ps(p); }
+inline FV fv_fma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
+inline FV fv_add(FV a, FV b) { return _mm512_add_ps(a, b); }
+inline float fv_sum(FV v) { return _mm512_reduce_add_ps(v); }
+#elif TM_ISA_X86
+using FV = __m256;
+constexpr int kW = 8;
+inline FV fv_zero() { return _mm256_setzero_ps(); }
+inline FV fv_load(const float* p) { return _mm256_loadu_ps(p); }
+inline FV fv_fma(FV a, FV b, FV c) { return _mm256_fmadd_ps(a, b, c); }
+inline FV fv_add(FV a, FV b) { return _mm256_add_ps(a, b); }
+inline float fv_sum(FV v) { return hsum(v); }
+#elif TM_ISA_NEON
+using FV = float32x4_t;
+constexpr int kW = 4;
+inline FV fv_zero() { return vdupq_n_f32(0.0f); }
+inline FV fv_load(const float* p) { return vld1q_f32(p); }
+inline FV fv_fma(FV a, FV b, FV c) { return vfmaq_f32(c, a, b); }
+inline FV fv_add(FV a, FV b) { return vaddq_f32(a, b); }
+inline float fv_sum(FV v) { return vaddvq_f32(v); }
+#else
+using FV = float;
+constexpr int kW = 1;
+inline FV fv_zero() { return 0.0f; }
+inline FV fv_load(const float* p) { return *p; }
+inline FV fv_fma(FV a, FV b, FV c) { return std::fma(a, b, c); }
+inline FV fv_add(FV a, FV b) { return a + b; }
+inline float fv_sum(FV v) { return v; }
+#endif
+
+// Block `blk` of type QT as block_elems(QT) floats, element order (gguf.quants.dequantize).
+template <int QT>
+inline void dequantize_block(const uint8_t* blk, float* w) {
+  if constexpr (QT == Q4_0 || QT == Q4_1) {
+    const float d = half_to_float(blk);
+    const float m = QT == Q4_0 ? -8.0f * d : half_to_float(blk + 2);
+    const uint8_t* qs = blk + (QT == Q4_0 ? 2 : 4);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>(qs[j] & 15) + m;
+      w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+    }
+  } else if constexpr (QT == Q8_0) {
+    const float d = half_to_float(blk);
+    for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+    constexpr bool five = QT == Q5_K;
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    uint8_t scales_mins[16];
+    unpack_scales_mins_k4(blk + 4, scales_mins);
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + (five ? 48 : 16);
+    for (int c = 0; c < 4; ++c) {
+      const float d_lo = d * scales_mins[2 * c], m_lo = dmin * scales_mins[8 + 2 * c];
+      const float d_hi = d * scales_mins[2 * c + 1], m_hi = dmin * scales_mins[8 + 2 * c + 1];
+      for (int l = 0; l < 32; ++l) {
+        int lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+        if constexpr (five) {
+          lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+          hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+        }
+        w[64 * c + l] = d_lo * static_cast<float>(lo) - m_lo;
+        w[64 * c + 32 + l] = d_hi * static_cast<float>(hi) - m_hi;
+      }
+    }
+  } else {  // Q6_K
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_to_float(blk + 208);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk + 64 * h;
+      const uint8_t* qh = blk + 128 + 32 * h;
+      const int8_t* sc = scales + 8 * h;
+      float* out = w + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        const int g = l / 16;
+        out[l] = d * sc[g] * static_cast<float>(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+        out[l + 32] = d * sc[g + 2] * static_cast<float>(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        out[l + 64] = d * sc[g + 4] * static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        out[l + 96] = d * sc[g + 6] * static_cast<float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
+    }
+  }
+}
+
+#if TM_ISA_X86
+// The 32-wide types dequantized straight into vectors (32 / kW of them): unsigned nibbles or signed bytes widened to
+// int32, converted, then d * q + m (Q4_0: m = -8d, exact like d * (q - 8)) or d * q.
+template <int QT>
+inline void dequantize_32(const uint8_t* blk, FV* w) {
+  if constexpr (QT == Q8_0) {
+    const float d = half_to_float(blk);
+#if TM_VNNI
+    const __m512 dv = _mm512_set1_ps(d);
+    for (int i = 0; i < 2; ++i) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * i));
+      w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), dv);
+    }
+#else
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
+      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), dv);
+    }
+#endif
+  } else {
+    const float d = half_to_float(blk);
+    const float m = QT == Q4_0 ? -8.0f * d : half_to_float(blk + 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == Q4_0 ? 2 : 4)));
+#if TM_VNNI
+    // The block's 16 possible weights d * i + m as a table, looked up by vpermps, which reads only the low 4 bits
+    // of each index: the widened bytes index by their low nibble, shifted right by 4 by their high one.
+    const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_ps(d), _mm512_set1_ps(m));
+    const __m512i bytes = _mm512_cvtepu8_epi32(q);
+    w[0] = _mm512_permutexvar_ps(bytes, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+#else
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, mv);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, mv);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, mv);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, mv);
+#endif
+  }
+}
+#endif
+
+// One weight row against NT activation rows: block pairs with C accumulator chains per row (more at one row, to
+// hide the FMA latency), a block's vectors taking chains (j * kPer + i) % C.
+template <int NT, int QT>
+void row_float(const uint8_t* row, int64_t nb, const float* x, int64_t ldx, float* out) {
+  constexpr int E = QT >= Q4_K ? 256 : 32, kBytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34
+                                                   : QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
+  constexpr int kPer = E / kW, C = NT == 1 ? 4 : 2;
+  FV acc[NT][C];
+  for (auto& r : acc)
+    for (auto& v : r) v = fv_zero();
+  alignas(64) float buf[256];
+  auto block = [&](int64_t b, auto j_constant) {
+    constexpr int j = decltype(j_constant)::value;
+    const uint8_t* blk = row + b * kBytes;
+#if TM_ISA_X86
+    if constexpr (E == 32) {
+      FV wv[kPer];
+      dequantize_32<QT>(blk, wv);
+      for (int i = 0; i < kPer; ++i)
+        for (int t = 0; t < NT; ++t)
+          acc[t][(j * kPer + i) % C] = fv_fma(wv[i], fv_load(x + t * ldx + b * E + i * kW), acc[t][(j * kPer + i) % C]);
+      return;
+    }
+#endif
+    dequantize_block<QT>(blk, buf);
+    for (int i = 0; i < kPer; ++i) {
+      const FV wv = fv_load(buf + i * kW);
+      for (int t = 0; t < NT; ++t)
+        acc[t][(j * kPer + i) % C] = fv_fma(wv, fv_load(x + t * ldx + b * E + i * kW), acc[t][(j * kPer + i) % C]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, std::integral_constant<int, 0>{});
+    block(b + 1, std::integral_constant<int, 1>{});
+  }
+  if (b < nb) block(b, std::integral_constant<int, 0>{});
+  for (int t = 0; t < NT; ++t) {
+    FV total = acc[t][0];
+    for (int c = 1; c < C; ++c) total = fv_add(total, acc[t][c]);
+    out[t] = fv_sum(total);
+  }
+}
+
+template <int QT>
+void float_tile_rows(const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end, const float* x,
+                     int64_t ldx, int64_t K, int64_t T, float* y, int64_t ldy) {
+  const int64_t nb = K / block_elems(QT);
+  float out[4];
+  for (int64_t t0 = 0; t0 < T; t0 += 4) {
+    const int64_t nt = std::min<int64_t>(4, T - t0);
+    const float* xt = x + t0 * ldx;
+    for (int64_t n = row_begin; n < row_end; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      switch (nt) {
+        case 4: row_float<4, QT>(row, nb, xt, ldx, out); break;
+        case 3: row_float<3, QT>(row, nb, xt, ldx, out); break;
+        case 2: row_float<2, QT>(row, nb, xt, ldx, out); break;
+        default: row_float<1, QT>(row, nb, xt, ldx, out); break;
+      }
+      for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + n] = out[t];
+    }
+  }
+}
+
+void run_float_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
+                    const float* x, int64_t ldx, int64_t K, int64_t T, float* y, int64_t ldy) {
+  switch (qtype) {
+    case Q4_0: float_tile_rows<Q4_0>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q4_1: float_tile_rows<Q4_1>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q8_0: float_tile_rows<Q8_0>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q4_K: float_tile_rows<Q4_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q5_K: float_tile_rows<Q5_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q6_K: float_tile_rows<Q6_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     default: break;
   }
 }

@@ -3,9 +3,11 @@
 The kernels are `gguf_cpu.cpp`, built and loaded through `cpu_ops.build` (the same cached, private build as the
 other CPU kernels, into a library of its own). They quantize each activation row to int8 once and take integer dot
 products with the unpacked weight blocks, as llama.cpp does, so results differ from a float matmul by that int8
-rounding (about 0.4% of the activations' block maximum per element; see the tests). The library is built for the
-baseline of the architecture and picks its instruction set when loaded (AVX-512 VNNI, AVX2, NEON or portable C++);
-`TOKENMILL_CPU_ISA=scalar|avx2|avx512|neon` or `set_isa` forces a lower one.
+rounding (about 0.4% of the activations' block maximum per element; see the tests). `activations="float"` instead
+multiplies the float activations with the weights dequantized in registers (the dequantized-weight matmul up to float
+summation order; slower at batch 1). The default is `TOKENMILL_GGUF_ACTIVATIONS` (float or int8, int8 unless set).
+The library is built for the baseline of the architecture and picks its instruction set when loaded (AVX-512 VNNI,
+AVX2, NEON or portable C++); `TOKENMILL_CPU_ISA=scalar|avx2|avx512|neon` or `set_isa` forces a lower one.
 
 Where the kernels cannot be built (no compiler) or `TOKENMILL_CPU_KERNELS=0`, `gguf_matmul` dequantizes the blocks
 with the `gguf` package and multiplies with torch: correct, much slower, and logged once.
@@ -47,7 +49,22 @@ _SIGNATURES = {
     "tm_gguf_set_isa": [_I32],
     "tm_gguf_block_bytes": [_I32],
     "tm_gguf_matmul": [_I32, _I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
+    "tm_gguf_matmul_float": [_I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
 }
+
+ACTIVATION_MODES = ("float", "int8")
+
+
+def _default_activations() -> str:
+    mode = os.environ.get("TOKENMILL_GGUF_ACTIVATIONS", "int8")
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"TOKENMILL_GGUF_ACTIVATIONS must be one of {ACTIVATION_MODES}, got {mode!r}")
+    return mode
+
+
+# How gguf_matmul takes the activations unless told: "float" (weights dequantized in registers, float32 FMA: the
+# dequantized-weight matmul up to summation order) or "int8" (llama.cpp's int8 activation quantization).
+DEFAULT_ACTIVATIONS: str = _default_activations()
 
 
 def build_flags() -> tuple[str, ...]:
@@ -147,9 +164,15 @@ def _log_fallback_once() -> None:
     log.warning("gguf_matmul: no compiled kernels, dequantizing the weights to float on every call (slow)")
 
 
-def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> torch.Tensor:
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                activations: str | None = None) -> torch.Tensor:
     """`x [T, in_features] @ W^T` -> `[T, out_features]` in x's dtype (float32 or bfloat16), W being the GGUF
-    blocks `[out_features, row_bytes]` (uint8, contiguous). x's rows may be strided; the sum is taken in float32."""
+    blocks `[out_features, row_bytes]` (uint8, contiguous). x's rows may be strided; the sum is taken in float32.
+    `activations`: "float" multiplies the float activations with the weights dequantized in registers, "int8"
+    quantizes the activations to int8 per block as llama.cpp does; None: DEFAULT_ACTIVATIONS."""
+    mode = DEFAULT_ACTIVATIONS if activations is None else activations
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
     _check_blocks(blocks, qtype, out_features, in_features)
     dtype_code = _DTYPE_CODES.get(x.dtype)
     if x.dim() != 2 or x.shape[1] != in_features or dtype_code is None or x.device.type != "cpu":
@@ -160,6 +183,14 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features:
         _log_fallback_once()
         weights = dequantize_rows(blocks, qtype, out_features, in_features)
         return (x.float() @ weights.T).to(x.dtype)
+    if mode == "float":
+        xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        status = lib.tm_gguf_matmul_float(qtype, xf.data_ptr(), xf.stride(0), blocks.data_ptr(), xf.shape[0],
+                                          out_features, in_features, out.data_ptr(), out_features)
+        if status != 0:
+            raise ValueError(f"tm_gguf_matmul_float refused qtype {qtype}, in_features {in_features}")
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)

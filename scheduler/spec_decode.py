@@ -10,9 +10,12 @@ rejected some it shrinks to what was accepted + 1, and a step that accepted none
 for 1, 2, 4, ... up to MAX_SKIP_STEPS steps. Requests whose history never repeats propose nothing and cost nothing.
 
 Per step, all requests together: drafts stop where the step would hold more than STEP_TOKEN_BUDGET tokens (one per
-running request plus the drafts), as vLLM's `disable_by_batch_size` stops speculating at a large batch. On a CPU a
-forward costs about the same for 1 to ~8 query tokens with float32 weights (reading the weights dominates); past
-that it grows with every token, so at batch 8 a draft token costs what a decoded token does and gains less.
+running request plus the drafts), and no request speculates while more than MAX_SPECULATING_BATCH requests run (as
+vLLM's `disable_by_batch_size`). Measured on the 2-vCPU CPU with the default model (docs/benchmarks.md): with
+float32 weights one request's forward costs about the same for 1 to ~8 query tokens (reading the weights dominates),
+but 4 requests x 2 tokens already cost 1.5x 4 x 1 (the batch's tokens share the weight reads the drafts would ride
+on), so speculation pays alone or in pairs only. (With the GGUF weights kept quantized every query token costs
+integer work of its own: 2 tokens cost ~1.8x one, so even batch-1 speculation gains little there.)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tokenmill.scheduler.request import Request
 
 MAX_SKIP_STEPS = 32
 STEP_TOKEN_BUDGET = 8
+MAX_SPECULATING_BATCH = 2
 
 
 class SpecDecodeState:
@@ -52,10 +56,12 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
         self.step_draft_budget = STEP_TOKEN_BUDGET - 1  # draft tokens the step being planned may still take
+        self.max_speculating_batch = MAX_SPECULATING_BATCH
 
     def begin_step(self, num_running: int) -> None:
         """A new step is being planned with `num_running` running requests: reset the step's draft-token budget."""
-        self.step_draft_budget = max(0, STEP_TOKEN_BUDGET - num_running)
+        self.step_draft_budget = (max(0, STEP_TOKEN_BUDGET - num_running)
+                                  if num_running <= self.max_speculating_batch else 0)
 
     @staticmethod
     def allowed(req: Request) -> bool:

@@ -8,6 +8,10 @@ table also gives rates per CPU-second of this thread (time.thread_time), for the
 
     python scripts/bench_gguf_kernels.py --threads 1 2
     python scripts/bench_gguf_kernels.py --types Q4_0 Q6_K --isa avx2
+    python scripts/bench_gguf_kernels.py --types Q4_1 --activations float int8 --shapes "mlp_up 1536x576"
+
+Each mode of `--activations` gets a row; with both, a `float/int8` line gives the float path's time over the int8
+path's at batch 1 and at the batch size (CPU time at one thread, wall time otherwise), measured back to back.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ def main() -> None:
     parser.add_argument("--pool-mb", type=float, default=96.0, help="weight bytes cycled through per matrix")
     parser.add_argument("--batch", type=int, default=32, help="the batch compared with that many batch-1 calls")
     parser.add_argument("--seconds", type=float, default=0.5, help="minimum timing per figure")
+    parser.add_argument("--activations", nargs="+", default=list(gguf_ops.ACTIVATION_MODES),
+                        choices=list(gguf_ops.ACTIVATION_MODES), help="gguf_matmul's activation modes to time")
     args = parser.parse_args()
 
     gguf_ops.set_isa(args.isa) if args.isa else None
@@ -85,7 +91,7 @@ def main() -> None:
         bandwidth, bandwidth_cpu = read_bandwidth()
         print(f"\nthreads={threads}  memory read bandwidth (torch sum): {bandwidth / 1e9:.1f} GB/s wall"
               + (f", {bandwidth_cpu / 1e9:.1f} GB/s per CPU-second" if threads == 1 else ""))
-        print(f"{'type':6} {'shape':20} {'bytes':>9} {'b1 us':>8} {'GB/s':>6} {'% bw':>5} "
+        print(f"{'type':6} {'shape':20} {'act':5} {'bytes':>9} {'b1 us':>8} {'GB/s':>6} {'% bw':>5} "
               + (f"{'cpu us':>8} {'GB/s':>6} {'% bw':>5} " if threads == 1 else "")
               + f"{'b' + str(args.batch) + ' us':>10} {'vs ' + str(args.batch) + 'xb1':>8}")
         for type_name in args.types:
@@ -100,19 +106,28 @@ def main() -> None:
                 pool = [one] + [one.clone() for _ in range(copies - 1)]
                 x1 = torch.randn(1, k)
                 xb = torch.randn(args.batch, k)
-                t1, c1 = seconds_per_call(lambda i: gguf_ops.gguf_matmul(x1, pool[i], int(qtype), n, k), copies,
-                                          args.seconds)
-                tb, cb = seconds_per_call(lambda i: gguf_ops.gguf_matmul(xb, pool[i], int(qtype), n, k), copies,
-                                          args.seconds)
-                rate, rate_cpu = one.numel() / t1, one.numel() / c1
-                line = f"{type_name:6} {shape_name:20} {one.numel():9d} {t1 * 1e6:8.1f} {rate / 1e9:6.2f} " \
-                       f"{100 * rate / bandwidth:4.0f}% "
-                if threads == 1:  # batch ratio from CPU time too: both are one thread's work
-                    line += f"{c1 * 1e6:8.1f} {rate_cpu / 1e9:6.2f} {100 * rate_cpu / bandwidth_cpu:4.0f}% "
-                    line += f"{cb * 1e6:10.1f} {cb / (args.batch * c1):8.3f}"
-                else:
-                    line += f"{tb * 1e6:10.1f} {tb / (args.batch * t1):8.3f}"
-                print(line)
+                times = {}
+                for mode in args.activations:
+                    t1, c1 = seconds_per_call(
+                        lambda i: gguf_ops.gguf_matmul(x1, pool[i], int(qtype), n, k, activations=mode), copies,
+                        args.seconds)
+                    tb, cb = seconds_per_call(
+                        lambda i: gguf_ops.gguf_matmul(xb, pool[i], int(qtype), n, k, activations=mode), copies,
+                        args.seconds)
+                    rate, rate_cpu = one.numel() / t1, one.numel() / c1
+                    line = f"{type_name:6} {shape_name:20} {mode:5} {one.numel():9d} {t1 * 1e6:8.1f} " \
+                           f"{rate / 1e9:6.2f} {100 * rate / bandwidth:4.0f}% "
+                    if threads == 1:  # batch ratio from CPU time too: both are one thread's work
+                        line += f"{c1 * 1e6:8.1f} {rate_cpu / 1e9:6.2f} {100 * rate_cpu / bandwidth_cpu:4.0f}% "
+                        line += f"{cb * 1e6:10.1f} {cb / (args.batch * c1):8.3f}"
+                        times[mode] = (c1, cb)
+                    else:
+                        line += f"{tb * 1e6:10.1f} {tb / (args.batch * t1):8.3f}"
+                        times[mode] = (t1, tb)
+                    print(line)
+                if len(times) == 2:
+                    print(f"{'':27} float/int8: b1 {times['float'][0] / times['int8'][0]:.2f}x, "
+                          f"b{args.batch} {times['float'][1] / times['int8'][1]:.2f}x")
                 del pool
 
 if __name__ == "__main__":

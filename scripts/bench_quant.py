@@ -30,9 +30,12 @@ from profile_decode import DecodeDriver
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {  # name -> (--quantization, --dtype)
     "gguf-q4_1 f32": ("gguf", "float32"),
+    "gguf-q4_1 f32 float-act": ("gguf", "float32"),
     "dequant bf16": ("none", "bfloat16"),
     "dequant f32": ("none", "float32"),
 }
+# the GGUF kernels' activation mode per quantized configuration (kernels/gguf_ops.py)
+GGUF_ACTIVATIONS = {"gguf-q4_1 f32": "int8", "gguf-q4_1 f32 float-act": "float"}
 BLOCK_SIZE = 16
 
 
@@ -88,6 +91,9 @@ def measure(name: str, threads: int, context: int, steps: int) -> dict:
     """One configuration in this (fresh) process."""
     torch.set_num_threads(threads)
     quantization, dtype = CONFIGS[name]
+    if name in GGUF_ACTIVATIONS:
+        from tokenmill.kernels import gguf_ops
+        gguf_ops.DEFAULT_ACTIVATIONS = GGUF_ACTIVATIONS[name]
     batches = (1, 32)
     blocks_each = -(-(context + steps + 4) // BLOCK_SIZE)
     memory: dict = {}
@@ -125,6 +131,11 @@ def ratios(results: list[dict]) -> str:
                 other = by_name[ref]
                 lines.append(f"{threads} thread(s): quantized / {ref}: batch 1 x{quant['batch1'] / other['batch1']:.2f}, "
                              f"batch 32 x{quant['batch32'] / other['batch32']:.2f}, RSS x{quant['rss'] / other['rss']:.2f}")
+        float_act = by_name.get("gguf-q4_1 f32 float-act")
+        if quant and float_act:
+            lines.append(f"{threads} thread(s): float activations / int8 activations: "
+                         f"batch 1 x{float_act['batch1'] / quant['batch1']:.2f}, "
+                         f"batch 32 x{float_act['batch32'] / quant['batch32']:.2f}")
     return "\n".join(lines)
 
 

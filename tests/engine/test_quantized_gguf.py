@@ -12,6 +12,7 @@ import torch
 from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
 from tests.workers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from tokenmill.kernels import gguf_ops
 from tokenmill.workers.model_runner import ModelRunner
 from tokenmill.workers.quantization.gguf import GGUFWeight
 
@@ -29,17 +30,19 @@ QUESTIONS = [
     "Give me a short recipe for pancakes.",
     "Translate 'good morning' into Spanish and German.",
 ]
-# The kernels round each activation row to int8 per block, as llama.cpp does, which moves logits by up to ~1.7 (of
-# ~25-30; the max over the vocabulary where the runs part): where the quantized model picks another token than the
-# reference, the reference's top two logits must be within 0.5, a near tie that this rounding decides. Measured on
-# these prompts (docs/benchmarks.md): 3 of 8 diverge within 32 tokens, at reference margins of 0.08, 0.15 and 0.44,
-# each time to the reference's runner-up (an earlier build of the kernels: 4, at 0.009 to 0.20).
+# With int8 activations (llama.cpp's scheme) the kernels round each activation row to int8 per block, which moves
+# logits by up to ~1.7 (of ~25-30; the max over the vocabulary where the runs part): where the quantized model picks
+# another token than the reference, the reference's top two logits must be within 0.5, a near tie that this rounding
+# decides. Measured on these prompts (docs/benchmarks.md): 3 of 8 diverge within 32 tokens, at reference margins of
+# 0.08, 0.15 and 0.44, each time to the reference's runner-up. With float activations (weights dequantized in
+# registers, float32 sums) the logits move by ~2e-4 and all 8 matched: the issue's criterion, >= 7 of 8.
 NEAR_TIE_LOGITS = 0.5
-MIN_EQUAL_PROMPTS = 4
+MIN_EQUAL_PROMPTS = {"int8": 4, "float": 7}
 KL_TOKENS = 256
 # scripts/bench_quant.py --kl measures the mean over 2,000 tokens (target < 0.01, docs/benchmarks.md); a 256-token
 # window of other text is noisier, so the bound here is twice the target.
-KL_BOUND = 0.02
+# Float activations: the same weights, float32 sums in another order (measured ~1e-8).
+KL_BOUND = {"int8": 0.02, "float": 1e-5}
 
 
 def make_runner(quantization: str) -> ModelRunner:
@@ -68,15 +71,27 @@ def test_weights_stay_quantized(runners):
     assert runners["gguf"].weight_bytes < 0.2 * runners["none"].weight_bytes
 
 
-def test_greedy_tokens_match_but_for_near_ties(runners):
+@pytest.fixture(scope="module")
+def greedy_reference(runners) -> tuple[list[list[int]], list[list[int]]]:
     tokenizer = smollm2_tokenizer()
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                            tokenize=False) for q in QUESTIONS]
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    return prompts, run_greedy(runners["none"], prompts, NEW_TOKENS, num_blocks=NUM_BLOCKS)
+
+
+@pytest.fixture(params=list(gguf_ops.ACTIVATION_MODES))
+def activations(request, monkeypatch):
+    """The kernels' activation mode for GGUFWeight's calls (they take gguf_ops.DEFAULT_ACTIVATIONS)."""
+    monkeypatch.setattr(gguf_ops, "DEFAULT_ACTIVATIONS", request.param)
+    return request.param
+
+
+def test_greedy_tokens_match_but_for_near_ties(runners, greedy_reference, activations):
+    prompts, reference = greedy_reference
     quantized = run_greedy(runners["gguf"], prompts, NEW_TOKENS, num_blocks=NUM_BLOCKS)
-    reference = run_greedy(runners["none"], prompts, NEW_TOKENS, num_blocks=NUM_BLOCKS)
     diverged = [i for i in range(len(prompts)) if quantized[i] != reference[i]]
-    assert len(prompts) - len(diverged) >= MIN_EQUAL_PROMPTS, f"prompts {diverged} diverge"
+    assert len(prompts) - len(diverged) >= MIN_EQUAL_PROMPTS[activations], f"prompts {diverged} diverge"
     for i in diverged:
         step = next(s for s, (a, b) in enumerate(zip(quantized[i], reference[i])) if a != b)
         ids = torch.tensor(prompts[i] + reference[i][:step])
@@ -86,12 +101,13 @@ def test_greedy_tokens_match_but_for_near_ties(runners):
         assert logits[quantized[i][step]] >= top2[1]  # the quantized model took the reference's runner-up
 
 
-def test_next_token_kl_divergence_is_small(runners):
+def test_next_token_kl_divergence_is_small(runners, activations):
     text = (Path(__file__).parents[2] / "README.md").read_text()
     ids = torch.tensor(smollm2_tokenizer()(text)["input_ids"][:KL_TOKENS])
     bounds = [0, 100, 200, KL_TOKENS]  # chunked, as prefill runs
     reference = logits_in_chunks(runners["none"].model, ids, bounds).log_softmax(-1)
     quantized = logits_in_chunks(runners["gguf"].model, ids, bounds).log_softmax(-1)
     kl = (reference.exp() * (reference - quantized)).sum(-1)
-    assert kl.mean() < KL_BOUND, kl.mean().item()
-    assert kl.mean() > 0  # the kernels really ran (a dense path would give exactly 0)
+    assert kl.mean() < KL_BOUND[activations], kl.mean().item()
+    # the kernels really ran (a dense path would give exactly 0; float activations differ by summation order only)
+    assert not torch.equal(reference, quantized)

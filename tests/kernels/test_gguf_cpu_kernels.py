@@ -8,6 +8,9 @@ Two references per case, from the `gguf` package's dequantizer:
   weights' offsets (up to 2x |W| for Q4_0's -8) counted in.
 - loose: the exact float64 x @ W^T. Rounding x to int8 moves each value by at most half a step, max|x_block| / 254,
   so |y - exact| <= sum_blocks max|x_block| / 254 * sum_{k in block} |W_nk|, a bound the test checks per element.
+
+The float-activation mode (`activations="float"`) dequantizes the weights exactly and sums in float32, so it is
+checked against the exact float64 x @ W^T to float32 summation rounding: 2e-6 of sum_k |x_k| |W_nk|.
 """
 
 from __future__ import annotations
@@ -74,6 +77,15 @@ def check(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType, y: t
                                  err_msg=f"{qtype.name}: off the exact product by more than the int8 rounding")
 
 
+def check_float(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType, y: torch.Tensor) -> None:
+    n, k = blocks.shape[0], x.shape[1]
+    w = gguf_quants.dequantize(blocks, qtype).astype(np.float64).reshape(n, k)
+    x64 = x.double().numpy()
+    magnitude = np.abs(x64) @ np.abs(w).T
+    np.testing.assert_array_less(np.abs(y.double().numpy() - x64 @ w.T), 2e-6 * magnitude + 1e-30,
+                                 err_msg=f"{qtype.name}: float activations off the float64 product")
+
+
 @pytest.fixture(params=gguf_ops.available_isas() or ["none"])
 def isa(request):
     gguf_ops.set_isa(request.param)
@@ -92,7 +104,7 @@ def test_every_batch_matches_the_references(qtype, isa):
     for batch in BATCHES:
         x = torch.from_numpy(rng.standard_normal((batch, k)).astype(np.float32))
         x[0, :block_elems] = 0.0  # an all-zero activation block (scale 0) in every batch
-        y = gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), n, k)
+        y = gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), n, k, activations="int8")
         assert y.shape == (batch, n) and y.dtype == torch.float32
         check(x, blocks, qtype, y)
 
@@ -105,7 +117,9 @@ def test_weights_quantized_by_gguf(qtype, isa):
     w = rng.standard_normal((70, 320)).astype(np.float32) * 0.05
     blocks = gguf_quants.quantize(w, qtype)
     x = torch.from_numpy(rng.standard_normal((5, 320)).astype(np.float32))
-    check(x, blocks, qtype, gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), 70, 320))
+    check(x, blocks, qtype, gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), 70, 320, activations="int8"))
+    check_float(x, blocks, qtype, gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), 70, 320,
+                                                       activations="float"))
 
 
 @needs_kernels
@@ -115,13 +129,44 @@ def test_bfloat16_in_and_out_and_strided_rows():
     blocks = torch.from_numpy(random_blocks(qtype, 19, 512, rng))
     wide = torch.from_numpy(rng.standard_normal((6, 700)).astype(np.float32))
     x = wide[:, 100:612]  # rows 700 apart
-    y = gguf_ops.gguf_matmul(x, blocks, int(qtype), 19, 512)
-    check(x.contiguous(), blocks.numpy(), qtype, y)
-    xb = x.to(torch.bfloat16)
-    yb = gguf_ops.gguf_matmul(xb, blocks, int(qtype), 19, 512)
-    assert yb.dtype == torch.bfloat16
-    expected = gguf_ops.gguf_matmul(xb.float(), blocks, int(qtype), 19, 512)
-    torch.testing.assert_close(yb, expected.to(torch.bfloat16), rtol=0, atol=0)
+    for mode, checker in (("int8", check), ("float", check_float)):
+        y = gguf_ops.gguf_matmul(x, blocks, int(qtype), 19, 512, activations=mode)
+        checker(x.contiguous(), blocks.numpy(), qtype, y)
+        xb = x.to(torch.bfloat16)
+        yb = gguf_ops.gguf_matmul(xb, blocks, int(qtype), 19, 512, activations=mode)
+        assert yb.dtype == torch.bfloat16
+        expected = gguf_ops.gguf_matmul(xb.float(), blocks, int(qtype), 19, 512, activations=mode)
+        torch.testing.assert_close(yb, expected.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float_activations_match_the_float64_product(qtype, isa):
+    rng = np.random.default_rng(100 + int(qtype))
+    block_elems = GGML_QUANT_SIZES[qtype][0]
+    n, k = 37, (3 if block_elems == 256 else 9) * block_elems  # an odd number of blocks: the unpaired last block
+    blocks = random_blocks(qtype, n, k, rng)
+    assert gguf_ops.isa() == isa
+    for batch in BATCHES:
+        x = torch.from_numpy(rng.standard_normal((batch, k)).astype(np.float32))
+        y = gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), n, k, activations="float")
+        assert y.shape == (batch, n) and y.dtype == torch.float32
+        check_float(x, blocks, qtype, y)
+        # far closer than the int8 activations get: their rounding shows at this tolerance
+        y8 = gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), n, k, activations="int8")
+        assert not np.allclose(y8.numpy(), y.numpy(), rtol=1e-5, atol=0)
+
+
+def test_activation_mode_choice(monkeypatch):
+    assert gguf_ops.DEFAULT_ACTIVATIONS in gguf_ops.ACTIVATION_MODES
+    monkeypatch.setenv("TOKENMILL_GGUF_ACTIVATIONS", "int8")
+    assert gguf_ops._default_activations() == "int8"
+    monkeypatch.setenv("TOKENMILL_GGUF_ACTIVATIONS", "fp8")
+    with pytest.raises(ValueError, match="TOKENMILL_GGUF_ACTIVATIONS must be one of"):
+        gguf_ops._default_activations()
+    with pytest.raises(ValueError, match="activations must be one of"):
+        gguf_ops.gguf_matmul(torch.zeros((1, 32)), torch.zeros((4, 18), dtype=torch.uint8), int(Q.Q4_0), 4, 32,
+                             activations="half")
 
 
 def test_dequantize_rows_is_the_gguf_reference():

@@ -167,8 +167,12 @@ def check_indexed_blocks(scheduler: Scheduler) -> None:
         assert indexed * scheduler.block_size <= req.num_computed_tokens <= req.num_tokens
 
 
-def make_scheduler(speculative=NGRAM, num_blocks: int = 64, **config) -> Scheduler:
-    return Scheduler(replace(make_config(**config), speculative=speculative), num_blocks, [EOS])
+def make_scheduler(speculative=NGRAM, num_blocks: int = 64, max_speculating_batch: int = 8, **config) -> Scheduler:
+    """A scheduler whose requests speculate up to batch `max_speculating_batch` (the default 2 exercises less)."""
+    scheduler = Scheduler(replace(make_config(**config), speculative=speculative), num_blocks, [EOS])
+    if scheduler.speculator is not None:
+        scheduler.speculator.max_speculating_batch = max_speculating_batch
+    return scheduler
 
 
 @pytest.mark.parametrize("block_size, budget", [(4, 64), (4, 7), (16, 64)])
@@ -258,15 +262,16 @@ def test_requests_that_cannot_speculate_share_the_batch():
     assert any(len(p.running) == 4 and any(r.spec_token_ids for r in p.running) for p in plans)
 
 
-@pytest.mark.parametrize("num_requests", [1, 3, 8])
+@pytest.mark.parametrize("num_requests", [1, 2, 3, 8])
 def test_draft_tokens_per_step_shrink_with_the_batch(num_requests):
-    """A step holds at most STEP_TOKEN_BUDGET tokens with its drafts: k drafts alone, fewer each with more running
-    requests, none at a batch of STEP_TOKEN_BUDGET (outputs unchanged either way)."""
-    from tokenmill.scheduler.spec_decode import STEP_TOKEN_BUDGET
+    """A step holds at most STEP_TOKEN_BUDGET tokens with its drafts: k drafts alone, fewer with two requests, none
+    with more than MAX_SPECULATING_BATCH running (outputs unchanged either way)."""
+    from tokenmill.scheduler.spec_decode import MAX_SPECULATING_BATCH, STEP_TOKEN_BUDGET
 
     k = STEP_TOKEN_BUDGET - 1
     scheduler = make_scheduler(SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=2,
-                                                 prompt_lookup_max=4), num_blocks=256)
+                                                 prompt_lookup_max=4), num_blocks=256,
+                               max_speculating_batch=MAX_SPECULATING_BATCH)
     worker = SpecFakeWorker(4, lambda request_id: TARGET)
     for i in range(num_requests):
         scheduler.add_request(make_request(f"r{i}", PROMPT, max_tokens=20))
@@ -275,8 +280,9 @@ def test_draft_tokens_per_step_shrink_with_the_batch(num_requests):
     for plan in plans:
         drafts = sum(len(r.spec_token_ids) for r in plan.running)
         assert drafts <= max(0, STEP_TOKEN_BUDGET - len(plan.running) - len(plan.new_requests))
+        assert drafts == 0 or len(plan.running) <= MAX_SPECULATING_BATCH
     most = max(sum(len(r.spec_token_ids) for r in plan.running) for plan in plans)
-    assert most == max(0, STEP_TOKEN_BUDGET - num_requests)
+    assert most == (STEP_TOKEN_BUDGET - num_requests if num_requests <= MAX_SPECULATING_BATCH else 0)
 
 
 def test_structured_output_requests_never_speculate():

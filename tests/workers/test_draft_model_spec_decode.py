@@ -5,6 +5,8 @@ prefix caching and forced preemption (float32 tiny checkpoints; see test_spec_de
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.draft_checkpoints import write_first_layers_checkpoint
@@ -89,3 +91,31 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="vocabulary of .* the target's has .* must use the target's tokenizer"):
         draft_runner(target, str(other))
+
+
+@pytest.mark.skipif(not os.environ.get("TOKENMILL_DRAFT_DEFAULT_MODEL"),
+                    reason="~3 min on 2 cores: set TOKENMILL_DRAFT_DEFAULT_MODEL=1 (the tiny checkpoints above run in CI)")
+def test_default_model_with_its_first_layers_as_draft_greedy_identical(tmp_path):
+    """The default model (float32) with a draft of its own first 24 of 30 layers: token-identical greedy output."""
+    from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
+    from tests.workers.test_spec_decode_runner import CODE
+
+    source = ModelConfig(path=str(smollm2_dir()), gguf_file=SMOLLM2_GGUF, dtype="float32", quantization="none")
+    tokenizer = smollm2_tokenizer()
+    draft = write_first_layers_checkpoint(source, 24, tmp_path / "smollm2-first-24", tokenizer)
+    speculative = parse_speculative_config({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4})
+    runner = ModelRunner(EngineConfig(model=source, speculative=speculative,
+                                      cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
+                                      parallel=ParallelConfig(device="cpu")))
+    runner.load_model()
+    runner.allocate_kv_cache(RUNNER_BLOCKS)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+    prompts = [f"Rewrite this code with the function renamed to rect_area:\n{CODE}", "What is the capital of France?"]
+    reqs = [(0, EngineRequest(request_id=str(i), prompt_token_ids=tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)), sampling=greedy))
+        for i, p in enumerate(prompts)]
+    plain, _ = generate(runner, SpeculativeConfig(), reqs, num_blocks=RUNNER_BLOCKS, budget=48, tag="p")
+    spec, scheduler = generate(runner, speculative, reqs, num_blocks=RUNNER_BLOCKS, budget=48, tag="s")
+    assert spec == plain
+    stats = scheduler.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
