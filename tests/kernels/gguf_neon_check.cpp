@@ -1,7 +1,8 @@
 // The NEON version of kernels/gguf_cpu.cpp against its portable version, on AArch64 (tests/kernels/
 // test_gguf_cpu_kernels.py cross-compiles this and runs it under qemu-aarch64 where both are installed). Both see the
-// same int8 activations, so they must agree to float rounding; the portable version itself is checked against
-// float64 references on every machine. Exit status 0 when every type and batch agrees.
+// same int8 activations (or, for tm_gguf_matmul_float, the same float ones), so they must agree to float rounding;
+// the portable version itself is checked against float64 references on every machine. Exit status 0 when every type,
+// batch and activation mode agrees.
 #include "gguf_cpu.cpp"
 #include <cstdio>
 #include <random>
@@ -25,15 +26,20 @@ int main() {
     for (int64_t T : {1, 2, 3, 7, 32}) {
       std::vector<float> x(T * K), y0(T * N), y1(T * N);
       for (auto& v : x) v = std::normal_distribution<float>()(g);
-      tm_gguf_set_isa(0);
-      tm_gguf_matmul(qtype, 0, x.data(), K, w.data(), T, N, K, y0.data(), N);
-      if (tm_gguf_set_isa(1) != 0) { printf("no neon\n"); return 1; }
-      tm_gguf_matmul(qtype, 0, x.data(), K, w.data(), T, N, K, y1.data(), N);
-      double worst = 0, scale = 0;
-      for (size_t i = 0; i < y0.size(); ++i) { worst = std::max(worst, (double)std::fabs(y0[i] - y1[i])); scale = std::max(scale, (double)std::fabs(y0[i])); }
-      const bool ok = worst <= 1e-5 * scale + 1e-30 && scale > 0;
-      failures += !ok;
-      printf("type %2d T %2ld: max|neon - scalar| = %.3g (max|y| %.3g) %s\n", qtype, (long)T, worst, scale, ok ? "ok" : "FAIL");
+      for (int float_act : {0, 1}) {  // the int8-activation and the float-activation paths
+        tm_gguf_set_isa(0);
+        if (float_act) tm_gguf_matmul_float(qtype, x.data(), K, w.data(), T, N, K, y0.data(), N);
+        else tm_gguf_matmul(qtype, 0, x.data(), K, w.data(), T, N, K, y0.data(), N);
+        if (tm_gguf_set_isa(1) != 0) { printf("no neon\n"); return 1; }
+        if (float_act) tm_gguf_matmul_float(qtype, x.data(), K, w.data(), T, N, K, y1.data(), N);
+        else tm_gguf_matmul(qtype, 0, x.data(), K, w.data(), T, N, K, y1.data(), N);
+        double worst = 0, scale = 0;
+        for (size_t i = 0; i < y0.size(); ++i) { worst = std::max(worst, (double)std::fabs(y0[i] - y1[i])); scale = std::max(scale, (double)std::fabs(y0[i])); }
+        const bool ok = worst <= 1e-5 * scale + 1e-30 && scale > 0;
+        failures += !ok;
+        printf("type %2d T %2ld %s: max|neon - scalar| = %.3g (max|y| %.3g) %s\n", qtype, (long)T,
+               float_act ? "float" : "int8 ", worst, scale, ok ? "ok" : "FAIL");
+      }
     }
   }
   printf("active isa %d, failures %d\n", tm_gguf_isa(), failures);
