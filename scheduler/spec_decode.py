@@ -56,7 +56,7 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
         self.step_draft_budget = STEP_TOKEN_BUDGET - 1  # draft tokens the step being planned may still take
-        self.max_speculating_batch = MAX_SPECULATING_BATCH
+        self.max_speculating_batch = config.disable_by_batch_size or MAX_SPECULATING_BATCH
 
     def begin_step(self, num_running: int) -> None:
         """A new step is being planned with `num_running` running requests: reset the step's draft-token budget."""

@@ -132,6 +132,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     prompt_lookup_max: int = 0  # ngram: the longest
     model: str = ""  # draft_model: what the user gave
     path: str = ""  # draft_model: the resolved local directory
+    # vLLM's key: no request speculates while more requests than this run (None: tokenmill's CPU-tuned default,
+    # scheduler/spec_decode.py MAX_SPECULATING_BATCH)
+    disable_by_batch_size: int | None = None
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,7 +13,8 @@ from typing import Any
 
 from tokenmill.config import SpeculativeConfig
 
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+         "disable_by_batch_size")
 # a verification step's tokens grow with k; past this the rejected tail costs more than any acceptance pays back
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -50,6 +51,11 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
         raise ValueError(f"speculative_config: 'num_speculative_tokens' must be an integer from 1 to "
                          f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
 
+    disable_by_batch_size = value.get("disable_by_batch_size")
+    if disable_by_batch_size is not None and (not _is_int(disable_by_batch_size) or disable_by_batch_size < 1):
+        raise ValueError(f"speculative_config: 'disable_by_batch_size' must be an integer of at least 1, got "
+                         f"{disable_by_batch_size!r}")
+
     if method == "ngram":
         if value.get("model") is not None:
             raise ValueError("speculative_config: 'model' is not used by method 'ngram'")
@@ -65,7 +71,7 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
             raise ValueError(f"speculative_config: 'prompt_lookup_min' ({lookup_min}) must not exceed "
                              f"'prompt_lookup_max' ({lookup_max})")
         return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lookup_min,
-                                 prompt_lookup_max=lookup_max)
+                                 prompt_lookup_max=lookup_max, disable_by_batch_size=disable_by_batch_size)
 
     for key in ("prompt_lookup_min", "prompt_lookup_max"):
         if value.get(key) is not None:
@@ -73,7 +79,8 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     model = value.get("model")
     if not isinstance(model, str) or not model:
         raise ValueError("speculative_config: method 'draft_model' needs 'model' (a checkpoint directory or hub id)")
-    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=model)
+    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=model,
+                             disable_by_batch_size=disable_by_batch_size)
 
 
 def _is_int(value: Any) -> bool:

@@ -28,6 +28,9 @@ def test_parse_ngram_config_defaults_and_values():
         ("ngram", 3, 5, 5)
     config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+    assert config.disable_by_batch_size is None
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 6})
+    assert config.disable_by_batch_size == 6
 
 
 @pytest.mark.parametrize("value, key", [
@@ -40,6 +43,7 @@ def test_parse_ngram_config_defaults_and_values():
      "'prompt_lookup_min'"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "'prompt_lookup_min'"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "'disable_by_batch_size'"),
     ('{"method": "ngram", ', "JSON"),
 ])
 def test_parse_rejects_bad_config_naming_the_key(value, key):
@@ -167,12 +171,13 @@ def check_indexed_blocks(scheduler: Scheduler) -> None:
         assert indexed * scheduler.block_size <= req.num_computed_tokens <= req.num_tokens
 
 
-def make_scheduler(speculative=NGRAM, num_blocks: int = 64, max_speculating_batch: int = 8, **config) -> Scheduler:
-    """A scheduler whose requests speculate up to batch `max_speculating_batch` (the default 2 exercises less)."""
-    scheduler = Scheduler(replace(make_config(**config), speculative=speculative), num_blocks, [EOS])
-    if scheduler.speculator is not None:
-        scheduler.speculator.max_speculating_batch = max_speculating_batch
-    return scheduler
+def make_scheduler(speculative=NGRAM, num_blocks: int = 64, max_speculating_batch: int | None = 8,
+                   **config) -> Scheduler:
+    """A scheduler whose requests speculate up to batch `max_speculating_batch` (vLLM's disable_by_batch_size; None:
+    tokenmill's default, which exercises less)."""
+    if speculative.method is not None:
+        speculative = replace(speculative, disable_by_batch_size=max_speculating_batch)
+    return Scheduler(replace(make_config(**config), speculative=speculative), num_blocks, [EOS])
 
 
 @pytest.mark.parametrize("block_size, budget", [(4, 64), (4, 7), (16, 64)])
@@ -271,7 +276,7 @@ def test_draft_tokens_per_step_shrink_with_the_batch(num_requests):
     k = STEP_TOKEN_BUDGET - 1
     scheduler = make_scheduler(SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=2,
                                                  prompt_lookup_max=4), num_blocks=256,
-                               max_speculating_batch=MAX_SPECULATING_BATCH)
+                               max_speculating_batch=None)
     worker = SpecFakeWorker(4, lambda request_id: TARGET)
     for i in range(num_requests):
         scheduler.add_request(make_request(f"r{i}", PROMPT, max_tokens=20))
