@@ -9,7 +9,7 @@ import tokenmill
 from tokenmill.frontend.context import ServingContext, read_body
 from tokenmill.frontend.errors import APIError, error_response
 from tokenmill.frontend.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                               TokenizeResponse, decode_request, encode_json, now)
+                               TokenizeResponse, decode_request, encode_json)
 from tokenmill.frontend.limits import check_json_depth
 from tokenmill.frontend.serving_chat import chat_prompt_ids
 from tokenmill.frontend.tokenizer import encode_text
