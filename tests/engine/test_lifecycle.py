@@ -56,7 +56,7 @@ def test_startup_log_reports_capacity(tiny_llama, tmp_path):
     with Server(tiny_llama, *TINY_ARGS, log_path=tmp_path / "log") as server:
         log = server.log_tail(20000)
     assert "architecture LlamaForCausalLM" in log and "dtype float32" in log and "device cpu" in log
-    assert "KV cache:" in log and "maximum concurrency at max_model_len 512" in log
+    assert "KV cache (float32):" in log and "maximum concurrency at max_model_len 512" in log
 
 
 def stream_in_background(url: str) -> tuple[threading.Thread, dict]:
