@@ -56,7 +56,7 @@ def test_chunked_prefill_keeps_decodes_stepping_while_the_prompt_prefills(tiny_c
 
 def test_priority_policy_serves_high_priority_requests_first(tiny_checkpoints, tmp_path):
     code = bench_priority.main([
-        "--max-num-seqs", "2", "--num-low", "8", "--low-prompt-len", "16", "--low-output-len", "96:128",
+        "--max-num-seqs", "2", "--num-low", "8", "--low-prompt-len", "16", "--low-output-len", "256:320",
         "--num-high", "2", "--high-prompt-len", "16", "--high-output-len", "2", "--high-start-s", "0.2",
         "--high-interval-s", "0.05", "--serve-args", serve_args(tiny_checkpoints), "--results-root", str(tmp_path)])
     assert code == 0
