@@ -205,6 +205,31 @@ def build_attention_metadata(
     )
 
 
+
+# ---------------------------------------------------------------- the cache tensors
+
+
+
+def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across every layer of `model` (its `num_layers`, `num_kv_heads`, `head_dim`), K and V."""
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+
+def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer of `model` a K and a V cache of `model.kv_cache_shape`, left uninitialised (see `zero_kv_blocks`)."""
+    shape = model.kv_cache_shape(num_blocks, block_size)
+    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(model.num_layers)]
+
+
+def zero_kv_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor) -> None:
+    """Zero the given blocks of every layer's K and V cache, as bytes: torch has no CPU index_fill_ for fp8 (and
+    byte 0 is +0.0 in every cache dtype)."""
+    for k_cache, v_cache in kv_caches:
+        as_bytes(k_cache).index_fill_(0, block_ids, 0)
+        as_bytes(v_cache).index_fill_(0, block_ids, 0)
+
 # ---------------------------------------------------------------- torch implementation (CPU, and correct anywhere)
 
 

@@ -28,10 +28,9 @@ import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.kernels.kv_quant import as_bytes
-from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.attention import allocate_kv_caches, build_attention_metadata, kv_block_bytes
 from tokenmill.workers.backends import attention_backend
-from tokenmill.workers.model_loader import iter_weights, load_hf_config
+from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
 from tokenmill.workers.models.registry import architecture_of, model_class
 
@@ -76,13 +75,8 @@ class DraftModel:
         check_same_tokenizer(self.model_config.path, target_path, config.speculative.model)
         self.hf_config.tokenmill_max_model_len = max_model_len  # the rotary table covers the target's context
         self.architecture = architecture_of(self.hf_config)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = model_class(self.architecture)(self.hf_config, tp=TensorParallel(0, 1))
-        finally:
-            torch.set_default_dtype(previous)
+        with torch.device(device), default_dtype(dtype):
+            model = model_class(self.architecture)(self.hf_config, tp=TensorParallel(0, 1))
         model.load_weights(iter_weights(self.model_config, device))
         self.model = model.eval()
         if device.type == "cpu":
@@ -93,19 +87,10 @@ class DraftModel:
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across the draft's layers, K and V."""
-        model = self.model
-        return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * self.kv_cache_dtype.itemsize
+        return kv_block_bytes(self.model, self.block_size, self.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        self.kv_caches = [(torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device),
-                           torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device))
-                          for _ in range(self.model.num_layers)]
-
-    def zero_blocks(self, index: torch.Tensor) -> None:
-        for k_cache, v_cache in self.kv_caches:
-            as_bytes(k_cache).index_fill_(0, index, 0)
-            as_bytes(v_cache).index_fill_(0, index, 0)
+        self.kv_caches = allocate_kv_caches(self.model, num_blocks, self.block_size, self.kv_cache_dtype, self.device)
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> None:
         """Run the draft over a step's scheduled tokens: its KV at their positions, as the target's."""

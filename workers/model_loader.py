@@ -20,6 +20,7 @@ dtype rule (`ModelConfig.dtype`):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,17 @@ from tokenmill.workers.quantization.base import QuantizedWeight
 log = logging.getLogger("tokenmill.model_loader")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to `dtype` for building a model's (uninitialised) parameters, then restored."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def load_hf_config(model_cfg: ModelConfig):

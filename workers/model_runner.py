@@ -8,7 +8,6 @@ Only requests whose scheduled tokens reach the end of their known tokens get log
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -21,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
-from tokenmill.kernels.kv_quant import as_bytes, check_kv_cache_device, kv_cache_torch_dtype
+from tokenmill.kernels.kv_quant import check_kv_cache_device, kv_cache_torch_dtype
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
-from tokenmill.workers.attention import DECODE_GATHER_BYTES, AttentionMetadata, build_attention_metadata, token_positions
+from tokenmill.workers.attention import (DECODE_GATHER_BYTES, AttentionMetadata, allocate_kv_caches,
+                                         build_attention_metadata, kv_block_bytes, token_positions, zero_kv_blocks)
 from tokenmill.workers.backends import attention_backend
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
 from tokenmill.workers.draft_proposer import DraftModel
-from tokenmill.workers.model_loader import iter_weights, load_hf_config, resolve_dtype
+from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
 from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.models.pipeline import PipelineStage
@@ -63,16 +63,6 @@ class _StepBatch:
     sampled_requests: list[_Request]
     # speculative decoding: per sampled request its draft tokens (1 + len rows each in sample_rows); None: no drafts
     drafts: list[list[int]] | None = None
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def resolve_device(config: EngineConfig, rank: int) -> torch.device:
@@ -146,7 +136,7 @@ class ModelRunner:
         self.architecture = model_cfg.architecture or architecture_of(self.hf_config)
         self.dtype = resolve_dtype(model_cfg, self.hf_config, self.device)
         started = time.perf_counter()
-        with torch.device(self.device), _default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(self.dtype):
             model = self.build_model()
         model.load_weights(self.checkpoint_weights())
         self.model = model.eval()
@@ -221,9 +211,7 @@ class ModelRunner:
         return self._target_kv_block_bytes() + (self.draft.kv_block_bytes() if self.draft is not None else 0)
 
     def _target_kv_block_bytes(self) -> int:
-        model = self.model
-        per_layer = self.block_size * model.num_kv_heads * model.head_dim * self.kv_cache_dtype.itemsize
-        return 2 * model.num_layers * per_layer
+        return kv_block_bytes(self.model, self.block_size, self.kv_cache_dtype)
 
     def decode_chunk_tokens(self) -> int:
         """Keys per decode-attention chunk on the torch path: `DECODE_GATHER_BYTES` of one layer's K and V."""
@@ -337,16 +325,8 @@ class ModelRunner:
         Each block is zeroed the first time a plan hands it out (block 0 at once: it pads block tables), which
         keeps attention's padding reads finite without touching the whole cache up front.
         """
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        dtype = self.kv_cache_dtype
-        check_kv_cache_device(dtype, self.device)
-        self.kv_caches = [
-            (
-                torch.empty(shape, dtype=dtype, device=self.device),
-                torch.empty(shape, dtype=dtype, device=self.device),
-            )
-            for _ in range(self.model.num_layers)
-        ]
+        check_kv_cache_device(self.kv_cache_dtype, self.device)
+        self.kv_caches = allocate_kv_caches(self.model, num_blocks, self.block_size, self.kv_cache_dtype, self.device)
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
         self._never_used_blocks = np.ones(num_blocks, dtype=bool)
@@ -383,11 +363,9 @@ class ModelRunner:
             return
         self._never_used_blocks[fresh] = False
         index = torch.from_numpy(fresh).to(self.device)
-        for k_cache, v_cache in self.kv_caches:  # as bytes: torch has no CPU index_fill_ for fp8 (0 is +0.0)
-            as_bytes(k_cache).index_fill_(0, index, 0)
-            as_bytes(v_cache).index_fill_(0, index, 0)
+        zero_kv_blocks(self.kv_caches, index)
         if self.draft is not None:
-            self.draft.zero_blocks(index)
+            zero_kv_blocks(self.draft.kv_caches, index)
 
     # ---------------------------------------------------------------- steps
 

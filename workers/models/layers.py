@@ -353,13 +353,11 @@ class VocabEmbedding(nn.Module):
             if not self.NEEDS_LOOKUP or hasattr(rows, "lookup"):
                 set_weight(self, rows)  # the padding rows past the vocabulary are not stored (LMHead pads the logits)
                 return self.rows_per_rank * full.in_features
-            full = rows.dequantize(self.dtype)
-            dest = self.weight.data
-            written = copy_checked(dest[: self.num_real_rows], full, what)
-            dest[self.num_real_rows :].zero_()
-            return written + dest[self.num_real_rows :].numel()
+            src = rows.dequantize(self.dtype)
+        else:
+            src = full.narrow(0, self.first_row, self.num_real_rows)
         dest = self.weight.data
-        written = copy_checked(dest[: self.num_real_rows], full.narrow(0, self.first_row, self.num_real_rows), what)
+        written = copy_checked(dest[: self.num_real_rows], src, what)
         dest[self.num_real_rows :].zero_()
         return written + dest[self.num_real_rows :].numel()
 
