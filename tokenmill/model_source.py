@@ -236,6 +236,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         scheduler = replace(scheduler, max_num_batched_tokens=model.max_model_len)
     speculative = config.speculative
     if speculative.method == "draft_model":  # located now: a missing draft fails before any process starts
+        if config.parallel.pipeline_parallel_size > 1:
+            raise ModelSourceError("speculative_config: method 'draft_model' does not support pipeline parallelism "
+                                   "yet; use 'ngram' or --pipeline-parallel-size 1.")
         draft_path, draft_gguf, _ = locate_model(speculative.model)
         speculative = replace(speculative, path=str(draft_path / draft_gguf) if draft_gguf else str(draft_path))
     return replace(config, model=model, scheduler=scheduler, speculative=speculative)

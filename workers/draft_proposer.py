@@ -13,8 +13,11 @@ whose block table ends sooner gets fewer drafts. Rejected drafts' KV is overwrit
 again, as the target's is. The worker proposes for every sampled request; the scheduler schedules drafts only for
 requests that may speculate (`Speculator.allowed`).
 
-Tensor and pipeline parallelism are refused for now: the proposals would need the verified tokens, which only the
-sampling rank holds, on every rank.
+With tensor parallelism the draft is sharded as the target (the target's `TensorParallel`: its heads, MLP columns and
+vocabulary split over the same ranks, its layers all-reducing in the same group), so its KV block bytes are per rank
+as the target's. Every rank runs the fill and the proposals, with the same inputs: the verified tokens, which only
+tensor-parallel rank 0 holds, reach the others in one broadcast (`ModelRunner._propose_drafts`); every rank gathers
+the draft's logits, so all of them propose the same tokens and rank 0 returns them. Pipeline parallelism is refused.
 """
 
 from __future__ import annotations
@@ -53,11 +56,12 @@ class DraftModel:
     """The draft model, its KV cache, and the greedy proposals."""
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
-                 max_model_len: int, target_vocab_size: int, target_path: str) -> None:
-        parallel = config.parallel
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            raise ValueError("speculative_config: method 'draft_model' does not support tensor or pipeline "
-                             "parallelism yet; use 'ngram' or one worker")
+                 max_model_len: int, target_vocab_size: int, target_path: str,
+                 tp: TensorParallel = TensorParallel()) -> None:
+        """`tp`: the target's tensor-parallel rank and group, which the draft is sharded over."""
+        if config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config: method 'draft_model' does not support pipeline parallelism yet; "
+                             "use 'ngram' or pipeline_parallel_size=1")
         self.k = config.speculative.num_speculative_tokens
         self.device = device
         self.dtype = dtype
@@ -76,7 +80,12 @@ class DraftModel:
         self.hf_config.tokenmill_max_model_len = max_model_len  # the rotary table covers the target's context
         self.architecture = architecture_of(self.hf_config)
         with torch.device(device), default_dtype(dtype):
-            model = model_class(self.architecture)(self.hf_config, tp=TensorParallel(0, 1))
+            try:
+                model = model_class(self.architecture)(self.hf_config, tp=tp)
+            except ValueError as exc:  # heads or MLP columns that do not split over the ranks
+                split = f" cannot be split over tensor_parallel_size={tp.size}" if tp.size > 1 else ""
+                message = f"speculative_config: the draft model {config.speculative.model!r}{split}: {exc}"
+                raise ValueError(message) from None
         model.load_weights(iter_weights(self.model_config, device))
         self.model = model.eval()
         if device.type == "cpu":
@@ -86,7 +95,7 @@ class DraftModel:
                  self.architecture, model.num_layers, self.k)
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one block across the draft's layers, K and V."""
+        """Bytes of one block across the draft's layers, K and V: this rank's KV heads, as the target's count."""
         return kv_block_bytes(self.model, self.block_size, self.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -149,7 +149,7 @@ class ModelRunner:
         self.eos_token_ids = self._read_eos_token_ids()
         if self.config.speculative.method == "draft_model":
             self.draft = DraftModel(self.config, self.device, self.dtype, self.kv_cache_dtype, self.max_model_len(),
-                                    self.vocab_size, model_cfg.path)
+                                    self.vocab_size, model_cfg.path, self.tp)
         log.info(
             "loaded %s (%s, %.1f MiB of weights on %s) in %.1f s",
             self.architecture,
@@ -416,6 +416,7 @@ class ModelRunner:
         # every rank: the vocab-parallel LM head gathers its logits from all of them
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         if self.tp.rank != 0:  # the last stage's tensor-parallel rank 0 samples
+            self._propose_drafts(batch.sampled_requests, None)  # a sharded draft proposes on every rank
             return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
         if plan.grammar_request_ids:
             logits = apply_grammar_bitmask(logits, [request.request_id for request in batch.sampled_requests],
@@ -442,14 +443,32 @@ class ModelRunner:
             draft_token_ids=self._propose_drafts(batch.sampled_requests, [[token] for token in result.token_ids]),
         )
 
-    def _propose_drafts(self, requests: list[_Request], new_token_ids: list[list[int]]) -> list[list[int]] | None:
+    def _propose_drafts(self, requests: list[_Request],
+                        new_token_ids: list[list[int]] | None) -> list[list[int]] | None:
         """With a draft model, its proposals after each sampled request's new tokens (they reach the request's token
-        list with the next plan), aligned with `requests`; None without one."""
+        list with the next plan), aligned with `requests`; None without one.
+
+        With tensor parallelism every rank calls this at the same point of the step (the draft's layers all-reduce):
+        rank 0 with the new tokens, the others with None, which receive them from rank 0."""
         if self.draft is None:
             return None
-        positions = [len(request.token_ids) + len(tokens) - 1 for request, tokens in zip(requests, new_token_ids)]
-        return self.draft.propose([tokens[-1] for tokens in new_token_ids], positions,
-                                  [request.block_ids for request in requests])
+        counts, last_tokens = self._share_new_tokens(new_token_ids, len(requests))
+        positions = [len(request.token_ids) + count - 1 for request, count in zip(requests, counts)]
+        return self.draft.propose(last_tokens, positions, [request.block_ids for request in requests])
+
+    def _share_new_tokens(self, new_token_ids: list[list[int]] | None, num: int) -> tuple[list[int], list[int]]:
+        """(how many, the newest) of each sampled request's new tokens, on every tensor-parallel rank: broadcast from
+        rank 0, which alone verified and sampled them (one small int64 tensor; no collective on one rank)."""
+        if self.tp.size == 1:
+            return [len(tokens) for tokens in new_token_ids], [tokens[-1] for tokens in new_token_ids]
+        shared = torch.zeros(2 * num, dtype=torch.int64)
+        if new_token_ids is not None:
+            shared[:num] = torch.tensor([len(tokens) for tokens in new_token_ids], dtype=torch.int64)
+            shared[num:] = torch.tensor([tokens[-1] for tokens in new_token_ids], dtype=torch.int64)
+        shared = shared.to(self.device)
+        dist.broadcast(shared, src=self.rank - self.tp.rank, group=self.tp.group)  # src: the group's rank 0, globally
+        values = shared.tolist()
+        return values[:num], values[num:]
 
     def _add_request(self, new: NewRequestData) -> _Request:
         sampling = None
