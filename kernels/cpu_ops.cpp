@@ -1,5 +1,6 @@
-// CPU kernels for the worker's per-layer hot path: paged decode attention straight from the KV blocks, the KV
-// write, RMSNorm with the residual add fused, rotary embedding in place, and SiLU(gate) * up.
+// CPU kernels for the worker's per-layer hot path: paged attention of decode and other short sequences (a
+// speculative-decoding verification step's few tokens) straight from the KV blocks, the KV write, RMSNorm with the
+// residual add fused, rotary embedding in place, and SiLU(gate) * up.
 //
 // Built on first use by kernels/cpu_ops.py (g++ -O3 -march=native -fopenmp) and loaded with ctypes: a plain C ABI on
 // raw pointers, so no torch headers and a one-second compile. Threads come from OpenMP; torch's CPU build links the
@@ -264,15 +265,19 @@ inline void prefetch_slice(const T* block, int64_t count, int64_t part, int64_t 
 
 constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead, in blocks, a pass prefetches
 
-// One query token per sequence (the sequences whose query_start_loc span is 1; the others are left untouched),
-// over its seq_lens[b] cached tokens. A work item is one sequence and a range of its kv heads (all of them unless
-// there are too few sequences to keep the threads busy): it reads the range's K and then its V once, block by block
-// in table order, prefetching PREFETCH_BLOCKS ahead, for all query heads sharing each kv head. Scores of all query
-// heads are kept (seq_len floats each), softmaxed, then used to sum V one block at a time, so a block's values are
-// read from memory once and from L1 for the other query heads.
-// With a sliding window (window > 0) the query, at position seq_len - 1, sees keys [seq_len - window, seq_len): the
-// passes start at the block holding the first of them (blocks before it may have been freed and reused), and the
-// keys of that block before the window get probability 0.
+// Few query tokens per sequence: the sequences of 1 to max_query_len query tokens (by their query_start_loc span;
+// the others are left untouched) over their seq_lens[b] cached tokens, the last q_len of which are their queries'
+// own: query i (of q_len) sits at position p_i = seq_len - q_len + i and sees keys [0, p_i]. One token per sequence
+// is decoding; a few are a speculative-decoding verification step (1 + k draft tokens) or a short prompt.
+// A work item is one sequence and a range of its kv heads (all of them unless there are too few sequences to keep
+// the threads busy): it reads the range's K and then its V once, block by block in table order, prefetching
+// PREFETCH_BLOCKS ahead, for all its query rows (every query token times every query head sharing each kv head).
+// Scores of all rows are kept (span floats each), softmaxed, then used to sum V one block at a time, so a block's
+// keys and values are read from memory once and from L1 for the other rows. A row scores and sums only the keys it
+// sees, so the causal mask costs nothing.
+// With a sliding window (window > 0) query i sees keys [p_i - window + 1, p_i]: the passes start at the block
+// holding the first key the earliest query sees (blocks before it may have been freed and reused), and each row
+// skips the keys before its own window.
 // HEAD_DIM > 0 fixes the head size at compile time, which keeps a head's accumulator in registers and scores 16 keys
 // at a time (`dot16`); HEAD_DIM == 0 is the general case.
 // The caches hold C: T, or fp8 holding key / k_scale and value / v_scale. k_scale is folded into the query's scale
@@ -281,19 +286,27 @@ template <typename T, typename C, int HEAD_DIM>
 void decode_attention(T* out, const T* query, int64_t query_token_stride, const C* k_cache, const C* v_cache,
                       int64_t block_size, int64_t num_kv_heads, int64_t num_heads, int64_t runtime_head_dim,
                       const int32_t* block_tables, int64_t block_table_stride, const int32_t* query_start_loc,
-                      const int32_t* seq_lens, int64_t num_seqs, float scale, int64_t window, float k_scale,
-                      float v_scale) {
+                      const int32_t* seq_lens, int64_t num_seqs, int64_t max_query_len, float scale, int64_t window,
+                      float k_scale, float v_scale) {
   const float query_scale = scale * k_scale;
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
-  // the first block a sequence of seq_len tokens reads
-  auto first_block_of = [&](int64_t seq_len) -> int64_t {
-    return window > 0 && seq_len > window ? (seq_len - window) / block_size : 0;
+  auto query_len_of = [&](int64_t seq) -> int64_t { return query_start_loc[seq + 1] - query_start_loc[seq]; };
+  auto handles = [&](int64_t seq) {
+    const int64_t q_len = query_len_of(seq);
+    return q_len >= 1 && q_len <= max_query_len && seq_lens[seq] >= q_len;
+  };
+  // the first block a sequence of seq_len tokens, q_len of them queries, reads: the block of the earliest query's
+  // first visible key
+  auto first_block_of = [&](int64_t seq_len, int64_t q_len) -> int64_t {
+    const int64_t first_key = window > 0 ? seq_len - q_len + 1 - window : 0;
+    return first_key > 0 ? first_key / block_size : 0;
   };
   const int64_t group = num_heads / num_kv_heads;
   const int64_t cache_token_stride = num_kv_heads * head_dim;
   const int64_t cache_block_stride = block_size * cache_token_stride;
   const int64_t head_splits = num_seqs >= 2 * omp_get_max_threads() ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / head_splits;
+  const int64_t head_rows = heads_per_item * group;  // query heads of an item, each a row of scores per query token
 #pragma omp parallel
   {
     std::vector<float> q, acc, scores, inv_sums;
@@ -302,21 +315,23 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
 #pragma omp for schedule(static, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const int64_t seq = item / head_splits, first_head = item % head_splits * heads_per_item;
-      const int64_t token = query_start_loc[seq];
-      if (query_start_loc[seq + 1] - token != 1) continue;
-      const int64_t seq_len = seq_lens[seq];
-      if (seq_len <= 0) continue;  // cannot happen (the token itself is cached); keeps s[0] below in bounds
-      const int64_t rows = heads_per_item * group;  // query heads of this item, each a row of scores
+      if (!handles(seq)) continue;
+      const int64_t token = query_start_loc[seq], q_len = query_len_of(seq), seq_len = seq_lens[seq];
+      const int64_t rows = q_len * head_rows;  // row r: query token r / head_rows, query head r % head_rows
       const int64_t row_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(C));
       const int32_t* table = block_tables + seq * block_table_stride;
-      const T* q_in = query + token * query_token_stride + first_head * group * head_dim;
       q.resize(rows * head_dim);
-      for (int64_t i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * query_scale;
-      // Keys [key_start, seq_len) are read (whole blocks from first_block on); scores are kept from key_start, and
-      // the first `lead` of them (older than the window) are dropped.
-      const int64_t first_block = first_block_of(seq_len), key_start = first_block * block_size;
+      for (int64_t i = 0; i < q_len; ++i) {
+        const T* q_in = query + (token + i) * query_token_stride + first_head * group * head_dim;
+        float* q_row = q.data() + i * head_rows * head_dim;
+        for (int64_t d = 0; d < head_rows * head_dim; ++d) q_row[d] = to_float(q_in[d]) * query_scale;
+      }
+      // Keys [key_start, seq_len) are read (whole blocks from first_block on); scores are kept from key_start. Query
+      // token i's rows see the keys [lead(i), end(i)) of them.
+      const int64_t first_block = first_block_of(seq_len, q_len), key_start = first_block * block_size;
       const int64_t span = seq_len - key_start;
-      const int64_t lead = window > 0 && seq_len > window ? seq_len - window - key_start : 0;
+      auto end_of = [&](int64_t i) { return span - q_len + 1 + i; };
+      auto lead_of = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, end_of(i) - window) : 0; };
       scores.resize(rows * span);
       inv_sums.resize(rows);
 
@@ -337,32 +352,35 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
         const int64_t next = item + item_stride;
         if (next >= num_items) return nullptr;
         const int64_t next_seq = next / head_splits, next_first_head = next % head_splits * heads_per_item;
-        const int64_t next_block = first_block_of(seq_lens[next_seq]) + block - 2 * num_blocks;
+        if (!handles(next_seq)) return nullptr;
+        const int64_t next_len = seq_lens[next_seq];
+        const int64_t next_block = first_block_of(next_len, query_len_of(next_seq)) + block - 2 * num_blocks;
         const int64_t start = next_block * block_size;
-        if (query_start_loc[next_seq + 1] - query_start_loc[next_seq] != 1 || start >= seq_lens[next_seq]) {
-          return nullptr;
-        }
-        *count = std::min<int64_t>(block_size, seq_lens[next_seq] - start);
+        if (start >= next_len) return nullptr;
+        *count = std::min<int64_t>(block_size, next_len - start);
         return k_cache + block_tables[next_seq * block_table_stride + next_block] * cache_block_stride +
                next_first_head * head_dim;
       };
       for (int64_t start = key_start; start < seq_len; start += block_size) {
         const C* keys = block_start(k_cache, start);
-        const int64_t count = std::min(block_size, seq_len - start);
+        const int64_t offset = start - key_start, count = std::min(block_size, seq_len - start);
         int64_t ahead_count;
-        const C* ahead = pass_block((start - key_start) / block_size + PREFETCH_BLOCKS, &ahead_count);
+        const C* ahead = pass_block(offset / block_size + PREFETCH_BLOCKS, &ahead_count);
         for (int64_t row = 0; row < rows; ++row) {
           prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
+          const int64_t i_query = row / head_rows;
+          const int64_t begin = std::max<int64_t>(0, lead_of(i_query) - offset);
+          const int64_t end = std::min(count, end_of(i_query) - offset);
           const float* __restrict__ qr = q.data() + row * head_dim;
-          const C* head_keys = keys + row / group * head_dim;
-          float* __restrict__ s = scores.data() + row * span + (start - key_start);
-          int64_t i = 0;
+          const C* head_keys = keys + row % head_rows / group * head_dim;
+          float* __restrict__ s = scores.data() + row * span + offset;
+          int64_t i = begin;
           if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
-            for (; i + 16 <= count; i += 16) {
+            for (; i + 16 <= end; i += 16) {
               dot16<C, HEAD_DIM>(qr, head_keys + i * cache_token_stride, cache_token_stride, s + i);
             }
           }
-          for (; i < count; ++i) {
+          for (; i < end; ++i) {
             const C* __restrict__ key = head_keys + i * cache_token_stride;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -373,51 +391,60 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
       }
 
       for (int64_t row = 0; row < rows; ++row) {
+        const int64_t lead = lead_of(row / head_rows), end = end_of(row / head_rows);
         float* s = scores.data() + row * span;
         float max_score = s[lead];
 #pragma omp simd reduction(max : max_score)
-        for (int64_t t = lead; t < span; ++t) max_score = s[t] > max_score ? s[t] : max_score;
+        for (int64_t t = lead; t < end; ++t) max_score = s[t] > max_score ? s[t] : max_score;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = lead; t < span; ++t) {
+        for (int64_t t = lead; t < end; ++t) {
           s[t] = exp_nonpositive(s[t] - max_score);
           sum += s[t];
         }
-        for (int64_t t = 0; t < lead; ++t) s[t] = 0.0f;
         inv_sums[row] = 1.0f / sum;
       }
 
       acc.assign(rows * head_dim, 0.0f);
       for (int64_t start = key_start; start < seq_len; start += block_size) {
         const C* values = block_start(v_cache, start);
-        const int64_t count = std::min(block_size, seq_len - start);
+        const int64_t offset = start - key_start, count = std::min(block_size, seq_len - start);
         int64_t ahead_count;
-        const C* ahead = pass_block(num_blocks + (start - key_start) / block_size + PREFETCH_BLOCKS, &ahead_count);
+        const C* ahead = pass_block(num_blocks + offset / block_size + PREFETCH_BLOCKS, &ahead_count);
         for (int64_t row = 0; row < rows; ++row) {
           prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
-          const float* __restrict__ p = scores.data() + row * span + (start - key_start);
-          const C* head_values = values + row / group * head_dim;
+          const int64_t i_query = row / head_rows;
+          const int64_t begin = std::max<int64_t>(0, lead_of(i_query) - offset);
+          const int64_t end = std::min(count, end_of(i_query) - offset);
+          const float* __restrict__ p = scores.data() + row * span + offset;
+          const C* head_values = values + row % head_rows / group * head_dim;
           float* __restrict__ a = acc.data() + row * head_dim;
-          for (int64_t i = 0; i < count; ++i) {
-            const C* __restrict__ value = head_values + i * cache_token_stride;
-            if constexpr (is_fp8<C> && HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
-              for (int64_t d = 0; d < HEAD_DIM; d += 16) {
-                f32x16 sum;
-                std::memcpy(&sum, a + d, sizeof sum);
-                sum += p[i] * load16(value + d);
-                std::memcpy(a + d, &sum, sizeof sum);
-              }
-            } else {
+          if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+            // the row's accumulator stays in registers over the block's keys
+            constexpr int chunks = HEAD_DIM / 16;
+            f32x16 sum[chunks];
+            std::memcpy(sum, a, sizeof sum);
+            for (int64_t i = begin; i < end; ++i) {
+              const C* __restrict__ value = head_values + i * cache_token_stride;
+              for (int c = 0; c < chunks; ++c) sum[c] += p[i] * load16(value + 16 * c);
+            }
+            std::memcpy(a, sum, sizeof sum);
+          } else {
+            for (int64_t i = begin; i < end; ++i) {
+              const C* __restrict__ value = head_values + i * cache_token_stride;
 #pragma omp simd
               for (int64_t d = 0; d < head_dim; ++d) a[d] += p[i] * to_float(value[d]);
             }
           }
         }
       }
-      T* o = out + (token * num_heads + first_head * group) * head_dim;
-      for (int64_t row = 0; row < rows; ++row) {
-        for (int64_t d = 0; d < head_dim; ++d) {
-          o[row * head_dim + d] = from_float<T>(acc[row * head_dim + d] * inv_sums[row] * v_scale);
+      for (int64_t i = 0; i < q_len; ++i) {
+        T* o = out + ((token + i) * num_heads + first_head * group) * head_dim;
+        for (int64_t r = 0; r < head_rows; ++r) {
+          const int64_t row = i * head_rows + r;
+          for (int64_t d = 0; d < head_dim; ++d) {
+            o[r * head_dim + d] = from_float<T>(acc[row * head_dim + d] * inv_sums[row] * v_scale);
+          }
         }
       }
     }
@@ -428,13 +455,14 @@ template <typename T, typename C>
 void decode_attention_any(T* out, const T* query, int64_t query_token_stride, const C* k_cache, const C* v_cache,
                           int64_t block_size, int64_t num_kv_heads, int64_t num_heads, int64_t head_dim,
                           const int32_t* block_tables, int64_t block_table_stride, const int32_t* query_start_loc,
-                          const int32_t* seq_lens, int64_t num_seqs, float scale, int64_t window, float k_scale,
-                          float v_scale) {
+                          const int32_t* seq_lens, int64_t num_seqs, int64_t max_query_len, float scale,
+                          int64_t window, float k_scale, float v_scale) {
   auto run = [&](auto fixed_head_dim) {
     decode_attention<T, C, decltype(fixed_head_dim)::value>(out, query, query_token_stride, k_cache, v_cache,
                                                              block_size, num_kv_heads, num_heads, head_dim,
                                                              block_tables, block_table_stride, query_start_loc,
-                                                             seq_lens, num_seqs, scale, window, k_scale, v_scale);
+                                                             seq_lens, num_seqs, max_query_len, scale, window,
+                                                             k_scale, v_scale);
   };
   if (head_dim == 64) return run(std::integral_constant<int, 64>{});
   if (head_dim == 128) return run(std::integral_constant<int, 128>{});
@@ -581,13 +609,14 @@ int tm_omp_max_threads() { return omp_get_max_threads(); }
 int tm_decode_attention(int dtype, int cache_dtype, void* out, const void* query, int64_t query_token_stride,
                         const void* k_cache, const void* v_cache, int64_t block_size, int64_t num_kv_heads,
                         int64_t num_heads, int64_t head_dim, const int32_t* block_tables, int64_t block_table_stride,
-                        const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs, float scale,
-                        int64_t window, float k_scale, float v_scale) {
+                        const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
+                        int64_t max_query_len, float scale, int64_t window, float k_scale, float v_scale) {
   TM_DISPATCH_KV(dtype, cache_dtype,
                  decode_attention_any<T, C>(static_cast<T*>(out), static_cast<const T*>(query), query_token_stride,
                                             static_cast<const C*>(k_cache), static_cast<const C*>(v_cache), block_size,
                                             num_kv_heads, num_heads, head_dim, block_tables, block_table_stride,
-                                            query_start_loc, seq_lens, num_seqs, scale, window, k_scale, v_scale))
+                                            query_start_loc, seq_lens, num_seqs, max_query_len, scale, window,
+                                            k_scale, v_scale))
 }
 
 int tm_write_kv(int dtype, int cache_dtype, const void* key, int64_t key_token_stride, const void* value,

@@ -38,7 +38,7 @@ _PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "tm_omp_max_threads": [],
     "tm_decode_attention": [_I32, _I32, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-                            _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_float],
+                            _I64, _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_float],
     "tm_write_kv": [_I32, _I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_float],
     "tm_fp8_convert": [_I32, _I32, _PTR, _PTR, _I64],
     "tm_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float],
@@ -190,14 +190,17 @@ def decode_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    max_query_len: int = 1,
 ) -> torch.Tensor:
-    """Into `out [T, Hq, D]` (contiguous), the attention of every sequence with a single query token over its
-    `seq_lens[b]` cached tokens (the last `sliding_window` of them, reading no block before the window's first);
-    rows of multi-token sequences are left as they are.
+    """Into `out [T, Hq, D]` (contiguous), the causal attention of every sequence with 1 to `max_query_len` query
+    tokens over its `seq_lens[b]` cached tokens: its query i of q_len, at position seq_lens[b] - q_len + i, sees the
+    keys up to its own (the last `sliding_window` of them; no block before the earliest query's window is read).
+    Rows of sequences with more query tokens are left as they are.
 
     query `[T, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]` already holding this step's K/V; block_tables
     `[B, max_blocks]`, query_start_loc `[B + 1]` and seq_lens `[B]` int32. The caches hold the query's dtype, or
-    fp8 holding keys / k_scale and values / v_scale.
+    fp8 holding keys / k_scale and values / v_scale. A few query tokens (a speculative-decoding verification step)
+    cost about one token's memory traffic: each K/V block is read once for all of a sequence's queries.
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = query.shape[1]
@@ -209,7 +212,7 @@ def decode_attention(
     _call_kv("tm_decode_attention", query.dtype, k_cache.dtype, out.data_ptr(), query.data_ptr(), query.stride(0),
              k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_kv_heads, num_heads, head_dim,
              block_tables.data_ptr(), block_tables.stride(0), query_start_loc.contiguous().data_ptr(),
-             seq_lens.contiguous().data_ptr(), seq_lens.shape[0], scale, sliding_window or 0,
+             seq_lens.contiguous().data_ptr(), seq_lens.shape[0], max_query_len, scale, sliding_window or 0,
              *_kv_scales(k_cache.dtype, k_scale, v_scale))
     return out
 

@@ -6,6 +6,13 @@ no scheduler or messaging), prints the profiler's top operators by self CPU time
 context for reference. `TOKENMILL_CPU_KERNELS=0` profiles the plain torch path instead.
 
     python scripts/profile_decode.py --batch-size 32 --context-len 320 --threads 2 --compare-transformers
+
+`--verify-tokens 1,2,4,8` instead times speculative-decoding verification steps: one request at --context-len cached
+tokens, a forward (and logits) of T query tokens (1 + drafts) per step, median of --steps steps at each T, with the
+share its attention calls took; on the CPU kernels backend, also with every multi-token sequence sent to the SDPA
+prompt path (`max_kernel_query_len` 1, as before the kernel took short queries), alternating the two round by round.
+
+    OMP_NUM_THREADS=1 python scripts/profile_decode.py --verify-tokens 1,2,4,8 --context-len 200 --steps 9
 """
 
 from __future__ import annotations
@@ -90,6 +97,67 @@ def label_cpu_kernels() -> None:
     labelled_kernels = backends.DeviceKernels(kernels.attention, ops)
     backends.device_kernels = lambda device_type: labelled_kernels  # this script runs on the CPU only
 
+def verification_step_times(runner, context_len: int, query_tokens: list[int], steps: int,
+                             rounds: int = 2) -> dict[str, dict[int, tuple[float, float]]]:
+    """{mode: {T: (median step ms, median attention ms)}} for forwards of T query tokens of one request after
+    `context_len` cached ones (the request's later tokens overwrite the same slots step after step). Modes: on the
+    CPU kernels backend "kernel" (as it is) and "sdpa" (multi-token sequences on the prompt path), else the backend's
+    class name; the best of `rounds` alternating rounds is kept."""
+    from tokenmill.workers.attention import build_attention_metadata
+    from tokenmill.workers.backends import attention_backend
+
+    backend = attention_backend(runner.device.type)
+    model, kv_caches, block_size = runner.model, runner.kv_caches, runner.block_size
+    max_len = context_len + max(query_tokens)
+    blocks = np.arange(1, 1 + -(-max_len // block_size))[None, :]  # block 0 is the runner's padding block
+    if blocks.shape[1] >= kv_caches[0][0].shape[0]:
+        raise ValueError(f"context {context_len} + {max(query_tokens)} tokens needs more KV blocks")
+    attention_s = [0.0]
+    attend = backend.attend
+
+    def timed_attend(*args, **kwargs):
+        started = time.perf_counter()
+        result = attend(*args, **kwargs)
+        attention_s[0] += time.perf_counter() - started
+        return result
+
+    def forward(num_tokens: int, start: int) -> None:
+        end = start + num_tokens
+        meta = build_attention_metadata(np.array([num_tokens]), np.array([end]), blocks[:, : -(-end // block_size)],
+                                        block_size, runner.device, backend)
+        ids = torch.randint(100, 20_000, (num_tokens,), device=runner.device)
+        positions = torch.arange(start, end, device=runner.device)
+        with torch.inference_mode():
+            model.compute_logits(model(ids, positions, meta, kv_caches))
+
+    forward(context_len, 0)
+    modes = {type(backend).__name__: backend.max_kernel_query_len}
+    if type(backend).__name__ == "CpuKernelBackend":
+        modes = {"kernel": backend.max_kernel_query_len, "sdpa": 1}
+    limit = backend.max_kernel_query_len
+    results: dict[str, dict[int, tuple[float, float]]] = {mode: {} for mode in modes}
+    backend.attend = timed_attend
+    try:
+        for _ in range(rounds):
+            for mode, mode_limit in modes.items():
+                backend.max_kernel_query_len = mode_limit
+                for num_tokens in query_tokens:
+                    step_s, attn_s = [], []
+                    for _ in range(steps):
+                        attention_s[0] = 0.0
+                        started = time.perf_counter()
+                        forward(num_tokens, context_len)
+                        step_s.append(time.perf_counter() - started)
+                        attn_s.append(attention_s[0])
+                    figures = (float(np.median(step_s)) * 1e3, float(np.median(attn_s)) * 1e3)
+                    best = results[mode].get(num_tokens)
+                    results[mode][num_tokens] = figures if best is None or figures[0] < best[0] else best
+    finally:
+        backend.max_kernel_query_len = limit
+        del backend.attend  # back to the class's
+    return results
+
+
 def transformers_step_time(config, batch_size: int, context_len: int, repeats: int = 3) -> float:
     """Best time of one transformers decode forward at the same batch and context (DynamicCache, no padding)."""
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -119,10 +187,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--compare-transformers", action="store_true")
+    parser.add_argument("--verify-tokens", default=None,
+                        help="comma-separated query tokens per step (e.g. 1,2,4,8): time verification steps instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     block_size = 16
+    if args.verify_tokens:
+        query_tokens = [int(t) for t in args.verify_tokens.split(",")]
+        num_blocks = 2 + -(-(args.context_len + max(query_tokens)) // block_size)
+        runner, _ = build_runner(args.model, args.dtype, num_blocks, block_size, args.quantization)
+        results = verification_step_times(runner, args.context_len, query_tokens, args.steps)
+        print(f"one request at context {args.context_len}, {torch.get_num_threads()} threads: median step "
+              f"(ratio to T={query_tokens[0]}) and its attention")
+        for mode, figures in results.items():
+            base = figures[query_tokens[0]][0]
+            cells = [f"T={t}: {step:.1f} ms ({step / base:.2f}x), attention {attn:.2f} ms"
+                     for t, (step, attn) in figures.items()]
+            print(f"{mode}: " + " | ".join(cells))
+        return
     blocks_each = -(-(args.context_len + 2 * args.steps + 1) // block_size)
     runner, config = build_runner(args.model, args.dtype, 1 + args.batch_size * blocks_each, block_size,
                                   args.quantization)

@@ -19,7 +19,9 @@ Which implementation runs is decided in one place, `workers/backends.py`, which 
 one backend (`build_attention_metadata(..., backend)`) and carries it, so every layer of that step uses the same
 one. The torch code below is the reference and the fallback: SDPA through the block tables. Kernels read only the
 block-table entries their sequences' lengths cover, so they need none of the decode chunks and masks built here
-(`builds_decode_chunks`); SDPA on prompts needs the per-sequence groups (`builds_prefill_groups`).
+(`builds_decode_chunks`); SDPA on prompts needs the per-sequence groups (`builds_prefill_groups`) of the sequences
+with more query tokens than the backend's kernel takes (`max_kernel_query_len`: 1 for a decode kernel; the CPU
+kernel also takes a speculative-decoding verification step's few tokens).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class DecodeGroup:
 
 @dataclass
 class PrefillSequence:
-    """One sequence with several query tokens (a prompt, a prompt chunk, or a resumed request)."""
+    """One sequence with more query tokens than the backend's kernel takes (a prompt, a prompt chunk, or a resumed
+    request; with the torch backend, any sequence of several query tokens)."""
 
     query_start: int
     query_end: int
@@ -90,7 +93,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     decode: DecodeGroup | None  # the single-token sequences, batched
-    prefills: list[PrefillSequence]  # the multi-token sequences, one SDPA call each
+    prefills: list[PrefillSequence]  # the sequences of more than backend.max_kernel_query_len tokens, one SDPA each
     backend: AttentionBackend  # the implementation this metadata was built for
 
     @property
@@ -174,7 +177,7 @@ def build_attention_metadata(
         )
 
     prefills = []
-    for seq in np.flatnonzero(~is_decode) if backend.builds_prefill_groups else ():
+    for seq in np.flatnonzero(query_lens > backend.max_kernel_query_len) if backend.builds_prefill_groups else ():
         q_len, seq_len = int(query_lens[seq]), int(seq_lens[seq])
         causal_mask = None
         if q_len != seq_len:
@@ -404,10 +407,12 @@ def paged_attention_torch(
 
 class AttentionBackend(Protocol):
     # whether `build_attention_metadata` must prepare `decode` (chunks and masks for batched decode SDPA) and
-    # `prefills` (a group per multi-token sequence for SDPA). Both methods take the layer's k_scale and v_scale,
-    # which an fp8 cache stores keys and values divided by (and a cache in the model's dtype ignores).
+    # `prefills` (a group for SDPA per sequence of more than `max_kernel_query_len` query tokens: the sequences
+    # `attend` leaves to SDPA). Both methods take the layer's k_scale and v_scale, which an fp8 cache stores keys and
+    # values divided by (and a cache in the model's dtype ignores).
     builds_decode_chunks: bool
     builds_prefill_groups: bool
+    max_kernel_query_len: int
 
     def write_kv(
         self,
@@ -438,6 +443,7 @@ class TorchAttentionBackend:
 
     builds_decode_chunks = True
     builds_prefill_groups = True
+    max_kernel_query_len = 1  # single-token sequences go through the batched decode SDPA, the others one by one
     write_kv = staticmethod(write_kv_torch)
     attend = staticmethod(paged_attention_torch)
 

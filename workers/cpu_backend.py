@@ -1,9 +1,10 @@
 """The CPU attention backend and layer ops (`workers/backends.py` picks them) when the compiled kernels of `kernels/cpu_ops.cpp` are available.
 
-Decode tokens attend straight from the KV blocks in one kernel call per layer (no gather, no masks); multi-token
-sequences (prompts, chunks, prefix-cache hits) keep torch's SDPA, which is matmul-bound there and already fast. The
-KV write, the RMSNorm with its residual add, the rotary embedding and SiLU(gate) * up are one kernel call each
-instead of a chain of small torch ops.
+Sequences of up to `MAX_KERNEL_QUERY_LEN` query tokens (decode tokens, a speculative-decoding verification step's
+1 + k tokens, short prompts) attend straight from the KV blocks in one kernel call per layer (no gather, no masks;
+each block read once for all of a sequence's queries); longer ones (prompts, chunks, prefix-cache hits) keep torch's
+SDPA, which is matmul-bound there and already fast. The KV write, the RMSNorm with its residual add, the rotary
+embedding and SiLU(gate) * up are one kernel call each instead of a chain of small torch ops.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ import torch
 from tokenmill.kernels import cpu_ops
 from tokenmill.workers.attention import AttentionMetadata, attend_prefills_sdpa
 from tokenmill.workers.ops import LayerOps
+
+# The most query tokens of a sequence the attention kernel takes: a verification step's 1 + k (k <= 7 at
+# scheduler/spec_decode.py's STEP_TOKEN_BUDGET) with room to spare. The kernel's cost grows with queries x keys while
+# SDPA's gather is paid once: one thread, SmolLM2's heads, the kernel against the prompt path per layer call was
+# 85 / 123 us at 8 queries over 200 keys, 165 / 187 us at 16, and even (702 / 685 us) at 16 over 1000 keys.
+MAX_KERNEL_QUERY_LEN = 16
 
 
 def paged_attention_cpu(
@@ -27,21 +34,26 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`.
 
-    With `sliding_window`, a query at position p sees keys p - window < k <= p; neither path reads a block before
-    the window's first. An fp8 cache holds keys / k_scale and values / v_scale."""
+    Sequences of up to `metadata.backend.max_kernel_query_len` query tokens go through the kernel, the longer ones
+    (`metadata.prefills`) through SDPA. With `sliding_window`, a query at position p sees keys p - window < k <= p;
+    neither path reads a block before the window of a sequence's earliest query. An fp8 cache holds keys / k_scale
+    and values / v_scale."""
     output = torch.empty(query.shape, dtype=query.dtype)
-    if len(metadata.prefills) < metadata.seq_lens.shape[0]:  # some sequence decodes one token
+    if len(metadata.prefills) < metadata.seq_lens.shape[0]:  # some sequence is short enough for the kernel
         cpu_ops.decode_attention(output, query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-                                 metadata.seq_lens, scale, sliding_window, k_scale, v_scale)
+                                 metadata.seq_lens, scale, sliding_window, k_scale, v_scale,
+                                 metadata.backend.max_kernel_query_len)
     attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output, sliding_window, k_scale, v_scale)
     return output
 
 
 class CpuKernelBackend:
-    """Decode attention and the KV write as compiled CPU kernels; prompts through SDPA."""
+    """Attention of short sequences (decode, verification) and the KV write as compiled CPU kernels; prompts through
+    SDPA."""
 
     builds_decode_chunks = False
     builds_prefill_groups = True
+    max_kernel_query_len = MAX_KERNEL_QUERY_LEN
     write_kv = staticmethod(cpu_ops.write_kv)
     attend = staticmethod(paged_attention_cpu)
 

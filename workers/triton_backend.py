@@ -57,6 +57,7 @@ class TritonAttentionBackend:
 
     builds_decode_chunks = False
     builds_prefill_groups = False
+    max_kernel_query_len = 1  # the decode kernel's; anything longer runs the varlen prefill kernel
     write_kv = staticmethod(write_kv)
     attend = staticmethod(paged_attention_triton)
 

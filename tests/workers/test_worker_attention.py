@@ -83,6 +83,7 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_to
         ([5, 9, 16], [5, 9, 16]),  # whole prompts
         ([4, 3], [13, 30]),  # prompt chunks after cached prefixes
         ([1, 6, 1, 3, 1], [17, 6, 2, 12, 40]),  # mixed decode and prefill
+        ([1, 20, 5, 1, 17], [17, 20, 12, 40, 30]),  # prompts past the CPU kernel's query limit beside short ones
     ],
 )
 @pytest.mark.parametrize("backend", ["kernels", "torch"])
@@ -153,12 +154,20 @@ def test_metadata_slots_positions_and_groups(use_cpu_backend):
     assert meta.prefills[1].block_ids.tolist() == [9, 3, 4]
 
 
-def test_kernel_metadata_keeps_prompt_groups_and_skips_decode_chunks(use_cpu_backend):
+def test_kernel_metadata_groups_only_sequences_past_the_kernels_query_limit(use_cpu_backend):
+    """The CPU kernel attends sequences of up to max_kernel_query_len tokens (decodes, verification steps, short
+    prompts); only longer ones get an SDPA group, and no decode chunks are built."""
     backend = use_cpu_backend("kernels")
-    block_tables = np.array([[7, 2, 0], [5, 0, 0], [9, 3, 4]])
-    meta = build_attention_metadata(np.array([2, 1, 3]), np.array([6, 3, 11]), block_tables, BLOCK_SIZE, CPU, backend, 1)
-    assert meta.decode is None
-    assert [(p.query_start, p.query_end, p.seq_len) for p in meta.prefills] == [(0, 2, 6), (3, 6, 11)]
+    limit = backend.max_kernel_query_len
+    assert limit >= 8, "a verification step of 1 + 7 draft tokens must fit the kernel"
+    query_lens = np.array([2, 1, limit + 1, limit, 20])
+    seq_lens = query_lens + np.array([4, 2, 0, 3, 5])
+    block_tables = np.arange(1, 1 + 5 * 7).reshape(5, 7)
+    meta = build_attention_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE, CPU, backend, 1)
+    assert meta.decode is None and not meta.is_decode_only and meta.max_query_len == 20
+    starts = (np.cumsum(query_lens) - query_lens).tolist()
+    assert [(p.query_start, p.query_end, p.seq_len) for p in meta.prefills] == [
+        (starts[2], starts[2] + limit + 1, limit + 1), (starts[4], starts[4] + 20, 25)]
 
 
 @pytest.mark.parametrize("backend", ["kernels", "torch"])
