@@ -7,6 +7,15 @@
 // is unpacked once and used against up to 4 activation rows, over a tile of rows small enough to stay in L1/L2, so a
 // 32-token batch reads the weights from memory once, not 32 times. Threads split the output rows (OpenMP).
 //
+// tm_gguf_matmul_repacked is the same int8 matmul on weights repacked for it (Q4_0, Q4_1, Q8_0; llama.cpp's "repack"
+// GEMM idea): each group of 8 output rows stores block b of its 8 rows together, their scales side by side and their
+// quants interleaved in 4-byte groups (the layout is spelled out at `packed_rows` below; kernels/gguf_ops.py repacks).
+// One VNNI vpdpbusd (AVX2: maddubs) of 32 quant bytes with a broadcast 4-byte group of one activation row then
+// accumulates 8 rows' partial dot products at once, and a block's scales (and Q4_1's mins) are applied once per
+// (block, activation row, 8 rows) by one 8-lane FMA, straight into the 8 outputs: no horizontal sums. Each weight
+// block is unpacked once for up to 8 activation rows (4 on AVX2). Same integer products as tm_gguf_matmul; only the
+// float summation order differs. Rows past the last whole group of 8 stay in the plain layout (the plain kernels).
+//
 // tm_gguf_matmul_float is the float-activation alternative: no int8 rounding; each weight block is dequantized in
 // registers exactly as gguf.quants does and multiplied with the float32 activations by FMA, summed in float32, with
 // the same batching (see "the float-activation path" below).
@@ -110,6 +119,7 @@ struct Activations {
   const int16_t* sums16;
   const int16_t* sums32;
   const float* scaled_sums;
+  const int32_t* bias128;  // for the 32-wide types (else null): -128 times each block's int8 sum
   int64_t K;
   int block;
   int64_t ldy;  // the output's row stride
@@ -122,6 +132,7 @@ struct Activations {
   const int16_t* sums16_row(int64_t t) const { return sums16 + t * (K / 16); }
   const int16_t* sums32_row(int64_t t) const { return sums32 + t * (K / 32); }
   const float* scaled_sums_row(int64_t t) const { return scaled_sums + t * (K / block); }
+  const int32_t* bias128_row(int64_t t) const { return bias128 + t * (K / block); }
 };
 
 // Round to nearest even of |v| < 2^22 by the float adder (llama.cpp's nearest_int): vectorizes on every ISA.
@@ -146,10 +157,14 @@ using TileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t 
 // (row stride ldx), into y (row stride ldy).
 using FloatTileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
                              const float* x, int64_t ldx, int64_t K, int64_t T, float* y, int64_t ldy);
+// The repacked layout (tm_gguf_matmul_repacked): groups [group_begin, group_end) of 8 output rows for all T rows.
+using PackedTileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t group_begin, int64_t group_end,
+                              const Activations& act, int64_t T, float* y);
 struct Kernels {
   QuantizeFn quantize;
   TileFn tile;
   FloatTileFn float_tile;
+  PackedTileFn packed_tile;
 };
 
 }  // namespace
@@ -236,13 +251,13 @@ int active_isa() {
 Kernels kernels_for(int isa) {
   switch (isa) {
 #if TM_X86
-    case ISA_AVX512: return {tm_avx512::quantize_rows, tm_avx512::run_tile, tm_avx512::run_float_tile};
-    case ISA_AVX2: return {tm_avx2::quantize_rows, tm_avx2::run_tile, tm_avx2::run_float_tile};
+    case ISA_AVX512: return {tm_avx512::quantize_rows, tm_avx512::run_tile, tm_avx512::run_float_tile, tm_avx512::run_packed_tile};
+    case ISA_AVX2: return {tm_avx2::quantize_rows, tm_avx2::run_tile, tm_avx2::run_float_tile, tm_avx2::run_packed_tile};
 #endif
 #if TM_NEON
-    case ISA_NEON: return {tm_neon::quantize_rows, tm_neon::run_tile, tm_neon::run_float_tile};
+    case ISA_NEON: return {tm_neon::quantize_rows, tm_neon::run_tile, tm_neon::run_float_tile, tm_neon::run_packed_tile};
 #endif
-    default: return {tm_scalar::quantize_rows, tm_scalar::run_tile, tm_scalar::run_float_tile};
+    default: return {tm_scalar::quantize_rows, tm_scalar::run_tile, tm_scalar::run_float_tile, tm_scalar::run_packed_tile};
   }
 }
 
@@ -264,32 +279,39 @@ int tm_gguf_set_isa(int isa) {
 
 int tm_gguf_block_bytes(int qtype) { return block_bytes(qtype); }
 
-// y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k] for t < T, n < N; x is float32 (dtype 0) or bfloat16 (dtype 1), so
-// is y; W's rows are `K / block_elems * block_bytes` bytes apart. Returns 0, -1 for an unsupported type or dtype,
-// -2 for a K that is not a whole number of blocks.
-int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
-                   int64_t K, void* y, int64_t ldy) {
+}  // extern "C"
+
+namespace {
+
+int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T,
+                int64_t N, int64_t K, void* y, int64_t ldy) {
   if (block_bytes(qtype) == 0 || (dtype != 0 && dtype != 1)) return -1;
+  if (repacked && qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
   const int block = block_elems(qtype);
   if (K % block != 0 || K <= 0) return -2;
   if (T <= 0 || N <= 0) return 0;
   const int64_t row_bytes = K / block * block_bytes(qtype);
+  const int64_t groups = repacked ? N / 8 : 0;  // whole groups of 8 repacked rows; the rest are plain rows
   // Per-thread scratch kept between calls: decode calls are small, and allocating costs as much as a small matmul.
   thread_local std::vector<int8_t> q, q_pairs;
   thread_local std::vector<float> scale, scaled_sums, out_f32;
   thread_local std::vector<int16_t> sums16, sums32;
+  thread_local std::vector<int32_t> bias128;
   q.resize(static_cast<size_t>(T * K));
-  const bool nibble_pairs = qtype == Q4_0 || qtype == Q4_1;
+  // the pair order serves only the plain Q4_0 / Q4_1 kernels
+  const bool nibble_pairs = (qtype == Q4_0 || qtype == Q4_1) && groups * 8 < N;
   if (nibble_pairs) q_pairs.resize(q.size());
   scale.resize(static_cast<size_t>(T * (K / block)));
   scaled_sums.resize(scale.size());
   sums16.resize(static_cast<size_t>(T * (K / 16)));
   sums32.resize(static_cast<size_t>(T * (K / 32)));
+  if (block == 32) bias128.resize(scale.size());
   if (dtype != 0) out_f32.resize(static_cast<size_t>(T * N));
   float* out = dtype == 0 ? static_cast<float*>(y) : out_f32.data();
   const int64_t ld_out = dtype == 0 ? ldy : N;
   const Activations act{q.data(), scale.data(), sums16.data(),  sums32.data(),
-                       scaled_sums.data(), K, block, ld_out, nibble_pairs ? q_pairs.data() : nullptr};
+                       scaled_sums.data(), block == 32 ? bias128.data() : nullptr,
+                       K, block, ld_out, nibble_pairs ? q_pairs.data() : nullptr};
   const Kernels kernels = kernels_for(active_isa());
   if (T * K < (int64_t{1} << 16)) {
     kernels.quantize(dtype, x, ldx, 0, T, act);
@@ -297,15 +319,27 @@ int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; ++t) kernels.quantize(dtype, x, ldx, t, t + 1, act);
   }
-  // Rows per tile: enough to share the unpacked blocks across token groups from L1/L2, few enough that every thread
-  // gets a fair share at batch 1. The result of a tile goes to `out` as [T, ld_out] rows.
-  const int64_t tile = T <= 4 ? 4 : 16;
-  const int64_t tiles = (N + tile - 1) / tile;
-  // Below ~64 KiB of weights a parallel region costs more than it saves.
+  if (repacked) {
+    // A tile of groups shares each activation chunk from L1 at prefill; one group per tile up to 8 rows.
+    const int64_t tile = T <= 8 ? 1 : 4;
+    const int64_t tiles = (groups + tile - 1) / tile;
+    const int64_t plain = groups * 8;
 #pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
-  for (int64_t i = 0; i < tiles; ++i) {
-    const int64_t begin = i * tile, end = std::min(N, begin + tile);
-    kernels.tile(qtype, w, row_bytes, begin, end, act, T, out);
+    for (int64_t i = 0; i <= tiles; ++i) {
+      if (i < tiles) kernels.packed_tile(qtype, w, row_bytes, i * tile, std::min(groups, (i + 1) * tile), act, T, out);
+      else if (plain < N) kernels.tile(qtype, w, row_bytes, plain, N, act, T, out);
+    }
+  } else {
+    // Rows per tile: enough to share the unpacked blocks across token groups from L1/L2, few enough that every
+    // thread gets a fair share at batch 1. The result of a tile goes to `out` as [T, ld_out] rows.
+    const int64_t tile = T <= 4 ? 4 : 16;
+    const int64_t tiles = (N + tile - 1) / tile;
+    // Below ~64 KiB of weights a parallel region costs more than it saves.
+#pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t begin = i * tile, end = std::min(N, begin + tile);
+      kernels.tile(qtype, w, row_bytes, begin, end, act, T, out);
+    }
   }
   if (dtype == 1) {
     uint16_t* yb = static_cast<uint16_t*>(y);
@@ -321,6 +355,84 @@ int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8
           yb[t * ldy + n] = static_cast<uint16_t>(bits >> 16);
         }
       }
+  }
+  return 0;
+}
+
+// Row r (< 8) of a repacked group between the group and a plain row of row_bytes bytes: out of the group into
+// `plain`, or (TO_PACKED) from `plain` into its place in the group. The only code that knows the layout's byte order
+// besides gguf_ops._group_permutation and the kernels' reads.
+template <bool TO_PACKED>
+void move_row(int qtype, uint8_t* group, int64_t row_bytes, int r, uint8_t* plain_row) {
+  const int bb = block_bytes(qtype), quants = qtype == Q4_1 ? 4 : 2;  // the scale (and min) bytes before the quants
+  const int64_t nb = row_bytes / bb;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* packed = group + b * 8 * bb;
+    uint8_t* plain = plain_row + b * bb;
+    for (int h = 0; h < quants; h += 2)
+      TO_PACKED ? std::memcpy(packed + 8 * h + 2 * r, plain + h, 2) : std::memcpy(plain + h, packed + 8 * h + 2 * r, 2);
+    for (int j = 0; j < (bb - quants) / 4; ++j) {
+      uint8_t* in_group = packed + 8 * quants + 32 * j + 4 * r;
+      TO_PACKED ? std::memcpy(in_group, plain + quants + 4 * j, 4) : std::memcpy(plain + quants + 4 * j, in_group, 4);
+    }
+  }
+}
+
+// The 8 rows of a repacked group (`src`) back in the plain layout: dst gets 8 * row_bytes bytes.
+void unpack_group(int qtype, const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
+  for (int r = 0; r < 8; ++r) move_row<false>(qtype, const_cast<uint8_t*>(src), row_bytes, r, dst + r * row_bytes);
+}
+
+}  // namespace
+
+extern "C" {
+
+// y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k] for t < T, n < N; x is float32 (dtype 0) or bfloat16 (dtype 1), so
+// is y; W's rows are `K / block_elems * block_bytes` bytes apart. Returns 0, -1 for an unsupported type or dtype,
+// -2 for a K that is not a whole number of blocks.
+int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
+                   int64_t K, void* y, int64_t ldy) {
+  return gguf_matmul(false, qtype, dtype, x, ldx, w, T, N, K, y, ldy);
+}
+
+// tm_gguf_matmul on Q4_0, Q4_1 or Q8_0 weights whose first N / 8 * 8 rows are in the repacked layout (groups of 8
+// rows, each group the same bytes as its 8 plain rows, reordered: see `packed_rows`) and whose last N % 8 rows are
+// plain. Same arguments and returns (-1 for the other types too).
+int tm_gguf_matmul_repacked(int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
+                            int64_t K, void* y, int64_t ldy) {
+  return gguf_matmul(true, qtype, dtype, x, ldx, w, T, N, K, y, ldy);
+}
+
+// The N x K weight `src` (plain blocks) in the repacked layout into `dst` (as many bytes; not overlapping src): the
+// first N / 8 * 8 rows reordered within their groups of 8, the rest copied. Returns 0, or -1 / -2 as tm_gguf_matmul.
+int tm_gguf_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (K % 32 != 0 || K <= 0) return -2;
+  const int64_t row_bytes = K / 32 * block_bytes(qtype), groups = N / 8;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < 8; ++r)
+      move_row<true>(qtype, dst + g * 8 * row_bytes, row_bytes, r, const_cast<uint8_t*>(src) + (g * 8 + r) * row_bytes);
+  const int64_t plain = groups * 8 * row_bytes;
+  if (groups * 8 < N) std::memcpy(dst + plain, src + plain, static_cast<size_t>((N - groups * 8) * row_bytes));
+  return 0;
+}
+
+// Rows ids[0..count) of the N x K repacked weight `w` as plain blocks into dst (count rows). Returns 0, -1 / -2 as
+// tm_gguf_repack, or -3 for an id outside [0, N).
+int tm_gguf_unpack_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t count,
+                        uint8_t* dst) {
+  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (K % 32 != 0 || K <= 0) return -2;
+  const int64_t row_bytes = K / 32 * block_bytes(qtype), whole = N / 8 * 8;
+  for (int64_t i = 0; i < count; ++i)
+    if (ids[i] < 0 || ids[i] >= N) return -3;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t id = ids[i];
+    uint8_t* row = dst + i * row_bytes;
+    if (id < whole)
+      move_row<false>(qtype, const_cast<uint8_t*>(w) + id / 8 * 8 * row_bytes, row_bytes, static_cast<int>(id % 8), row);
+    else
+      std::memcpy(row, w + id * row_bytes, static_cast<size_t>(row_bytes));
   }
   return 0;
 }
@@ -342,6 +454,31 @@ int tm_gguf_matmul_float(int qtype, const float* x, int64_t ldx, const uint8_t* 
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t begin = i * tile, end = std::min(N, begin + tile);
     kernels.float_tile(qtype, w, row_bytes, begin, end, x, ldx, K, T, y, ldy);
+  }
+  return 0;
+}
+
+// tm_gguf_matmul_float on weights laid out as tm_gguf_matmul_repacked's: each group of 8 rows is put back in the plain
+// layout in a per-thread buffer, then multiplied as there (the layout serves the int8 path; this keeps the float mode
+// exact on repacked weights at the cost of a byte shuffle). Same returns (-1 for the types without the layout).
+int tm_gguf_matmul_float_repacked(int qtype, const float* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
+                                  int64_t K, float* y, int64_t ldy) {
+  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  const int block = block_elems(qtype);
+  if (K % block != 0 || K <= 0) return -2;
+  if (T <= 0 || N <= 0) return 0;
+  const int64_t row_bytes = K / block * block_bytes(qtype), groups = N / 8;
+  const Kernels kernels = kernels_for(active_isa());
+#pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
+  for (int64_t g = 0; g <= groups; ++g) {
+    if (g < groups) {
+      thread_local std::vector<uint8_t> plain;
+      plain.resize(static_cast<size_t>(8 * row_bytes));
+      unpack_group(qtype, w + g * 8 * row_bytes, row_bytes, plain.data());
+      kernels.float_tile(qtype, plain.data(), row_bytes, 0, 8, x, ldx, K, T, y + g * 8, ldy);
+    } else if (groups * 8 < N) {
+      kernels.float_tile(qtype, w, row_bytes, groups * 8, N, x, ldx, K, T, y, ldy);
+    }
   }
   return 0;
 }
@@ -651,6 +788,7 @@ void quantize_row(const T* x, const Activations& act, int64_t t) {
           static_cast<int16_t>(sums16[b * (BLOCK / 16) + 2 * g] + sums16[b * (BLOCK / 16) + 2 * g + 1]);
     scale[b] = amax / 127.0f;
     scaled_sums[b] = scale[b] * static_cast<float>(block_sum);
+    if (act.bias128 != nullptr) const_cast<int32_t*>(act.bias128_row(t))[b] = -128 * block_sum;
   }
   if (act.q_pairs != nullptr) {
     int8_t* pairs = const_cast<int8_t*>(act.q_pairs_row(t));
@@ -1058,6 +1196,206 @@ void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin,
     case Q4_K: tile_rows<RowQ4_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q5_K: tile_rows<RowQ5_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q6_K: tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------- the repacked layout: 8 rows interleaved
+// tm_gguf_matmul_repacked's weights. A group of 8 output rows is 8 * row_bytes bytes, its blocks b = 0, 1, ... one
+// after the other, block b of the group (8 * block_bytes bytes) holding:
+//   the 8 rows' fp16 scales d (16 bytes), for Q4_1 then their 8 fp16 mins m (16 bytes);
+//   the quants in 4-byte groups: group j of row 0, of row 1, ..., of row 7 (32 bytes), for j = 0, 1, ...: Q4_0 and
+//   Q4_1 the 16 plain quant bytes (j < 4: byte 4j + i holds element 4j + i in its low and 16 + 4j + i in its high
+//   nibble), Q8_0 the 32 signed bytes (j < 8). The bytes are those of the plain blocks, moved.
+// KIND: 0 Q4_0 (d * (q - 8)), 1 Q4_1 (d * q + m), 2 Q8_0 (d * q, q signed).
+
+template <int KIND>
+constexpr int kGroupBytes = 8 * (KIND == 0 ? 18 : KIND == 1 ? 20 : 34);
+template <int KIND>
+constexpr int kGroupScales = KIND == 1 ? 32 : 16;  // bytes before the quants
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+#if TM_ISA_X86
+#if TM_VNNI
+constexpr int kPackedTokens = 8;  // activation rows per pass over a group's blocks (registers: 32 vectors)
+#else
+constexpr int kPackedTokens = 4;  // 16 vectors
+#endif
+
+// y[t * ldy + r] = <row r of the group, activation row t0 + t> for r < 8, t < NT.
+// Batch-invariant: an activation row's result does not depend on NT or on the other rows (one accumulator per
+// activation row, blocks added in order: two chains at NT = 1 measured no faster), so a token verified among
+// speculative ones gets the same logits bit for bit as decoded alone, given the same activations.
+template <int NT, int KIND>
+void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
+  __m256 acc[NT];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  // the activation rows' data, from pointers set once (the *_row accessors divide by the block size)
+  const int8_t* xrow[NT];
+  const float *dx[NT], *dxs[NT];
+  [[maybe_unused]] const int32_t* bias[NT];  // Q8_0 on VNNI only
+  for (int t = 0; t < NT; ++t) {
+    xrow[t] = a.q + (t0 + t) * a.K;
+    dx[t] = a.scale + (t0 + t) * nb;
+    dxs[t] = a.scaled_sums + (t0 + t) * nb;
+    bias[t] = a.bias128 + (t0 + t) * nb;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * kGroupBytes<KIND>;
+    const uint8_t* qs = blk + kGroupScales<KIND>;
+    const int8_t* x[NT];
+    for (int t = 0; t < NT; ++t) x[t] = xrow[t] + b * 32;
+    I32 sum[NT];  // lane r: row r's integer dot product with activation row t0 + t over block b
+#if TM_VNNI
+    // S independent vpdpbusd chains per activation row where there are few rows: a block's 8 would otherwise wait
+    // on each other's latency
+    constexpr int S = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+    I32 part[S][NT];
+    for (int t = 0; t < NT; ++t) {
+      // Q8_0: vpdpbusd takes unsigned weights: w + 128 (the sign bit flipped), and the 128 * sum(x) that adds is
+      // taken off from the start
+      part[0][t] = KIND == 2 ? _mm256_set1_epi32(bias[t][b]) : izero();
+      for (int i = 1; i < S; ++i) part[i][t] = izero();
+    }
+    if constexpr (KIND == 2) {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_xor_si256(load32(qs + 32 * j), flip);
+        for (int t = 0; t < NT; ++t)
+          part[j % S][t] = _mm256_dpbusd_epi32(part[j % S][t], w, _mm256_set1_epi32(load_i32(x[t] + 4 * j)));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = load32(qs + 32 * j);
+        const __m256i lo = _mm256_and_si256(v, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        for (int t = 0; t < NT; ++t) {
+          I32& even = part[(2 * j) % S][t];
+          I32& odd = part[(2 * j + 1) % S][t];
+          even = _mm256_dpbusd_epi32(even, lo, _mm256_set1_epi32(load_i32(x[t] + 4 * j)));
+          odd = _mm256_dpbusd_epi32(odd, hi, _mm256_set1_epi32(load_i32(x[t] + 16 + 4 * j)));
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      sum[t] = part[0][t];
+      for (int i = 1; i < S; ++i) sum[t] = _mm256_add_epi32(sum[t], part[i][t]);
+    }
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (KIND == 2) {  // the sign moves onto x, as dot_signed
+      for (int t = 0; t < NT; ++t) sum[t] = izero();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = load32(qs + 32 * j);
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int t = 0; t < NT; ++t) {
+          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x[t] + 4 * j)), w);
+          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+        }
+      }
+    } else {
+      // int16 pair sums of a whole block cannot overflow: 8 vectors * 2 * 15 * 127 < 32768
+      __m256i pairs[NT];
+      for (int t = 0; t < NT; ++t) pairs[t] = izero();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = load32(qs + 32 * j);
+        const __m256i lo = _mm256_and_si256(v, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        for (int t = 0; t < NT; ++t)
+          pairs[t] = _mm256_add_epi16(
+              pairs[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x[t] + 4 * j))),
+                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x[t] + 16 + 4 * j)))));
+      }
+      for (int t = 0; t < NT; ++t) sum[t] = _mm256_madd_epi16(pairs[t], ones);
+    }
+#endif
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, _mm256_set1_ps(dx[t][b])), acc[t]);
+    if constexpr (KIND != 2) {  // the offset: -8 d (Q4_0) or m, times the block's activation sum
+      const __m256 m = KIND == 0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
+                                 : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+      for (int t = 0; t < NT; ++t)
+        acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxs[t][b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
+}
+
+template <int KIND>
+void packed_tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
+                      const Activations& a, int64_t T, float* y) {
+  for (int64_t t0 = 0; t0 < T; t0 += kPackedTokens) {
+    const int64_t nt = std::min<int64_t>(kPackedTokens, T - t0);
+    for (int64_t g = group_begin; g < group_end; ++g) {
+      const uint8_t* group = w + g * 8 * row_bytes;
+      float* out = y + t0 * a.ldy + g * 8;
+      switch (nt) {
+#if TM_VNNI
+        case 8: packed_rows<8, KIND>(group, nb, a, t0, out); break;
+        case 7: packed_rows<7, KIND>(group, nb, a, t0, out); break;
+        case 6: packed_rows<6, KIND>(group, nb, a, t0, out); break;
+        case 5: packed_rows<5, KIND>(group, nb, a, t0, out); break;
+#endif
+        case 4: packed_rows<4, KIND>(group, nb, a, t0, out); break;
+        case 3: packed_rows<3, KIND>(group, nb, a, t0, out); break;
+        case 2: packed_rows<2, KIND>(group, nb, a, t0, out); break;
+        default: packed_rows<1, KIND>(group, nb, a, t0, out); break;
+      }
+    }
+  }
+}
+
+#else  // the portable version (scalar, NEON): the same integer products, 8 rows at a time in plain loops
+
+template <int KIND>
+void packed_tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
+                      const Activations& a, int64_t T, float* y) {
+  for (int64_t g = group_begin; g < group_end; ++g) {
+    const uint8_t* group = w + g * 8 * row_bytes;
+    for (int64_t t = 0; t < T; ++t) {
+      float acc[8] = {}, offset[8] = {};
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = group + b * kGroupBytes<KIND>;
+        const uint8_t* qs = blk + kGroupScales<KIND>;
+        const int8_t* x = a.qrow(t) + b * 32;
+        int32_t sum[8] = {};
+        for (int j = 0; j < (KIND == 2 ? 8 : 4); ++j)
+          for (int r = 0; r < 8; ++r)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t q = qs[32 * j + 4 * r + i];
+              if constexpr (KIND == 2) {
+                sum[r] += static_cast<int8_t>(q) * x[4 * j + i];
+              } else {
+                sum[r] += (q & 15) * x[4 * j + i] + (q >> 4) * x[16 + 4 * j + i];
+              }
+            }
+        for (int r = 0; r < 8; ++r) {
+          const float d = half_to_float(blk + 2 * r);
+          acc[r] += static_cast<float>(sum[r]) * (d * a.scale_row(t)[b]);
+          if constexpr (KIND == 0) offset[r] += d * a.scaled_sums_row(t)[b];
+          if constexpr (KIND == 1) offset[r] += half_to_float(blk + 16 + 2 * r) * a.scaled_sums_row(t)[b];
+        }
+      }
+      for (int r = 0; r < 8; ++r) y[t * a.ldy + g * 8 + r] = acc[r] + (KIND == 0 ? -8.0f * offset[r] : offset[r]);
+    }
+  }
+}
+#endif
+
+void run_packed_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t group_begin, int64_t group_end,
+                     const Activations& a, int64_t T, float* y) {
+  const int64_t nb = a.K / 32;
+  switch (qtype) {
+    case Q4_0: packed_tile_rows<0>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
+    case Q4_1: packed_tile_rows<1>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
+    case Q8_0: packed_tile_rows<2>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     default: break;
   }
 }

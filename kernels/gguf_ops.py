@@ -9,6 +9,17 @@ summation order; slower at batch 1). The default is `TOKENMILL_GGUF_ACTIVATIONS`
 The library is built for the baseline of the architecture and picks its instruction set when loaded (AVX-512 VNNI,
 AVX2, NEON or portable C++); `TOKENMILL_CPU_ISA=scalar|avx2|avx512|neon` or `set_isa` forces a lower one.
 
+Repacking (Q4_0, Q4_1, Q8_0): `repack_rows` reorders a weight's blocks so that each group of 8 output rows stores
+block b of its 8 rows together, scales side by side and quants interleaved in 4-byte groups (the layout is spelled
+out in gguf_cpu.cpp at `packed_rows`; the last `out_features % 8` rows stay plain), and `gguf_matmul(...,
+repacked=True)` runs the kernel for that layout: one vpdpbusd (AVX2: maddubs) yields 8 rows' partial dot products and
+the scales are applied once per 8 rows, several times faster than the plain kernel at 2-8 activation rows and faster
+at 1 (scripts/bench_gguf_kernels.py). The same integer products, so the same int8 math; only the float summation
+order differs, and it does not depend on the batch (a row's result is the same bits alone or among others). `GGUFWeight.pack_for_matmul` repacks a loaded weight in place when `repack_wanted` says so: these
+types, the int8 activation mode, and an x86 version in use (AVX-512 VNNI or AVX2; the portable and NEON versions run
+the layout, correctly but without the gain, so they keep the plain one). `TOKENMILL_GGUF_REPACK=0` turns repacking
+off (the plain kernels run: the comparison baseline).
+
 Where the kernels cannot be built (no compiler) or `TOKENMILL_CPU_KERNELS=0`, `gguf_matmul` dequantizes the blocks
 with the `gguf` package and multiplies with torch: correct, much slower, and logged once.
 """
@@ -20,6 +31,7 @@ import functools
 import logging
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +61,20 @@ _SIGNATURES = {
     "tm_gguf_set_isa": [_I32],
     "tm_gguf_block_bytes": [_I32],
     "tm_gguf_matmul": [_I32, _I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
+    "tm_gguf_matmul_repacked": [_I32, _I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
     "tm_gguf_matmul_float": [_I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
+    "tm_gguf_matmul_float_repacked": [_I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
+    "tm_gguf_repack": [_I32, _PTR, _I64, _I64, _PTR],
+    "tm_gguf_unpack_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _PTR],
 }
+
+# The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
+# come first).
+REPACK_TYPES: frozenset[int] = frozenset(int(t) for t in (
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0))
+_QUANTS_OFFSET = {int(GGMLQuantizationType.Q4_0): 2, int(GGMLQuantizationType.Q4_1): 4,
+                  int(GGMLQuantizationType.Q8_0): 2}
+REPACK_ROWS = 8  # output rows per repacked group
 
 ACTIVATION_MODES = ("float", "int8")
 
@@ -65,6 +89,14 @@ def _default_activations() -> str:
 # How gguf_matmul takes the activations unless told: "float" (weights dequantized in registers, float32 FMA: the
 # dequantized-weight matmul up to summation order) or "int8" (llama.cpp's int8 activation quantization).
 DEFAULT_ACTIVATIONS: str = _default_activations()
+
+
+def repack_enabled() -> bool:
+    """`TOKENMILL_GGUF_REPACK` (1 unless set; 0 keeps every weight in the plain layout)."""
+    value = os.environ.get("TOKENMILL_GGUF_REPACK", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_GGUF_REPACK must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def build_flags() -> tuple[str, ...]:
@@ -152,11 +184,114 @@ def _check_blocks(blocks: torch.Tensor, qtype: int, out_features: int, in_featur
         raise ValueError("blocks must be contiguous")
 
 
-def dequantize_rows(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> torch.Tensor:
-    """The float32 `[out_features, in_features]` weights the blocks encode (the `gguf` package's dequantizer)."""
+def dequantize_rows(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                    repacked: bool = False) -> torch.Tensor:
+    """The float32 `[out_features, in_features]` weights the blocks (plain, or `repacked`) encode (the `gguf`
+    package's dequantizer)."""
     _check_blocks(blocks, qtype, out_features, in_features)
+    if repacked:
+        blocks = unpack_rows(blocks, qtype, out_features, in_features)
     values = gguf_quants.dequantize(blocks.numpy(), GGMLQuantizationType(qtype))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(out_features, in_features)
+
+
+@functools.cache
+def _group_permutation(qtype: int) -> np.ndarray:
+    """Byte j of a repacked block group is byte `perm[j]` of the group's 8 plain blocks laid end to end."""
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+    quants = _QUANTS_OFFSET[qtype]
+    perm = [r * block_bytes + h + i for h in range(0, quants, 2) for r in range(REPACK_ROWS) for i in range(2)]
+    perm += [r * block_bytes + quants + 4 * j + i for j in range((block_bytes - quants) // 4)
+             for r in range(REPACK_ROWS) for i in range(4)]
+    return np.array(perm, dtype=np.int64)
+
+
+@functools.cache
+def _group_inverse(qtype: int) -> np.ndarray:
+    """`[8, block_bytes]`: byte i of row r's plain block is byte `inverse[r, i]` of its group's repacked block."""
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+    return np.argsort(_group_permutation(qtype)).reshape(REPACK_ROWS, block_bytes)
+
+
+def _check_repack_type(qtype: int) -> None:
+    if qtype not in REPACK_TYPES:
+        raise ValueError(f"qtype {qtype} has no repacked layout (only {sorted(REPACK_TYPES)})")
+
+
+def repack_wanted(qtype: int, out_features: int) -> bool:
+    """Whether a weight of this type and height should be repacked here: TOKENMILL_GGUF_REPACK allows it, the type
+    has the layout, the activations are int8 (the float mode gains nothing from it), at least one whole group
+    of 8 rows, and the kernels in use are an x86 version (where the repacked kernel is the fast one)."""
+    return (repack_enabled() and qtype in REPACK_TYPES and DEFAULT_ACTIVATIONS == "int8"
+            and out_features >= REPACK_ROWS and isa() in ("avx512", "avx2"))
+
+
+def repack_rows(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                numpy: bool = False) -> torch.Tensor:
+    """The plain blocks `[out_features, row_bytes]` in the repacked layout (same shape and bytes, reordered within
+    each group of 8 rows; the last `out_features % 8` rows unchanged): `gguf_matmul(..., repacked=True)`'s input.
+    By the compiled kernels' byte moves where they are loaded, else (or with `numpy`) by numpy indexing."""
+    _check_repack_type(qtype)
+    _check_blocks(blocks, qtype, out_features, in_features)
+    lib = library()
+    if lib is not None and not numpy:  # the same bytes moved, 20-50x faster than numpy's fancy indexing
+        out = torch.empty_like(blocks)
+        if lib.tm_gguf_repack(qtype, blocks.data_ptr(), out_features, in_features, out.data_ptr()) != 0:
+            raise ValueError(f"tm_gguf_repack refused qtype {qtype}, in_features {in_features}")
+        return out
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+    nb, whole = row_bytes(qtype, in_features) // block_bytes, out_features // REPACK_ROWS * REPACK_ROWS
+    plain = blocks.numpy()
+    groups = plain[:whole].reshape(-1, REPACK_ROWS, nb, block_bytes).transpose(0, 2, 1, 3)
+    groups = groups.reshape(-1, nb, REPACK_ROWS * block_bytes)[..., _group_permutation(qtype)]
+    out = np.concatenate([groups.reshape(whole, -1), plain[whole:]])
+    return torch.from_numpy(out)
+
+
+def gather_rows(blocks: torch.Tensor, qtype: int, in_features: int, ids: torch.Tensor,
+                repacked: bool = False, numpy: bool = False) -> torch.Tensor:
+    """Rows `ids` (any shape, flattened) of the weight as plain blocks `[ids.numel(), row_bytes]`, from plain or
+    repacked blocks (by the compiled kernels where they are loaded, else or with `numpy` by numpy indexing)."""
+    ids = ids.reshape(-1).long()
+    if not repacked:
+        return blocks.index_select(0, ids)
+    _check_repack_type(qtype)
+    out_features = blocks.shape[0]
+    _check_blocks(blocks, qtype, out_features, in_features)
+    lib = library()
+    if lib is not None and not numpy:
+        ids = ids.contiguous()
+        out = torch.empty((ids.numel(), blocks.shape[1]), dtype=torch.uint8)
+        status = lib.tm_gguf_unpack_rows(qtype, blocks.data_ptr(), out_features, in_features, ids.data_ptr(),
+                                         ids.numel(), out.data_ptr())
+        if status == -3:
+            raise IndexError(f"row ids out of range for {out_features} rows")
+        if status != 0:
+            raise ValueError(f"tm_gguf_unpack_rows refused qtype {qtype}, in_features {in_features}")
+        return out
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+    nb, whole = row_bytes(qtype, in_features) // block_bytes, out_features // REPACK_ROWS * REPACK_ROWS
+    index = ids.numpy()
+    if index.size and (index.min() < 0 or index.max() >= out_features):
+        raise IndexError(f"row ids out of range for {out_features} rows")
+    out = np.empty((index.size, nb, block_bytes), dtype=np.uint8)
+    in_groups = index < whole
+    if in_groups.any():
+        groups = blocks.numpy()[:whole].reshape(-1, nb, REPACK_ROWS * block_bytes)
+        # byte i of row r's plain block sits at inverse[r, i] in its group's repacked block
+        inverse = _group_inverse(qtype)
+        picked = index[in_groups]
+        out[in_groups] = groups[(picked // REPACK_ROWS)[:, None, None], np.arange(nb)[None, :, None],
+                                inverse[picked % REPACK_ROWS][:, None, :]]
+    if (~in_groups).any():
+        out[~in_groups] = blocks.numpy()[index[~in_groups]].reshape(-1, nb, block_bytes)
+    return torch.from_numpy(out.reshape(index.size, -1))
+
+
+def unpack_rows(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> torch.Tensor:
+    """The plain blocks of repacked ones (repack_rows' inverse)."""
+    _check_blocks(blocks, qtype, out_features, in_features)
+    return gather_rows(blocks, qtype, in_features, torch.arange(out_features), repacked=True)
 
 
 @functools.cache
@@ -164,16 +299,48 @@ def _log_fallback_once() -> None:
     log.warning("gguf_matmul: no compiled kernels, dequantizing the weights to float on every call (slow)")
 
 
+def int8_matmul_on(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                   repacked: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`gguf_matmul(x, blocks, ..., activations="int8", repacked=repacked)` as a function of x alone, the blocks
+    checked once (a weight's per-call Python cost was as much as a small layer's kernel time); None without the
+    kernels. Keeps `blocks` alive; x of any other kind than float32 / bfloat16 [T, in_features] with unit column
+    stride goes through gguf_matmul (and its errors)."""
+    _check_blocks(blocks, qtype, out_features, in_features)
+    if repacked:
+        _check_repack_type(qtype)
+    lib = library()
+    if lib is None:
+        return None
+    kernel = lib.tm_gguf_matmul_repacked if repacked else lib.tm_gguf_matmul
+    pointer = blocks.data_ptr()
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        dtype_code = _DTYPE_CODES.get(x.dtype)
+        if dtype_code is None or x.ndim != 2 or x.shape[1] != in_features or x.stride(1) != 1 or not x.is_cpu:
+            return gguf_matmul(x, blocks, qtype, out_features, in_features, activations="int8", repacked=repacked)
+        out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+        if kernel(qtype, dtype_code, x.data_ptr(), x.stride(0), pointer, x.shape[0], out_features, in_features,
+                  out.data_ptr(), out_features) != 0:
+            raise ValueError(f"tm_gguf_matmul refused qtype {qtype}, dtype {x.dtype}, in_features {in_features}")
+        return out
+
+    return matmul
+
+
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
-                activations: str | None = None) -> torch.Tensor:
+                activations: str | None = None, repacked: bool = False) -> torch.Tensor:
     """`x [T, in_features] @ W^T` -> `[T, out_features]` in x's dtype (float32 or bfloat16), W being the GGUF
     blocks `[out_features, row_bytes]` (uint8, contiguous). x's rows may be strided; the sum is taken in float32.
     `activations`: "float" multiplies the float activations with the weights dequantized in registers, "int8"
-    quantizes the activations to int8 per block as llama.cpp does; None: DEFAULT_ACTIVATIONS."""
+    quantizes the activations to int8 per block as llama.cpp does; None: DEFAULT_ACTIVATIONS. `repacked`: the blocks
+    are in `repack_rows`' layout (the float mode then puts each group of 8 rows back in the plain layout on the fly:
+    exact, a little slower than on plain blocks)."""
     mode = DEFAULT_ACTIVATIONS if activations is None else activations
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
     _check_blocks(blocks, qtype, out_features, in_features)
+    if repacked:
+        _check_repack_type(qtype)
     dtype_code = _DTYPE_CODES.get(x.dtype)
     if x.dim() != 2 or x.shape[1] != in_features or dtype_code is None or x.device.type != "cpu":
         raise ValueError(f"x must be a float32 or bfloat16 CPU tensor [T, {in_features}], got {x.dtype} "
@@ -181,21 +348,23 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features:
     lib = library()
     if lib is None:
         _log_fallback_once()
-        weights = dequantize_rows(blocks, qtype, out_features, in_features)
+        weights = dequantize_rows(blocks, qtype, out_features, in_features, repacked=repacked)
         return (x.float() @ weights.T).to(x.dtype)
     if mode == "float":
         xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-        status = lib.tm_gguf_matmul_float(qtype, xf.data_ptr(), xf.stride(0), blocks.data_ptr(), xf.shape[0],
-                                          out_features, in_features, out.data_ptr(), out_features)
+        matmul = lib.tm_gguf_matmul_float_repacked if repacked else lib.tm_gguf_matmul_float
+        status = matmul(qtype, xf.data_ptr(), xf.stride(0), blocks.data_ptr(), xf.shape[0], out_features, in_features,
+                        out.data_ptr(), out_features)
         if status != 0:
             raise ValueError(f"tm_gguf_matmul_float refused qtype {qtype}, in_features {in_features}")
         return out if x.dtype == torch.float32 else out.to(x.dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
-    status = lib.tm_gguf_matmul(qtype, dtype_code, x.data_ptr(), x.stride(0), blocks.data_ptr(), x.shape[0],
-                                out_features, in_features, out.data_ptr(), out_features)
+    matmul = lib.tm_gguf_matmul_repacked if repacked else lib.tm_gguf_matmul
+    status = matmul(qtype, dtype_code, x.data_ptr(), x.stride(0), blocks.data_ptr(), x.shape[0], out_features,
+                    in_features, out.data_ptr(), out_features)
     if status != 0:
         raise ValueError(f"tm_gguf_matmul refused qtype {qtype}, dtype {x.dtype}, in_features {in_features}")
     return out

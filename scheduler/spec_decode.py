@@ -14,8 +14,8 @@ running request plus the drafts), and no request speculates while more than MAX_
 vLLM's `disable_by_batch_size`). Measured on the 2-vCPU CPU with the default model (docs/benchmarks.md): with
 float32 weights one request's forward costs about the same for 1 to ~8 query tokens (reading the weights dominates),
 but 4 requests x 2 tokens already cost 1.5x 4 x 1 (the batch's tokens share the weight reads the drafts would ride
-on), so speculation pays alone or in pairs only. (With the GGUF weights kept quantized every query token costs
-integer work of its own: 2 tokens cost ~1.8x one, so even batch-1 speculation gains little there.)
+on), so speculation pays alone or in pairs only. With the GGUF weights kept quantized (the default model) the
+integer work grows with the query tokens: since the repacked GGUF kernels, 8 tokens of one request cost ~1.85x one.
 """
 
 from __future__ import annotations

@@ -12,6 +12,14 @@ table also gives rates per CPU-second of this thread (time.thread_time), for the
 
 Each mode of `--activations` gets a row; with both, a `float/int8` line gives the float path's time over the int8
 path's at batch 1 and at the batch size (CPU time at one thread, wall time otherwise), measured back to back.
+
+`--repack` instead compares the plain int8 kernel with the repacked one (gguf_ops.repack_rows; Q4_0, Q4_1, Q8_0) at
+each `--tokens` count of activation rows, back to back: both times, plain/repacked, and each layout's time over its
+own 1-row time (the cost of verifying T speculative tokens against decoding one):
+
+    python scripts/bench_gguf_kernels.py --repack --threads 1 --types Q4_1 --shapes "qkv 960x576" "o_proj 576x576" \
+        "gate_up 3072x576" "mlp_down 576x1536"
+    python scripts/bench_gguf_kernels.py --repack --threads 1 --types Q8_0 --shapes "lm_head 49152x576"
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tokenmill.kernels import gguf_ops
 
 SHAPES = {"mlp_up 1536x576": (1536, 576), "mlp_down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576),
-          "big 16384x1536": (16384, 1536)}  # the last: an LM-head-sized matrix whose K suits the k-quants too
+          "big 16384x1536": (16384, 1536),  # an LM-head-sized matrix whose K suits the k-quants too
+          # the default model's fused projections (SmolLM2-135M: hidden 576, 9 + 3 + 3 heads of 64, MLP 1536)
+          "qkv 960x576": (960, 576), "o_proj 576x576": (576, 576), "gate_up 3072x576": (3072, 576)}
 
 
 def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -70,6 +80,38 @@ def read_bandwidth() -> tuple[float, float]:
     return best, best_cpu
 
 
+def compare_repacked(args: argparse.Namespace, threads: int, rng: np.random.Generator) -> None:
+    """Plain against repacked int8 kernels at each token count (CPU time at one thread, wall time otherwise)."""
+    tokens = args.tokens
+    print(f"{'type':6} {'shape':20} {'T':>3} {'plain us':>9} {'repack us':>9} {'plain/rep':>9} "
+          f"{'plain/T1':>8} {'rep/T1':>7}")
+    for type_name in args.types:
+        qtype = GGMLQuantizationType[type_name]
+        if int(qtype) not in gguf_ops.REPACK_TYPES:
+            print(f"{type_name:6} (no repacked layout)")
+            continue
+        for shape_name in args.shapes:
+            n, k = SHAPES[shape_name]
+            one = torch.from_numpy(random_blocks(qtype, n, k, rng))
+            copies = max(1, int(args.pool_mb * 1e6 // one.numel()))
+            plain = [one] + [one.clone() for _ in range(copies - 1)]
+            packed = [gguf_ops.repack_rows(blocks, int(qtype), n, k) for blocks in plain]
+            first = {}
+            for t in tokens:
+                x = torch.randn(t, k)
+                times = []
+                for pool, repacked in ((plain, False), (packed, True)):
+                    wall, cpu = seconds_per_call(
+                        lambda i: gguf_ops.gguf_matmul(x, pool[i], int(qtype), n, k, activations="int8",
+                                                       repacked=repacked), copies, args.seconds)
+                    times.append(cpu if threads == 1 else wall)
+                first.setdefault("plain", times[0])
+                first.setdefault("repacked", times[1])
+                print(f"{type_name:6} {shape_name:20} {t:3d} {times[0] * 1e6:9.1f} {times[1] * 1e6:9.1f} "
+                      f"{times[0] / times[1]:9.2f} {times[0] / first['plain']:8.2f} {times[1] / first['repacked']:7.2f}")
+            del plain, packed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -81,6 +123,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.5, help="minimum timing per figure")
     parser.add_argument("--activations", nargs="+", default=list(gguf_ops.ACTIVATION_MODES),
                         choices=list(gguf_ops.ACTIVATION_MODES), help="gguf_matmul's activation modes to time")
+    parser.add_argument("--repack", action="store_true", help="compare the plain and the repacked int8 kernels")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="activation rows for --repack (the first is the ratios' base)")
     args = parser.parse_args()
 
     gguf_ops.set_isa(args.isa) if args.isa else None
@@ -91,6 +136,9 @@ def main() -> None:
         bandwidth, bandwidth_cpu = read_bandwidth()
         print(f"\nthreads={threads}  memory read bandwidth (torch sum): {bandwidth / 1e9:.1f} GB/s wall"
               + (f", {bandwidth_cpu / 1e9:.1f} GB/s per CPU-second" if threads == 1 else ""))
+        if args.repack:
+            compare_repacked(args, threads, rng)
+            continue
         print(f"{'type':6} {'shape':20} {'act':5} {'bytes':>9} {'b1 us':>8} {'GB/s':>6} {'% bw':>5} "
               + (f"{'cpu us':>8} {'GB/s':>6} {'% bw':>5} " if threads == 1 else "")
               + f"{'b' + str(args.batch) + ' us':>10} {'vs ' + str(args.batch) + 'xb1':>8}")

@@ -215,3 +215,72 @@ def test_quantized_vocabulary_looks_up_rows_and_pads_the_heads_shard():
     logits = head(hidden)
     assert logits.shape == (2, 4) and torch.equal(logits[:, 3], torch.zeros(2))
     assert (logits[:, :3] - hidden @ dense[4:].T).abs().max() <= 0.02 * logits.abs().max()
+
+
+# ---------------------------------------------------------------- the repacked layout (`pack_for_matmul`)
+
+
+@pytest.fixture
+def repack_everywhere(monkeypatch):
+    """Repack whatever has the layout, whichever kernel version runs here (the portable one runs it too)."""
+    from tokenmill.kernels import gguf_ops
+
+    monkeypatch.setattr(gguf_ops, "repack_wanted", lambda qtype, out_features: qtype in gguf_ops.REPACK_TYPES
+                        and out_features >= 8)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
+def test_a_repacked_weight_reads_and_multiplies_as_the_plain_one(qtype, repack_everywhere):
+    w = weight(qtype, 21, 256)
+    dense = reference(w)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
+    before = w.matmul(x)
+    plain = w.blocks
+    w.pack_for_matmul()
+    assert w.repacked and "repacked" in repr(w) and not torch.equal(w.blocks, plain)
+    assert w.blocks.shape == plain.shape and w.nbytes() == plain.numel()  # reordered in place of the plain bytes
+    packed = w.blocks
+    w.pack_for_matmul()  # a tied embedding and LM head share the weight: the second call changes nothing
+    assert w.blocks is packed
+    assert torch.equal(w.plain_blocks(), plain)
+    assert torch.equal(w.dequantize(), dense)
+    torch.testing.assert_close(w.matmul(x), before, rtol=1e-5, atol=1e-5 * before.abs().max().item())
+    ids = torch.tensor([[20, 3], [8, 0]])  # a plain tail row and rows of both groups
+    assert torch.equal(w.lookup(ids, torch.float32), dense[ids])
+    for part, rows in ((w.rows(5, 12), dense[5:17]), (w.permute_rows(torch.arange(20, -1, -1)), dense.flip(0)),
+                       (w.cols(32, 64), dense[:, 32:96]), (GGUFWeight.concat_rows([w, w]), torch.cat([dense, dense]))):
+        assert not part.repacked and torch.equal(part.dequantize(), rows)
+    assert w.rows(0, 21) is w
+    # inputs the checked-once int8 call hands to gguf_matmul: strided columns, bfloat16, and a batch of sequences
+    wide = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(w.matmul(wide[:, ::2]), w.matmul(wide[:, ::2].contiguous()), rtol=0, atol=0)
+    assert w.matmul(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    torch.testing.assert_close(w.matmul(x.view(3, 3, 256)), w.matmul(x).view(3, 3, 21), rtol=0, atol=0)
+
+
+def test_pack_linear_weights_repacks_quantized_weights_once_and_the_tied_table_still_looks_up(repack_everywhere):
+    from tokenmill.workers.models.layers import pack_linear_weights
+
+    table = weight(T.Q8_0, 40, 64, 7)
+    dense = reference(table)
+    embed = VocabEmbedding(40, 64)
+    head = LMHead(40, 64, tied_to=embed)
+    embed.load("weight", table)
+    head.follow_tied_embedding()
+    qkv = QKVLinear(256, 64, 4, 2, bias=False, tp=TensorParallel())  # Q4_1 q and v around a Q6_K k: stacked
+    q, k, v = weight(T.Q4_1, 256, 256, 8), weight(T.Q6_K, 128, 256, 9), weight(T.Q4_1, 128, 256, 10)
+    for part, shard in zip((q, k, v), "qkv"):
+        qkv.load("weight", part, shard)
+    qkv_dense = torch.cat([reference(q), reference(k), reference(v)])
+    pack_linear_weights(torch.nn.ModuleList([embed, head, qkv]))
+    assert head.weight is embed.weight and embed.weight.repacked and head.packed_tied_weight is None
+    ids = torch.tensor([39, 0, 17])
+    assert torch.equal(embed(ids), dense[ids])
+    hidden = torch.randn(2, 64)
+    expected = hidden @ dense.T
+    assert (head(hidden) - expected).abs().max() <= 0.02 * expected.abs().max()
+    assert [part.repacked for part in qkv.weight.parts] == [True, False, True]  # Q6_K has no repacked layout
+    x = torch.randn(3, 256)
+    expected = x @ qkv_dense.T
+    got = torch.cat([t.reshape(3, -1) for t in qkv(x)], dim=-1)
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()

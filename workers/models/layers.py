@@ -403,11 +403,15 @@ def pack_linear_weights(model: nn.Module) -> None:
     """Reorder every matmul weight of `model` for oneDNN where it runs on CPU (`packed_linear`).
 
     Call it once the weights are loaded: a packed weight can no longer be loaded into or read. A tied LM head gets a
-    packed copy and leaves the shared weight dense for the embedding's lookups, as vLLM's CPU backend does.
+    packed copy and leaves the shared weight dense for the embedding's lookups, as vLLM's CPU backend does. Quantized
+    weights repack themselves where their format has a faster layout (`QuantizedWeight.pack_for_matmul`).
     """
     for module in model.modules():
+        if isinstance(module, QuantizedWeight):  # a quantized weight runs its own kernel, maybe on a layout of its own
+            module.pack_for_matmul()
+            continue
         weight = getattr(module, "weight", None)
-        if isinstance(weight, QuantizedWeight) or not can_pack(weight):  # a quantized weight runs its own kernel
+        if isinstance(weight, QuantizedWeight) or not can_pack(weight):
             continue
         if isinstance(module, LMHead) and module.tied:
             module.packed_tied_weight = packed(module.weight)

@@ -43,6 +43,10 @@ class QuantizedWeight(nn.Module):
         """The dense `[out_features, in_features]` weight (the reference the kernels are tested against)."""
         raise NotImplementedError
 
+    def pack_for_matmul(self) -> None:
+        """Reorder the data in place for this machine's matmul kernel, once loading is done (a no-op unless the
+        format has such a layout: GGUF's repacking). Every method keeps working on the result."""
+
     def rows(self, start: int, count: int) -> "QuantizedWeight":
         """Output rows [start, start + count)."""
         raise NotImplementedError

@@ -6,15 +6,23 @@ slicing, permuting and concatenating rows is exact and cheap. Columns can be cut
 
 The matmul and the row dequantization run the compiled CPU kernels of `kernels/gguf_ops.py` (the types in its
 SUPPORTED_TYPES); on CUDA the loader dequantizes GGUF weights instead (there are no GPU GGUF kernels).
+
+Once loaded, `pack_for_matmul` may reorder a Q4_0 / Q4_1 / Q8_0 weight's blocks in place into the kernels' repacked
+layout (8 rows interleaved, `gguf_ops.repack_rows`; same bytes, same shape), and `repacked` says so. Every method
+reads either layout: `lookup` and `dequantize` gather the plain rows back, and `rows` / `cols` / `permute_rows` /
+`concat_rows` return plain weights (they run while loading, before the repacking).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from tokenmill.workers.quantization.base import QuantizedWeight
 
 
+@functools.cache
 def _ops():
     from tokenmill.kernels import gguf_ops
 
@@ -39,7 +47,8 @@ class GGUFWeight(QuantizedWeight):
 
     format = "gguf"
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                 repacked: bool = False) -> None:
         super().__init__(out_features, in_features)
         self.qtype = int(qtype)
         self.block_size, self.type_size = block_shape(self.qtype)
@@ -49,6 +58,10 @@ class GGUFWeight(QuantizedWeight):
             raise ValueError(f"GGUF {self.type_name} weight [{out_features}, {in_features}] needs uint8 blocks "
                              f"[{out_features}, {row_bytes}], got {blocks.dtype} {tuple(blocks.shape)}")
         self.register_buffer("blocks", blocks.contiguous())
+        self.repacked = bool(repacked)  # `blocks` in gguf_ops.repack_rows' layout, not the file's
+        self._int8_matmul: tuple = ()  # (blocks, repacked, gguf_ops.int8_matmul_on(...)) for the blocks it checked
+        if self.repacked and self.qtype not in _ops().REPACK_TYPES:
+            raise ValueError(f"GGUF {self.type_name} weights have no repacked layout")
 
     @property
     def type_name(self) -> str:
@@ -57,22 +70,47 @@ class GGUFWeight(QuantizedWeight):
         return gguf.GGMLQuantizationType(self.qtype).name
 
     def extra_repr(self) -> str:
-        return f"{self.type_name}, out_features={self.out_features}, in_features={self.in_features}"
+        return (f"{self.type_name}, out_features={self.out_features}, in_features={self.in_features}"
+                + (", repacked" if self.repacked else ""))
+
+    def pack_for_matmul(self) -> None:
+        """Repack the blocks in place for the matmul kernel where `gguf_ops.repack_wanted` says it pays (idempotent:
+        a tied embedding and LM head share this weight)."""
+        if not self.repacked and _ops().repack_wanted(self.qtype, self.out_features):
+            self.blocks = _ops().repack_rows(self.blocks, self.qtype, self.out_features, self.in_features)
+            self.repacked = True
+            self._int8_matmul = ()  # it held the plain blocks
+
+    def plain_blocks(self) -> torch.Tensor:
+        """The blocks in the file's layout (a copy when repacked)."""
+        if not self.repacked:
+            return self.blocks
+        return _ops().unpack_rows(self.blocks, self.qtype, self.out_features, self.in_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        ops = _ops()
+        if ops.DEFAULT_ACTIVATIONS == "int8":
+            cached = self._int8_matmul
+            if not cached or cached[0] is not self.blocks or cached[1] != self.repacked:  # checked once per blocks
+                cached = self._int8_matmul = (self.blocks, self.repacked, ops.int8_matmul_on(
+                    self.blocks, self.qtype, self.out_features, self.in_features, repacked=self.repacked))
+            if cached[2] is not None:
+                return cached[2](flat).view(*x.shape[:-1], self.out_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = _ops().gguf_matmul(flat, self.blocks, self.qtype, self.out_features, self.in_features)
+        out = _ops().gguf_matmul(flat, self.blocks, self.qtype, self.out_features, self.in_features,
+                                 repacked=self.repacked)
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return _ops().dequantize_rows(self.blocks, self.qtype, self.out_features, self.in_features).to(dtype)
+        return _ops().dequantize_rows(self.blocks, self.qtype, self.out_features, self.in_features,
+                                      repacked=self.repacked).to(dtype)
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The dense rows `ids` `[T]` -> `[T, in_features]` in `dtype`, dequantizing only those rows (an
         embedding table's lookup)."""
-        selected = self.blocks.index_select(0, ids.reshape(-1).long())
+        selected = _ops().gather_rows(self.blocks, self.qtype, self.in_features, ids, repacked=self.repacked)
         rows = _ops().dequantize_rows(selected, self.qtype, selected.shape[0], self.in_features)
         return rows.to(dtype).view(*ids.shape, self.in_features)
 
@@ -82,11 +120,15 @@ class GGUFWeight(QuantizedWeight):
         if start == 0 and count == self.out_features:
             return self
         # a copy, so a rank's slice does not keep the whole checkpoint tensor alive
+        if self.repacked:
+            return GGUFWeight(_ops().gather_rows(self.blocks, self.qtype, self.in_features,
+                                                 torch.arange(start, start + count), repacked=True),
+                              self.qtype, count, self.in_features)
         return GGUFWeight(self.blocks[start : start + count].clone(), self.qtype, count, self.in_features)
 
     def permute_rows(self, order: torch.Tensor) -> "GGUFWeight":
         """Row i of the result is row `order[i]` of this weight (exact: rows are independent)."""
-        return GGUFWeight(self.blocks[order], self.qtype, self.out_features, self.in_features)
+        return GGUFWeight(self.plain_blocks()[order], self.qtype, self.out_features, self.in_features)
 
     def cols(self, start: int, count: int) -> "GGUFWeight":
         if start < 0 or count <= 0 or start + count > self.in_features:
@@ -97,7 +139,7 @@ class GGUFWeight(QuantizedWeight):
         if start == 0 and count == self.in_features:
             return self
         first, end = start // self.block_size * self.type_size, (start + count) // self.block_size * self.type_size
-        return GGUFWeight(self.blocks[:, first:end].contiguous(), self.qtype, self.out_features, count)
+        return GGUFWeight(self.plain_blocks()[:, first:end].contiguous(), self.qtype, self.out_features, count)
 
     @classmethod
     def concat_rows(cls, parts: list["GGUFWeight"]) -> "GGUFWeight | None":
@@ -106,5 +148,5 @@ class GGUFWeight(QuantizedWeight):
         first = parts[0]
         if any(part.qtype != first.qtype or part.in_features != first.in_features for part in parts):
             return None
-        blocks = torch.cat([part.blocks for part in parts], dim=0)
+        blocks = torch.cat([part.plain_blocks() for part in parts], dim=0)
         return cls(blocks, first.qtype, blocks.shape[0], first.in_features)

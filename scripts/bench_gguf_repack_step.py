@@ -1,0 +1,107 @@
+"""The quantized default model's forward step at T = 1, 2, 4, 8 query tokens of one request (what a speculative
+verification step runs), with the GGUF weights repacked (gguf_ops.repack_rows, the default on x86) and in the file's
+plain layout, in one process: the layouts take turns each round, every weight switched between two kept copies.
+Times are this thread's CPU time (time.thread_time), so preemption on a shared machine does not count; the ratios
+are the figures to read. One thread.
+
+    OMP_NUM_THREADS=1 python scripts/bench_gguf_repack_step.py --rounds 5
+
+Prints each layout's median step time per T with T / T=1, plain / repacked per T, and with `--matmul` the time spent
+in GGUFWeight.matmul per step (a timing wrapper around it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_decode import build_runner  # noqa: E402
+
+from tokenmill.workers.attention import build_attention_metadata  # noqa: E402
+from tokenmill.workers.backends import attention_backend  # noqa: E402
+from tokenmill.workers.quantization.gguf import GGUFWeight  # noqa: E402
+
+TOKENS = (1, 2, 4, 8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="turns per layout (3 timed steps per T each)")
+    parser.add_argument("--context", type=int, default=200, help="tokens already in the request's KV cache")
+    parser.add_argument("--matmul", action="store_true", help="also time GGUFWeight.matmul per step")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    block_size, num_blocks = 16, 64
+    runner, _ = build_runner("", "auto", num_blocks, block_size)
+    model, kv, backend = runner.model, runner.kv_caches, attention_backend("cpu")
+    weights = [m for m in model.modules() if isinstance(m, GGUFWeight)]
+    print(f"{len(weights)} GGUF weights, {sum(w.repacked for w in weights)} repacked at load")
+    if not any(w.repacked for w in weights):
+        raise SystemExit("nothing was repacked (TOKENMILL_GGUF_REPACK=0, float activations, or not x86): no A/B")
+    layouts = {True: [(w.blocks, w.repacked) for w in weights], False: [(w.plain_blocks(), False) for w in weights]}
+
+    def use(repacked: bool) -> None:
+        for w, (blocks, flag) in zip(weights, layouts[repacked]):
+            w.blocks, w.repacked = blocks, flag
+
+    spent = collections.defaultdict(float)
+    if args.matmul:
+        plain_matmul = GGUFWeight.matmul
+
+        def timed(self, x):
+            start = time.thread_time()
+            out = plain_matmul(self, x)
+            spent["matmul"] += time.thread_time() - start
+            return out
+
+        GGUFWeight.matmul = timed
+
+    table = np.arange(num_blocks)[None, :]
+    ctx = args.context
+
+    def step(t: int) -> None:
+        meta = build_attention_metadata(np.array([t]), np.array([ctx + t]), table[:, : -(-(ctx + t) // block_size)],
+                                        block_size, torch.device("cpu"), backend)
+        with torch.inference_mode():
+            model.compute_logits(model(torch.randint(0, 1000, (t,)), torch.arange(ctx, ctx + t), meta, kv))
+
+    meta = build_attention_metadata(np.array([ctx]), np.array([ctx]), table[:, : -(-ctx // block_size)], block_size,
+                                    torch.device("cpu"), backend)
+    with torch.inference_mode():
+        model(torch.randint(0, 1000, (ctx,)), torch.arange(ctx), meta, kv)  # the context's K/V
+
+    times = collections.defaultdict(list)
+    matmul = collections.defaultdict(list)
+    for _ in range(args.rounds):
+        for repacked in (False, True):
+            use(repacked)
+            for t in TOKENS:
+                step(t)
+                for _ in range(3):
+                    spent.clear()
+                    start = time.thread_time()
+                    step(t)
+                    times[repacked, t].append(time.thread_time() - start)
+                    matmul[repacked, t].append(spent["matmul"])
+    use(True)
+    for repacked in (False, True):
+        median = {t: float(np.median(times[repacked, t])) * 1e3 for t in TOKENS}
+        print(f"{'repacked' if repacked else 'plain':8}  " + "  ".join(
+            f"T={t}: {median[t]:6.2f} ms ({median[t] / median[1]:.2f}x)" for t in TOKENS))
+        if args.matmul:
+            print(f"{'':8}  GGUFWeight.matmul: " + "  ".join(
+                f"T={t}: {float(np.median(matmul[repacked, t])) * 1e3:.2f} ms" for t in TOKENS))
+    print("plain / repacked: " + "  ".join(
+        f"T={t}: {np.median(times[False, t]) / np.median(times[True, t]):.2f}x" for t in TOKENS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The repacked GGUF layout (Q4_0, Q4_1, Q8_0 with 8 rows interleaved: kernels/gguf_ops.py `repack_rows`) and its
+matmul kernel, on every instruction-set version this machine can run.
+
+The layout is a byte permutation within each group of 8 rows, so it must round-trip exactly and dequantize to the
+plain blocks' weights. The kernel takes the same integer dot products as the plain one with the same int8
+activations; only the float summation order differs, so it must match both the plain kernel and the float64
+int8-activation reference (`check` of test_gguf_cpu_kernels) to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from tests.kernels.test_gguf_cpu_kernels import check, check_float, needs_kernels, random_blocks
+from tokenmill.kernels import gguf_ops
+
+Q = GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+@pytest.fixture(params=gguf_ops.available_isas() or ["none"])
+def isa(request):
+    gguf_ops.set_isa(request.param)
+    yield request.param
+    gguf_ops.set_isa(None)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [8, 13, 37])
+def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
+    rng = np.random.default_rng(rows)
+    k = 96  # three blocks
+    plain = torch.from_numpy(random_blocks(qtype, rows, k, rng))
+    packed = gguf_ops.repack_rows(plain, int(qtype), rows, k)
+    # the numpy reference (a byte permutation per group) and the compiled byte moves agree
+    assert torch.equal(gguf_ops.repack_rows(plain, int(qtype), rows, k, numpy=True), packed)
+    whole = rows // 8 * 8
+    assert packed.shape == plain.shape and packed.dtype == torch.uint8
+    assert not torch.equal(packed[:whole], plain[:whole])
+    assert torch.equal(packed[whole:], plain[whole:])  # the rows past the last group of 8 stay plain
+    group_bytes = 8 * plain.shape[1]
+    for g in range(rows // 8):  # each group holds its own 8 rows' bytes, moved
+        span = slice(g * group_bytes, (g + 1) * group_bytes)
+        assert torch.equal(packed.reshape(-1)[span].sort().values, plain.reshape(-1)[span].sort().values)
+    # the scales of a group's first block come first, row by row (the layout the kernel reads)
+    assert torch.equal(packed[0, :16].reshape(8, 2), plain[:8, :2])
+    assert torch.equal(gguf_ops.unpack_rows(packed, int(qtype), rows, k), plain)
+    expected = gguf_quants.dequantize(plain.numpy(), qtype).reshape(rows, k)
+    np.testing.assert_array_equal(gguf_ops.dequantize_rows(packed, int(qtype), rows, k, repacked=True).numpy(),
+                                  expected.astype(np.float32))
+    ids = torch.tensor([rows - 1, 0, 5, rows - 1, rows // 2])
+    for numpy in (False, True):
+        assert torch.equal(gguf_ops.gather_rows(packed, int(qtype), k, ids, repacked=True, numpy=numpy), plain[ids])
+        for bad in (rows, -1):
+            with pytest.raises(IndexError, match="out of range"):
+                gguf_ops.gather_rows(packed, int(qtype), k, torch.tensor([0, bad]), repacked=True, numpy=numpy)
+    assert torch.equal(gguf_ops.gather_rows(plain, int(qtype), k, ids), plain[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_repacked_matmul_matches_the_plain_kernel_and_the_references(qtype, isa):
+    rng = np.random.default_rng(20 + int(qtype))
+    assert gguf_ops.isa() == isa
+    for rows, k in ((37, 96), (16, 576)):  # a 5-row plain tail; two whole groups of the model's width
+        blocks = random_blocks(qtype, rows, k, rng)
+        plain = torch.from_numpy(blocks)
+        packed = gguf_ops.repack_rows(plain, int(qtype), rows, k)
+        w = gguf_quants.dequantize(blocks, qtype).astype(np.float64).reshape(rows, k)
+        for batch in [*range(1, 10), 17]:  # every token count of the 8- and 4-row passes, and two passes plus one
+            x = torch.from_numpy(rng.standard_normal((batch, k)).astype(np.float32))
+            x[0, :32] = 0.0  # an all-zero activation block (scale 0)
+            y = gguf_ops.gguf_matmul(x, packed, int(qtype), rows, k, activations="int8", repacked=True)
+            assert y.shape == (batch, rows) and y.dtype == torch.float32
+            check(x, blocks, qtype, y)
+            y_plain = gguf_ops.gguf_matmul(x, plain, int(qtype), rows, k, activations="int8")
+            magnitude = np.abs(x.double().numpy()) @ (2 * np.abs(w) + np.abs(w).max(axis=1, keepdims=True)).T
+            np.testing.assert_array_less(np.abs(y.double().numpy() - y_plain.double().numpy()), 1e-6 * magnitude,
+                                         err_msg=f"{qtype.name} T={batch}: repacked differs from the plain kernel")
+        # the float-activation mode on the repacked layout: each group put back in the plain layout, then as there
+        x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32))
+        y = gguf_ops.gguf_matmul(x, packed, int(qtype), rows, k, activations="float", repacked=True)
+        check_float(x, blocks, qtype, y)
+        torch.testing.assert_close(y, gguf_ops.gguf_matmul(x, plain, int(qtype), rows, k, activations="float"),
+                                   rtol=0, atol=0)
+
+
+@needs_kernels
+def test_repacked_matmul_over_threads_and_a_prefill_batch():
+    """Enough weight bytes for the parallel loop (the plain tail rows as its last iteration), several groups per tile
+    past 8 activation rows, bfloat16 in and out, the float mode."""
+    rng = np.random.default_rng(4)
+    qtype, rows, k = Q.Q8_0, 253, 256
+    assert rows * gguf_ops.row_bytes(int(qtype), k) >= 1 << 16  # the kernels' threshold for a parallel loop
+    blocks = random_blocks(qtype, rows, k, rng)
+    packed = gguf_ops.repack_rows(torch.from_numpy(blocks), int(qtype), rows, k)
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    check(x, blocks, qtype, gguf_ops.gguf_matmul(x, packed, int(qtype), rows, k, repacked=True, activations="int8"))
+    xb = x[:3].to(torch.bfloat16)
+    yb = gguf_ops.gguf_matmul(xb, packed, int(qtype), rows, k, repacked=True, activations="int8")
+    expected = gguf_ops.gguf_matmul(xb, torch.from_numpy(blocks), int(qtype), rows, k, activations="int8")
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    y = gguf_ops.gguf_matmul(x[:6], packed, int(qtype), rows, k, repacked=True, activations="float")
+    check_float(x[:6], blocks, qtype, y)
+
+
+def test_repacking_choice_and_bad_input(monkeypatch):
+    blocks = torch.from_numpy(random_blocks(Q.Q4_K, 8, 256, np.random.default_rng(0)))
+    with pytest.raises(ValueError, match="qtype 12 has no repacked layout"):
+        gguf_ops.repack_rows(blocks, int(Q.Q4_K), 8, 256)
+    with pytest.raises(ValueError, match="qtype 12 has no repacked layout"):
+        gguf_ops.gguf_matmul(torch.zeros((1, 256)), blocks, int(Q.Q4_K), 8, 256, repacked=True)
+    monkeypatch.setenv("TOKENMILL_GGUF_REPACK", "0")
+    assert not gguf_ops.repack_enabled() and not gguf_ops.repack_wanted(int(Q.Q4_1), 64)
+    monkeypatch.setenv("TOKENMILL_GGUF_REPACK", "yes")
+    with pytest.raises(ValueError, match="TOKENMILL_GGUF_REPACK must be 0 or 1"):
+        gguf_ops.repack_enabled()
+    monkeypatch.setenv("TOKENMILL_GGUF_REPACK", "1")
+    fast = gguf_ops.isa() in ("avx512", "avx2") and gguf_ops.DEFAULT_ACTIVATIONS == "int8"
+    assert gguf_ops.repack_wanted(int(Q.Q4_1), 64) == fast
+    assert not gguf_ops.repack_wanted(int(Q.Q4_1), 7)  # no whole group of 8 rows
+    assert not gguf_ops.repack_wanted(int(Q.Q6_K), 64)
+    if "scalar" in gguf_ops.available_isas():
+        try:
+            gguf_ops.set_isa("scalar")  # the portable version runs the layout but gains nothing from it
+            assert not gguf_ops.repack_wanted(int(Q.Q4_1), 64)
+        finally:
+            gguf_ops.set_isa(None)
+
+
+def test_every_repacked_type_has_the_block_size_the_kernel_assumes():
+    for qtype in gguf_ops.REPACK_TYPES:
+        assert GGML_QUANT_SIZES[Q(qtype)][0] == 32
+        assert sorted(gguf_ops._group_permutation(qtype)) == list(range(8 * GGML_QUANT_SIZES[Q(qtype)][1]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_repacked_rows_are_batch_invariant(qtype, isa):
+    """A token's outputs are the same bits whichever batch it is multiplied in (whole groups of 8 rows: the plain
+    tail rows' kernel is not batch-invariant), so a verified speculative token matches its one-token decode."""
+    rng = np.random.default_rng(40 + int(qtype))
+    rows, k = 24, 576
+    packed = gguf_ops.repack_rows(torch.from_numpy(random_blocks(qtype, rows, k, rng)), int(qtype), rows, k)
+    x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
+    batch = gguf_ops.gguf_matmul(x, packed, int(qtype), rows, k, activations="int8", repacked=True)
+    for t in range(11):
+        alone = gguf_ops.gguf_matmul(x[t : t + 1], packed, int(qtype), rows, k, activations="int8", repacked=True)
+        assert torch.equal(alone[0], batch[t]), f"{qtype.name} row {t} differs alone and in a batch of 11"
+    middle = gguf_ops.gguf_matmul(x[3:8], packed, int(qtype), rows, k, activations="int8", repacked=True)
+    assert torch.equal(middle, batch[3:8])
