@@ -13,7 +13,7 @@ Workloads (chat-templated, greedy):
 
     python scripts/bench_spec_decode.py [--rounds 2] [--batch-sizes 1,8] [--max-tokens 128]
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 5,
-                                 "prompt_lookup_min": 3}'] [--engine-args '{"dtype": "float32"}']
+                                 "prompt_lookup_min": 3}'] [--engine-args '{"quantization": "none", "dtype": "float32"}']
 
 Also per engine: its mean step time and steps per round (a verification step's cost against a one-token step's).
 """
@@ -113,8 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-round", type=int, default=4,
                         help="prompts in one round at batch 1 (one after another); a larger batch runs that many")
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
-    parser.add_argument("--engine-args", default='{"dtype": "float32"}',
-                        help="JSON keyword arguments for both LLM(...) engines")
+    parser.add_argument("--engine-args", default="{}",
+                        help="JSON keyword arguments for both LLM(...) engines (default: the default model as it ships, "
+                             "GGUF kept quantized; the prefix cache is off unless enable_prefix_caching is given)")
     parser.add_argument("--json-out", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill import LLM, SamplingParams
 
     engine_args = json.loads(args.engine_args)
+    # Every round sends the same prompts again. With the prefix cache on, later rounds would compute only each
+    # prompt's uncached tail, whose numerics differ from a whole prompt's (the quantized default model then continues
+    # some prompts differently from round 1), so rounds would time different texts. Off, every round is the same work.
+    engine_args.setdefault("enable_prefix_caching", False)
     spec_config = json.loads(args.speculative_config)
     engines = {"off": LLM(args.model, **engine_args), "on": LLM(args.model, speculative_config=spec_config,
                                                                    **engine_args)}
