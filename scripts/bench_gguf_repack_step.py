@@ -22,9 +22,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from profile_decode import build_runner  # noqa: E402
+from profile_decode import build_runner, one_request_forward  # noqa: E402
 
-from tokenmill.workers.attention import build_attention_metadata  # noqa: E402
 from tokenmill.workers.backends import attention_backend  # noqa: E402
 from tokenmill.workers.quantization.gguf import GGUFWeight  # noqa: E402
 
@@ -41,8 +40,8 @@ def main() -> None:
     torch.set_num_threads(1)
     block_size, num_blocks = 16, 64
     runner, _ = build_runner("", "auto", num_blocks, block_size)
-    model, kv, backend = runner.model, runner.kv_caches, attention_backend("cpu")
-    weights = [m for m in model.modules() if isinstance(m, GGUFWeight)]
+    backend = attention_backend("cpu")
+    weights = [m for m in runner.model.modules() if isinstance(m, GGUFWeight)]
     print(f"{len(weights)} GGUF weights, {sum(w.repacked for w in weights)} repacked at load")
     if not any(w.repacked for w in weights):
         raise SystemExit("nothing was repacked (TOKENMILL_GGUF_REPACK=0, float activations, or not x86): no A/B")
@@ -64,19 +63,13 @@ def main() -> None:
 
         GGUFWeight.matmul = timed
 
-    table = np.arange(num_blocks)[None, :]
     ctx = args.context
+    blocks = np.arange(1, num_blocks)[None, :]  # block 0 is the runner's padding block
 
     def step(t: int) -> None:
-        meta = build_attention_metadata(np.array([t]), np.array([ctx + t]), table[:, : -(-(ctx + t) // block_size)],
-                                        block_size, torch.device("cpu"), backend)
-        with torch.inference_mode():
-            model.compute_logits(model(torch.randint(0, 1000, (t,)), torch.arange(ctx, ctx + t), meta, kv))
+        one_request_forward(runner, backend, blocks, ctx, t)
 
-    meta = build_attention_metadata(np.array([ctx]), np.array([ctx]), table[:, : -(-ctx // block_size)], block_size,
-                                    torch.device("cpu"), backend)
-    with torch.inference_mode():
-        model(torch.randint(0, 1000, (ctx,)), torch.arange(ctx), meta, kv)  # the context's K/V
+    one_request_forward(runner, backend, blocks, 0, ctx)  # the context's K/V
 
     times = collections.defaultdict(list)
     matmul = collections.defaultdict(list)

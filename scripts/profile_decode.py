@@ -97,20 +97,33 @@ def label_cpu_kernels() -> None:
     labelled_kernels = backends.DeviceKernels(kernels.attention, ops)
     backends.device_kernels = lambda device_type: labelled_kernels  # this script runs on the CPU only
 
+def one_request_forward(runner, backend, blocks: np.ndarray, start: int, num_tokens: int) -> None:
+    """A forward and the logits of `num_tokens` random query tokens of one request at positions [start, start +
+    num_tokens), its KV in `blocks` ([1, n] block ids; keep block 0, the runner's padding block, out)."""
+    from tokenmill.workers.attention import build_attention_metadata
+
+    end = start + num_tokens
+    block_size = runner.block_size
+    meta = build_attention_metadata(np.array([num_tokens]), np.array([end]), blocks[:, : -(-end // block_size)],
+                                    block_size, runner.device, backend)
+    ids = torch.randint(100, 20_000, (num_tokens,), device=runner.device)
+    positions = torch.arange(start, end, device=runner.device)
+    with torch.inference_mode():
+        runner.model.compute_logits(runner.model(ids, positions, meta, runner.kv_caches))
+
+
 def verification_step_times(runner, context_len: int, query_tokens: list[int], steps: int,
                              rounds: int = 2) -> dict[str, dict[int, tuple[float, float]]]:
     """{mode: {T: (median step ms, median attention ms)}} for forwards of T query tokens of one request after
     `context_len` cached ones (the request's later tokens overwrite the same slots step after step). Modes: on the
     CPU kernels backend "kernel" (as it is) and "sdpa" (multi-token sequences on the prompt path), else the backend's
     class name; the best of `rounds` alternating rounds is kept."""
-    from tokenmill.workers.attention import build_attention_metadata
     from tokenmill.workers.backends import attention_backend
 
     backend = attention_backend(runner.device.type)
-    model, kv_caches, block_size = runner.model, runner.kv_caches, runner.block_size
     max_len = context_len + max(query_tokens)
-    blocks = np.arange(1, 1 + -(-max_len // block_size))[None, :]  # block 0 is the runner's padding block
-    if blocks.shape[1] >= kv_caches[0][0].shape[0]:
+    blocks = np.arange(1, 1 + -(-max_len // runner.block_size))[None, :]  # block 0 is the runner's padding block
+    if blocks.shape[1] >= runner.kv_caches[0][0].shape[0]:
         raise ValueError(f"context {context_len} + {max(query_tokens)} tokens needs more KV blocks")
     attention_s = [0.0]
     attend = backend.attend
@@ -121,16 +134,7 @@ def verification_step_times(runner, context_len: int, query_tokens: list[int], s
         attention_s[0] += time.perf_counter() - started
         return result
 
-    def forward(num_tokens: int, start: int) -> None:
-        end = start + num_tokens
-        meta = build_attention_metadata(np.array([num_tokens]), np.array([end]), blocks[:, : -(-end // block_size)],
-                                        block_size, runner.device, backend)
-        ids = torch.randint(100, 20_000, (num_tokens,), device=runner.device)
-        positions = torch.arange(start, end, device=runner.device)
-        with torch.inference_mode():
-            model.compute_logits(model(ids, positions, meta, kv_caches))
-
-    forward(context_len, 0)
+    one_request_forward(runner, backend, blocks, 0, context_len)
     modes = {type(backend).__name__: backend.max_kernel_query_len}
     if type(backend).__name__ == "CpuKernelBackend":
         modes = {"kernel": backend.max_kernel_query_len, "sdpa": 1}
@@ -146,7 +150,7 @@ def verification_step_times(runner, context_len: int, query_tokens: list[int], s
                     for _ in range(steps):
                         attention_s[0] = 0.0
                         started = time.perf_counter()
-                        forward(num_tokens, context_len)
+                        one_request_forward(runner, backend, blocks, context_len, num_tokens)
                         step_s.append(time.perf_counter() - started)
                         attn_s.append(attention_s[0])
                     figures = (float(np.median(step_s)) * 1e3, float(np.median(attn_s)) * 1e3)
