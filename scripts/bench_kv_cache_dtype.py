@@ -1,4 +1,4 @@
-"""FP8 KV cache against the model's dtype on the CPU, in this process on the worker's `ModelRunner`: accuracy and
+"""FP8 KV cache against the model's dtype on the CPU, in this process on the worker's `Worker`: accuracy and
 decode speed, for each `--kv-cache-dtype` given.
 
 1. Accuracy: a fixed English text (--kl-tokens tokens) teacher-forced through the paged cache: a --prefill-tokens
@@ -42,12 +42,12 @@ TEXT = (
 def build_runner(kv_cache_dtype: str, num_blocks: int):
     from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
     from tokenmill.model_source import resolve_config
-    from tokenmill.workers.model_runner import ModelRunner
+    from tokenmill.workers.worker import Worker
 
     config = resolve_config(EngineConfig(model=ModelConfig(model="", dtype="float32"),
                                          cache=CacheConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
                                          parallel=ParallelConfig(device="cpu")))
-    runner = ModelRunner(config)
+    runner = Worker(config)
     runner.load_model()
     return runner
 
@@ -76,7 +76,7 @@ def teacher_forced_log_probs(runner, ids: list[int], prefill: int) -> torch.Tens
     """`[len(ids) - prefill, V]` float64 log-probabilities of each next token after the prompt."""
     num_blocks = -(-len(ids) // runner.block_size) + 1
     runner.allocate_kv_cache(num_blocks)
-    runner._zero_never_used_blocks(list(range(num_blocks)))
+    runner.kv_cache.zero_never_used(list(range(num_blocks)))
     table = np.arange(1, num_blocks)[None, :]
     rows = [forward(runner, torch.tensor(ids[:prefill]), np.array([prefill]), np.array([prefill]), table)]
     for position in range(prefill, len(ids) - 1):

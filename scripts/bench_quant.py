@@ -2,7 +2,7 @@
 
 Default mode: for 1 and 2 threads, each configuration (the default model's Q4_1/Q8_0 weights kept quantized with
 float32 activations; dequantized at load to bfloat16 and to float32) runs in a fresh subprocess, so its resident
-memory (RSS) is its own. Each times decode steps at batch 1 and batch 32 (`ModelRunner` driven directly, as
+memory (RSS) is its own. Each times decode steps at batch 1 and batch 32 (`Worker` driven directly, as
 scripts/profile_decode.py does, no scheduler), and measures the memory bandwidth with a large read at the same thread
 count, to give batch 1's fraction of the bandwidth bound: weight bytes read per token / step time / bandwidth.
 
@@ -43,12 +43,12 @@ def build_runner(quantization: str, dtype: str, num_blocks: int, memory: dict | 
     """A runner of the default model; `memory` gets the RSS before and after loading the weights."""
     from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
     from tokenmill.model_source import resolve_config
-    from tokenmill.workers.model_runner import ModelRunner
+    from tokenmill.workers.worker import Worker
 
     config = resolve_config(EngineConfig(model=ModelConfig(quantization=quantization, dtype=dtype),
                                          cache=CacheConfig(num_kv_blocks=num_blocks, block_size=BLOCK_SIZE),
                                          parallel=ParallelConfig(device="cpu")))
-    runner = ModelRunner(config)
+    runner = Worker(config)
     memory = {} if memory is None else memory
     memory["rss_before_load"] = rss_bytes()
     runner.load_model()

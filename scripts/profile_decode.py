@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: the worker's `ModelRunner` at batch B, in this process, under torch.profiler.
+"""Where a decode step's time goes: the worker's `Worker` at batch B, in this process, under torch.profiler.
 
 It prefills B random prompts of --context-len tokens, times --steps decode steps (one token per request per step,
 no scheduler or messaging), prints the profiler's top operators by self CPU time (the compiled CPU kernels as
@@ -30,11 +30,11 @@ from benchlib.stats import summarize
 def build_runner(model: str, dtype: str, num_blocks: int, block_size: int, quantization: str | None = None):
     from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
     from tokenmill.model_source import resolve_config
-    from tokenmill.workers.model_runner import ModelRunner
+    from tokenmill.workers.worker import Worker
 
     config = resolve_config(EngineConfig(model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
                                          cache=CacheConfig(num_kv_blocks=num_blocks, block_size=block_size)))
-    runner = ModelRunner(config)
+    runner = Worker(config)
     runner.load_model()
     runner.allocate_kv_cache(num_blocks)
     return runner, config

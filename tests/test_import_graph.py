@@ -181,7 +181,7 @@ def test_only_the_ray_executor_imports_ray():
 MP_BACKEND = """
 import sys
 import tokenmill.cli, tokenmill.serve, tokenmill.llm, tokenmill.data_parallel
-import tokenmill.workers.process, tokenmill.workers.model_runner, tokenmill.scheduler.process
+import tokenmill.workers.process, tokenmill.workers.worker, tokenmill.scheduler.process
 from tokenmill.config import EngineConfig, ParallelConfig
 from tokenmill.launcher import EngineProcesses
 

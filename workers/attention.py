@@ -8,10 +8,10 @@ quantizes on write and dequantizes what it reads; caches in the model's dtype ig
 
 Padding is read, then masked: decode chunks gather whole blocks (and block-table padding points at block 0), so
 every slot of a block that appears in a block table, and all of block 0, must hold finite values, since a masked
-NaN still poisons SDPA (0 * nan = nan). The model runner guarantees it by zeroing each block the first time it is
+NaN still poisons SDPA (0 * nan = nan). The worker's KV cache (`workers/kv_cache.py`) guarantees it by zeroing each block the first time it is
 handed out; after that a slot holds zeros or stale but finite keys and values.
 
-`AttentionMetadata` is built once per step by the model runner and shared by every layer; whatever can be
+`AttentionMetadata` is built once per step (`workers/step_inputs.py`) and shared by every layer; whatever can be
 precomputed for the whole step (decode chunks and masks, per-sequence causal masks) is built there, not per layer.
 
 Which implementation runs is decided in one place, `workers/backends.py`, which depends on the backends here and in
@@ -208,30 +208,6 @@ def build_attention_metadata(
     )
 
 
-
-# ---------------------------------------------------------------- the cache tensors
-
-
-
-def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across every layer of `model` (its `num_layers`, `num_kv_heads`, `head_dim`), K and V."""
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
-
-
-def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer of `model` a K and a V cache of `model.kv_cache_shape`, left uninitialised (see `zero_kv_blocks`)."""
-    shape = model.kv_cache_shape(num_blocks, block_size)
-    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)]
-
-
-def zero_kv_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor) -> None:
-    """Zero the given blocks of every layer's K and V cache, as bytes: torch has no CPU index_fill_ for fp8 (and
-    byte 0 is +0.0 in every cache dtype)."""
-    for k_cache, v_cache in kv_caches:
-        as_bytes(k_cache).index_fill_(0, block_ids, 0)
-        as_bytes(v_cache).index_fill_(0, block_ids, 0)
 
 # ---------------------------------------------------------------- torch implementation (CPU, and correct anywhere)
 

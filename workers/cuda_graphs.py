@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps: capture the model's forward once per batch size, then replay it.
 
 A decode step (every sequence has exactly one new token) launches the same kernels with the same shapes whenever
-the batch size is the same, so after the KV cache is allocated the model runner captures one graph per size in
+the batch size is the same, so after the KV cache is allocated the worker captures one graph per size in
 `graph_batch_sizes` (1, 2, 4, 8, ... up to max_num_seqs) and replays it instead of launching a few hundred small
 kernels from Python. The graphs read their inputs from static buffers: a batch of B sequences is copied into the
 first B rows and replays the graph of the smallest captured size >= B, whose padding rows write nowhere (slot -1,

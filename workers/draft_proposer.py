@@ -2,7 +2,7 @@
 
 A second, smaller model with the target's vocabulary runs in the same worker process. Its paged KV cache has its
 own tensors but is indexed by the target's block tables and block ids, so the scheduler's block manager covers both:
-a block's bytes are the target's layers plus the draft's (`ModelRunner.kv_block_bytes`).
+a block's bytes are the target's layers plus the draft's (`Worker.kv_block_bytes`).
 
 Each step the draft runs over the step's scheduled tokens (the target's flat batch, positions and attention metadata,
 its own KV tensors), which keeps its KV in step with the target's. After verification it proposes up to k tokens for
@@ -16,7 +16,7 @@ requests that may speculate (`Speculator.allowed`).
 With tensor parallelism the draft is sharded as the target (the target's `TensorParallel`: its heads, MLP columns and
 vocabulary split over the same ranks, its layers all-reducing in the same group), so its KV block bytes are per rank
 as the target's. Every rank runs the fill and the proposals, with the same inputs: the verified tokens, which only
-tensor-parallel rank 0 holds, reach the others in one broadcast (`ModelRunner._propose_drafts`); every rank gathers
+tensor-parallel rank 0 holds, reach the others in one broadcast (`SampleStage.propose_drafts`); every rank gathers
 the draft's logits, so all of them propose the same tokens and rank 0 returns them. Pipeline parallelism is refused.
 """
 
@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.workers.attention import allocate_kv_caches, build_attention_metadata, kv_block_bytes
+from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.kv_cache import allocate_kv_caches, kv_block_bytes
 from tokenmill.workers.backends import attention_backend
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
@@ -77,11 +78,11 @@ class DraftModel:
                              f"{vocab_size} tokens, the target's has {target_vocab_size}; a draft model must use the "
                              "target's tokenizer")
         check_same_tokenizer(self.model_config.path, target_path, config.speculative.model)
-        self.hf_config.tokenmill_max_model_len = max_model_len  # the rotary table covers the target's context
         self.architecture = architecture_of(self.hf_config)
         with torch.device(device), default_dtype(dtype):
             try:
-                model = model_class(self.architecture)(self.hf_config, tp=tp)
+                # the rotary table covers the target's context
+                model = model_class(self.architecture)(self.hf_config, tp=tp, max_model_len=max_model_len)
             except ValueError as exc:  # heads or MLP columns that do not split over the ranks
                 split = f" cannot be split over tensor_parallel_size={tp.size}" if tp.size > 1 else ""
                 message = f"speculative_config: the draft model {config.speculative.model!r}{split}: {exc}"

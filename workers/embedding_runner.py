@@ -27,17 +27,18 @@ from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
 from tokenmill.workers.attention import build_attention_metadata, token_positions
 from tokenmill.workers.backends import attention_backend
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.kv_cache import PagedKVCache
 from tokenmill.workers.models.registry import is_encoder, model_class
 from tokenmill.pooling_config import PoolingConfig, load_pooling_config
 from tokenmill.workers.pooling import pool
+from tokenmill.workers.worker import Worker
 
 log = logging.getLogger(__name__)
 
 EMBEDDING_DTYPE = np.dtype("<f4")  # what StepResult.embeddings carry: little-endian float32, as OpenAI's base64
 
 
-class EmbeddingRunner(ModelRunner):
+class EmbeddingRunner(Worker):
     def __init__(self, config: EngineConfig, rank: int = 0):
         super().__init__(config, rank)
         self.pooling: PoolingConfig | None = None
@@ -88,13 +89,9 @@ class EmbeddingRunner(ModelRunner):
         sched = self.config.scheduler
         max_tokens = sched.max_num_batched_tokens
         num_blocks = -(-max_tokens // self.block_size) + min(sched.max_num_seqs, max_tokens)
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        self.kv_cache = PagedKVCache(self.model, None, num_blocks, self.block_size, self.dtype, self.device)
         # zeros: attention reads whole blocks and masks, and a masked NaN would still poison it
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.model.num_layers)
-        ]
+        self.kv_cache.zero_never_used(list(range(num_blocks)))
         log.info("scratch KV for one %d-token step: %d blocks, %.1f MiB", max_tokens, num_blocks,
                  num_blocks * self.kv_block_bytes() / 2**20)
 

@@ -13,24 +13,25 @@ Ranks are ordered as vLLM's: global rank = stage * tensor_parallel_size + tensor
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from tokenmill.workers.attention import AttentionMetadata
+from tokenmill.workers.kv_cache import KVCache
 from tokenmill.workers.models.layers import TensorParallel
 from tokenmill.workers.models.pipeline import PipelineStage
+from tokenmill.workers.request_state import ScheduledRequest
+from tokenmill.workers.step_inputs import StepBatch, join_step_batches
 
-Entry = TypeVar("Entry")
 
-
-def micro_batches(scheduled: Sequence[Entry], num_stages: int) -> list[list[Entry]]:
-    """Up to `num_stages` contiguous groups of whole requests with about equal token counts (the entries' third
-    field); fewer when the step has fewer requests. Contiguous, so the groups' rows concatenate into the step's."""
+def micro_batches(scheduled: Sequence[ScheduledRequest], num_stages: int) -> list[list[ScheduledRequest]]:
+    """Up to `num_stages` contiguous groups of whole requests with about equal token counts; fewer when the step
+    has fewer requests. Contiguous, so the groups' rows concatenate into the step's."""
     count = min(num_stages, len(scheduled))
-    total = sum(entry[2] for entry in scheduled)
-    groups: list[list[Entry]] = [[] for _ in range(count)]
+    total = sum(entry.num_scheduled_tokens for entry in scheduled)
+    groups: list[list[ScheduledRequest]] = [[] for _ in range(count)]
     done = 0
     for index, entry in enumerate(scheduled):
         left = len(scheduled) - index
@@ -39,30 +40,32 @@ def micro_batches(scheduled: Sequence[Entry], num_stages: int) -> list[list[Entr
         while group > 0 and not groups[group - 1]:
             group -= 1  # never skip a group
         groups[group].append(entry)
-        done += entry[2]
+        done += entry.num_scheduled_tokens
     return groups
 
 
-def stage_forward(model, pp: PipelineStage, input_ids: torch.Tensor, positions: torch.Tensor, attn, kv_caches,
-                  intermediate: torch.Tensor | None = None):
+def stage_forward(model: torch.nn.Module, pp: PipelineStage, input_ids: torch.Tensor, positions: torch.Tensor,
+                  attn: AttentionMetadata, kv_caches: Sequence[KVCache],
+                  intermediate: torch.Tensor | None = None) -> torch.Tensor:
     """This stage's layers over one (micro-)batch: final hidden states on the last stage, else `[2, T, H]`
-    (hidden, residual) for the next. A first stage embeds `input_ids`; a later one starts from `intermediate`
-    (zeros when None: start-up profiling)."""
+    (hidden, residual) for the next. A first stage embeds `input_ids`; a later one starts from `intermediate`."""
     if pp.size == 1:
-        return model(input_ids, positions, attn, kv_caches)
+        hidden: torch.Tensor = model(input_ids, positions, attn, kv_caches)
+        return hidden
     if not pp.is_first and intermediate is None:
-        norm = model.model.layers[model.model.start_layer].input_layernorm.weight  # in the activations' dtype
-        intermediate = torch.zeros(2, input_ids.shape[0], norm.shape[0], dtype=norm.dtype, device=input_ids.device)
-    out = model(input_ids, positions, attn, kv_caches, None if pp.is_first else (intermediate[0], intermediate[1]))
+        raise ValueError(f"pipeline stage {pp.rank} needs the previous stage's hidden states")
+    out = model(input_ids, positions, attn, kv_caches, None if intermediate is None else (intermediate[0],
+                                                                                          intermediate[1]))
     return out if pp.is_last else torch.stack(out)
 
 
-def pipelined_forward(model, pp: PipelineStage, tp: TensorParallel, kv_caches, scheduled: Sequence,
-                      prepare: Callable[[Sequence], object], dtype: torch.dtype):
+def pipelined_forward(model: torch.nn.Module, pp: PipelineStage, tp: TensorParallel, kv_caches: Sequence[KVCache],
+                      scheduled: Sequence[ScheduledRequest], prepare: Callable[[Sequence[ScheduledRequest]], StepBatch],
+                      dtype: torch.dtype, hidden_size: int) -> tuple[StepBatch, torch.Tensor | None]:
     """(the step's batch, final hidden states) on the last stage; (the batch, None) on the others.
 
-    `prepare` builds one micro-batch (the model runner's `_prepare_batch`); the returned batch joins them: rows,
-    sampled requests and drafts in step order (its `attn` is the first micro-batch's, used by none)."""
+    `prepare` builds one micro-batch; the returned batch joins them (`join_step_batches`). `dtype` and
+    `hidden_size`: the activations' that pass between stages."""
     batches = [prepare(group) for group in micro_batches(scheduled, pp.size)]
     previous_rank = (pp.rank - 1) * tp.size + tp.rank
     next_rank = (pp.rank + 1) * tp.size + tp.rank
@@ -71,8 +74,7 @@ def pipelined_forward(model, pp: PipelineStage, tp: TensorParallel, kv_caches, s
     for index, batch in enumerate(batches):
         intermediate = None
         if not pp.is_first:
-            num_tokens = batch.input_ids.shape[0]
-            intermediate = torch.empty(2, num_tokens, model.config.hidden_size, dtype=dtype,
+            intermediate = torch.empty(2, batch.input_ids.shape[0], hidden_size, dtype=dtype,
                                        device=batch.input_ids.device)
             dist.recv(intermediate, src=previous_rank, tag=index)
         out = stage_forward(model, pp, batch.input_ids, batch.positions, batch.attn, kv_caches, intermediate)
@@ -83,25 +85,5 @@ def pipelined_forward(model, pp: PipelineStage, tp: TensorParallel, kv_caches, s
             sends.append((dist.isend(out, dst=next_rank, tag=index), out))  # keep the tensor until it is sent
     for work, _ in sends:
         work.wait()
-    joined = _join(batches)
-    return joined, (torch.cat(outputs) if pp.is_last else None)
+    return join_step_batches(batches), (torch.cat(outputs) if pp.is_last else None)
 
-
-def _join(batches: list):
-    """One batch from contiguous micro-batches: sample rows shifted by the rows before them."""
-    if len(batches) == 1:
-        return batches[0]
-    rows, offset = [], 0
-    for batch in batches:
-        rows.append(batch.sample_rows + offset)
-        offset += batch.input_ids.shape[0]
-    drafts = getattr(batches[0], "drafts", None)
-    changes = dict(
-        input_ids=torch.cat([batch.input_ids for batch in batches]),
-        positions=torch.cat([batch.positions for batch in batches]),
-        sample_rows=torch.cat(rows),
-        sampled_requests=[request for batch in batches for request in batch.sampled_requests],
-    )
-    if drafts is not None:
-        changes["drafts"] = [draft for batch in batches for draft in batch.drafts]
-    return dataclasses.replace(batches[0], **changes)

@@ -34,7 +34,7 @@ def serve_worker(config: EngineConfig, rank: int, log) -> None:
         if config.model.task == "embed":
             from tokenmill.workers.embedding_runner import EmbeddingRunner as Runner
         else:
-            from tokenmill.workers.model_runner import ModelRunner as Runner
+            from tokenmill.workers.worker import Worker as Runner
 
         runner = Runner(config, rank=rank)
         runner.load_model()
@@ -45,7 +45,7 @@ def serve_worker(config: EngineConfig, rank: int, log) -> None:
             rank=rank, num_kv_blocks=num_blocks, weight_bytes=runner.weight_bytes, device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."), architecture=runner.architecture,
             eos_token_ids=list(runner.eos_token_ids), vocab_size=runner.vocab_size,
-            sliding_window=getattr(runner.model, "kv_sliding_window", None))))
+            sliding_window=runner.kv_sliding_window)))
         commands = decoder(WorkerCommand)
         while True:
             command = commands.decode(plans.recv())

@@ -28,7 +28,7 @@ _UINT64_MASK = (1 << 64) - 1
 
 
 class RequestSamplingState:
-    """What the sampler keeps for one request across steps; the model runner appends each sampled token."""
+    """What the sampler keeps for one request across steps; the sample stage appends each sampled token."""
 
     def __init__(
         self,

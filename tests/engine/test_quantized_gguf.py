@@ -13,7 +13,7 @@ from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
 from tests.workers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.kernels import gguf_ops
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 from tokenmill.workers.quantization.gguf import GGUFWeight
 
 pytestmark = pytest.mark.slow
@@ -45,20 +45,20 @@ KL_TOKENS = 256
 KL_BOUND = {"int8": 0.02, "float": 1e-5}
 
 
-def make_runner(quantization: str) -> ModelRunner:
+def make_runner(quantization: str) -> Worker:
     config = EngineConfig(
         model=ModelConfig(path=str(smollm2_dir()), gguf_file=SMOLLM2_GGUF, dtype="float32", quantization=quantization),
         cache=CacheConfig(block_size=16, num_kv_blocks=NUM_BLOCKS),
         parallel=ParallelConfig(device="cpu"),
     )
-    runner = ModelRunner(config)
+    runner = Worker(config)
     runner.load_model()
     runner.allocate_kv_cache(NUM_BLOCKS)
     return runner
 
 
 @pytest.fixture(scope="module")
-def runners() -> dict[str, ModelRunner]:
+def runners() -> dict[str, Worker]:
     return {"gguf": make_runner("gguf"), "none": make_runner("none")}
 
 

@@ -1,4 +1,4 @@
-"""Drivers for worker tests: a toy scheduler feeding `ModelRunner.execute` hand-built StepPlans, and a helper
+"""Drivers for worker tests: a toy scheduler feeding `Worker.execute` hand-built StepPlans, and a helper
 that runs a bare model over one sequence in chunks through a paged cache.
 
 The toy scheduler schedules every request every step once it has arrived: its prompt in chunks of at most

@@ -1,5 +1,5 @@
 """Draft-model speculative decoding end to end in one process: the real Scheduler, plans through the msgpack codec,
-the real ModelRunner filling the draft model's KV, proposing greedily and verifying the drafts in one forward.
+the real Worker filling the draft model's KV, proposing greedily and verifying the drafts in one forward.
 Greedy outputs with the draft model are token-identical to those without speculation, under chunked prefill,
 prefix caching and forced preemption (float32 tiny checkpoints; see test_spec_decode_runner.py for why float32)."""
 
@@ -14,12 +14,12 @@ from tests.workers.test_spec_decode_runner import RUNNER_BLOCKS, generate
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.messages import EngineRequest, SamplingParams
 from tokenmill.speculative import parse_speculative_config
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 
 
-def draft_runner(target: str, draft: str, k: int = 4) -> tuple[ModelRunner, SpeculativeConfig]:
+def draft_runner(target: str, draft: str, k: int = 4) -> tuple[Worker, SpeculativeConfig]:
     speculative = parse_speculative_config({"method": "draft_model", "model": draft, "num_speculative_tokens": k})
-    runner = ModelRunner(EngineConfig(model=ModelConfig(path=target, dtype="float32"), speculative=speculative,
+    runner = Worker(EngineConfig(model=ModelConfig(path=target, dtype="float32"), speculative=speculative,
                                       cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
                                       parallel=ParallelConfig(device="cpu")))
     runner.load_model()
@@ -104,7 +104,7 @@ def test_default_model_with_its_first_layers_as_draft_greedy_identical(tmp_path)
     tokenizer = smollm2_tokenizer()
     draft = write_first_layers_checkpoint(source, 24, tmp_path / "smollm2-first-24", tokenizer)
     speculative = parse_speculative_config({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4})
-    runner = ModelRunner(EngineConfig(model=source, speculative=speculative,
+    runner = Worker(EngineConfig(model=source, speculative=speculative,
                                       cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
                                       parallel=ParallelConfig(device="cpu")))
     runner.load_model()

@@ -25,7 +25,7 @@ from tokenmill.messages import StepPlan, WorkerCommand, decoder, encode
 from tokenmill.model_source import ModelSourceError, resolve_config
 from tokenmill.speculative import parse_speculative_config
 from tokenmill.workers.draft_proposer import DraftModel
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 
 _plans = decoder(WorkerCommand)
 
@@ -33,7 +33,7 @@ _plans = decoder(WorkerCommand)
 class PlanPublisher:
     """Rank 0's runner as `generate` drives it: each plan goes to rank 1 (over gloo) before rank 0 executes it."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Worker) -> None:
         self.runner = runner
         self.eos_token_ids = runner.eos_token_ids
 
@@ -45,7 +45,7 @@ class PlanPublisher:
         dist.broadcast_object_list([None], src=0)
 
 
-def follow_plans(runner: ModelRunner) -> None:
+def follow_plans(runner: Worker) -> None:
     """Rank 1: execute rank 0's plans until it stops; its results are dropped, as the worker process drops them."""
     while True:
         message = [None]
@@ -57,9 +57,9 @@ def follow_plans(runner: ModelRunner) -> None:
         assert runner.execute(plan).request_ids == []
 
 
-def tp_draft_runner(rank: int, target: str, draft: str, k: int, port: int) -> tuple[ModelRunner, SpeculativeConfig]:
+def tp_draft_runner(rank: int, target: str, draft: str, k: int, port: int) -> tuple[Worker, SpeculativeConfig]:
     speculative = parse_speculative_config({"method": "draft_model", "model": draft, "num_speculative_tokens": k})
-    runner = ModelRunner(EngineConfig(model=ModelConfig(path=target, dtype="float32"), speculative=speculative,
+    runner = Worker(EngineConfig(model=ModelConfig(path=target, dtype="float32"), speculative=speculative,
                                       cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
                                       parallel=ParallelConfig(device="cpu", tensor_parallel_size=2, dist_port=port)),
                          rank=rank)
@@ -109,7 +109,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def single_rank_plain(target: str, max_tokens: int, seeded: bool, num_blocks: int, budget: int) -> dict:
-    runner = ModelRunner(EngineConfig(model=ModelConfig(path=target, dtype="float32"),
+    runner = Worker(EngineConfig(model=ModelConfig(path=target, dtype="float32"),
                                       cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
                                       parallel=ParallelConfig(device="cpu")))
     runner.load_model()

@@ -1,4 +1,4 @@
-"""`kv_cache_dtype="fp8"` on the default model (SmolLM2-135M, float32 activations) in the worker's ModelRunner, and
+"""`kv_cache_dtype="fp8"` on the default model (SmolLM2-135M, float32 activations) in the worker's Worker, and
 through the offline `LLM` on a tiny checkpoint: the cache holds one byte per element, so a byte budget holds 4x the
 float32 blocks, and greedy output stays close to the float32 cache's (fp8 keys are lossy: close, not identical).
 Checkpoint KV-cache scales land on the attention layers.
@@ -15,7 +15,7 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelCon
 from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.model_source import resolve_config
 from tokenmill.workers.model_loader import iter_weights
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 from tokenmill.workers.models.registry import model_class
 
 PROMPTS = [
@@ -39,7 +39,7 @@ BUDGET = 64 << 20
 MIN_AGREEING_PREFIX, MIN_MEAN_AGREEING_PREFIX = 2, 5
 
 
-def use_kv_cache_dtype(runner: ModelRunner, name: str) -> None:
+def use_kv_cache_dtype(runner: Worker, name: str) -> None:
     """The same weights over a KV cache of another dtype: the next `allocate_kv_cache` follows the config."""
     cache = msgspec.structs.replace(runner.config.cache, kv_cache_dtype=name, num_kv_blocks=0,
                                     kv_cache_memory_bytes=BUDGET)
@@ -52,13 +52,13 @@ def default_model():
     config = resolve_config(EngineConfig(model=ModelConfig(model="", dtype="float32"),
                                          cache=CacheConfig(num_kv_blocks=NUM_BLOCKS),
                                          parallel=ParallelConfig(device="cpu")))
-    runner = ModelRunner(config)
+    runner = Worker(config)
     runner.load_model()
     tokenizer = load_tokenizer(config.model)
     return runner, [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
 
-def greedy(runner: ModelRunner, prompts: list[list[int]], kv_cache_dtype: str) -> list[list[int]]:
+def greedy(runner: Worker, prompts: list[list[int]], kv_cache_dtype: str) -> list[list[int]]:
     use_kv_cache_dtype(runner, kv_cache_dtype)
     runner.allocate_kv_cache(NUM_BLOCKS)
     return run_greedy(runner, prompts, MAX_NEW_TOKENS, num_blocks=NUM_BLOCKS, chunk_size=5)

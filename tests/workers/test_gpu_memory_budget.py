@@ -1,4 +1,4 @@
-"""The KV budget on CUDA (`--gpu-memory-utilization`): the arithmetic of `ModelRunner._num_kv_blocks_on_gpu`, with
+"""The KV budget on CUDA (`--gpu-memory-utilization`): the arithmetic of `Worker._num_kv_blocks_on_gpu`, with
 the CUDA memory queries and the profiling step replaced by fixed numbers (no GPU here)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 
 GIB = 1 << 30
 
@@ -24,7 +24,7 @@ def gpu_runner(tiny_checkpoint, monkeypatch):
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
             parallel=ParallelConfig(device="cpu"),
         )
-        runner = ModelRunner(config)
+        runner = Worker(config)
         runner.load_model()
         runner.device = torch.device("cuda", 0)  # only the arithmetic runs: every CUDA query below is replaced
         runner._cuda_memory_at_start = (int(free_at_start * GIB), int(total * GIB))

@@ -1,4 +1,4 @@
-"""ModelRunner end to end on tiny random checkpoints: greedy generation through StepPlans equals HF generate."""
+"""Worker end to end on tiny random checkpoints: greedy generation through StepPlans equals HF generate."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.reference import assert_greedy_match, hf_greedy_reference
 from tests.workers.runner_driver import run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
@@ -19,13 +19,13 @@ MAX_NEW_TOKENS = 24
 PROMPT_LENGTHS = [3, 11, 17, 30]
 
 
-def make_runner(path, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, **cache) -> ModelRunner:
+def make_runner(path, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, **cache) -> Worker:
     config = EngineConfig(
         model=ModelConfig(path=str(path)),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, **cache),
         parallel=ParallelConfig(device="cpu"),
     )
-    runner = ModelRunner(config)
+    runner = Worker(config)
     runner.load_model()
     runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
     return runner
@@ -144,7 +144,7 @@ def test_cpu_block_budget_comes_from_bytes(tiny_checkpoint):
         cache=CacheConfig(block_size=16, kv_cache_memory_bytes=10 << 20),
         parallel=ParallelConfig(device="cpu"),
     )
-    runner = ModelRunner(config)
+    runner = Worker(config)
     runner.load_model()
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 kv heads, head_dim 16, float32
     assert runner.num_kv_blocks_for_budget() == (10 << 20) // bytes_per_block
@@ -161,7 +161,7 @@ def test_prompt_chunks_sample_only_at_the_end(tiny_checkpoint):
     assert second.request_ids == ["a"] and len(second.sampled_token_ids) == 1
     assert second.model_time_s > 0
     forgotten = runner.execute(StepPlan(2, [], [], ["a"]))
-    assert forgotten.request_ids == [] and "a" not in runner._requests
+    assert forgotten.request_ids == [] and "a" not in runner.requests.requests
 
 
 def test_plan_beyond_known_blocks_is_rejected(tiny_checkpoint):

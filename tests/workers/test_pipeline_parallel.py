@@ -14,6 +14,7 @@ from tokenmill.workers.model_loader import iter_weights
 from tokenmill.workers.models.pipeline import MissingLayer, PipelineStage
 from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.pipeline_parallel import micro_batches, stage_forward
+from tokenmill.workers.request_state import CachedRequest, ScheduledRequest
 
 
 def test_layers_split_evenly_with_the_extra_ones_before_the_last_stage():
@@ -36,14 +37,19 @@ def test_each_stage_owns_its_layers_the_embedding_or_the_head():
     assert last.weight_name("model.embed_tokens.weight", 4, tied_embeddings=True) == "lm_head.weight"
 
 
+def scheduled(*num_tokens: int) -> list[ScheduledRequest]:
+    return [ScheduledRequest(CachedRequest(f"r{i}", [1] * n, [], "generate", None), 0, n)
+            for i, n in enumerate(num_tokens)]
+
+
 def test_micro_batches_are_contiguous_non_empty_and_about_even():
-    entries = [(f"r{i}", 0, n) for i, n in enumerate([5, 1, 1, 1, 4, 4])]
+    entries = scheduled(5, 1, 1, 1, 4, 4)
     groups = micro_batches(entries, 2)
     assert [entry for group in groups for entry in group] == entries
-    assert [sum(e[2] for e in group) for group in groups] == [8, 8]
+    assert [sum(e.num_scheduled_tokens for e in group) for group in groups] == [8, 8]
     assert micro_batches(entries[:1], 4) == [entries[:1]]
-    assert [len(g) for g in micro_batches([("a", 0, 100), ("b", 0, 1), ("c", 0, 1)], 3)] == [1, 1, 1]
-    assert [len(g) for g in micro_batches([("a", 0, 1), ("b", 0, 1), ("c", 0, 100)], 2)] == [2, 1]
+    assert [len(g) for g in micro_batches(scheduled(100, 1, 1), 3)] == [1, 1, 1]
+    assert [len(g) for g in micro_batches(scheduled(1, 1, 100), 2)] == [2, 1]
 
 
 def test_parallel_sizes_are_checked_naming_the_field():

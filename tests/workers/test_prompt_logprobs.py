@@ -1,4 +1,4 @@
-"""Prompt logprobs through the real Scheduler and ModelRunner in one process (plans through the msgpack codec):
+"""Prompt logprobs through the real Scheduler and Worker in one process (plans through the msgpack codec):
 they equal transformers' float32 log_softmax over the same weights, whole or chunked, with prefix caching on, next to
 other requests, and they come back once, with the request's first token."""
 
@@ -12,7 +12,7 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelCon
 from tokenmill.messages import (EngineRequest, NewRequestData, RequestOutput, RunningRequestData, SamplingParams,
                                 StepPlan, WorkerCommand, decoder, encode)
 from tokenmill.scheduler.scheduler import Scheduler
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 
 TOLERANCE = 1e-4
 _plan_decoder = decoder(WorkerCommand)
@@ -29,7 +29,7 @@ class Engine:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8),
             parallel=ParallelConfig(device="cpu"),
         )
-        self.runner = ModelRunner(config)
+        self.runner = Worker(config)
         self.runner.load_model()
         self.runner.allocate_kv_cache(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids=[])
@@ -174,7 +174,7 @@ def run_tp_rank(rank: int, path: str, port: int, prompt: list[int], out_dir: str
     torch.set_num_threads(1)
     config = EngineConfig(model=ModelConfig(path=path), cache=CacheConfig(block_size=4, num_kv_blocks=32),
                           parallel=ParallelConfig(device="cpu", tensor_parallel_size=2, dist_port=port))
-    runner = ModelRunner(config, rank=rank)
+    runner = Worker(config, rank=rank)
     try:
         runner.load_model()
         runner.allocate_kv_cache(32)

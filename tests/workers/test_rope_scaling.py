@@ -180,8 +180,7 @@ def save_tiny(config, directory, seed: int = 0):
 
 
 def load_ours(path, hf_config, max_model_len: int, tp: TensorParallel = TensorParallel()):
-    hf_config.tokenmill_max_model_len = max_model_len  # what ModelRunner sets from the engine's max_model_len
-    model = model_class(architecture_of(hf_config))(hf_config, tp=tp)
+    model = model_class(architecture_of(hf_config))(hf_config, tp=tp, max_model_len=max_model_len)
     model.load_weights(iter_weights(ModelConfig(path=str(path))))
     return model.eval()
 

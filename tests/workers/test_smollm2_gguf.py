@@ -11,7 +11,7 @@ from tests.reference import assert_greedy_match, hf_greedy_reference
 from tests.workers.runner_driver import run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.workers.model_loader import iter_weights
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def runner(smollm2):
         cache=CacheConfig(block_size=16, num_kv_blocks=NUM_BLOCKS),
         parallel=ParallelConfig(device="cpu"),
     )
-    runner = ModelRunner(config)
+    runner = Worker(config)
     runner.load_model()
     runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
     return runner
@@ -87,6 +87,6 @@ def test_runner_facts(runner):
 def test_greedy_generation_matches_transformers(runner, prompts_and_references, chunk_size):
     prompts, references = prompts_and_references
     outputs = run_greedy(runner, prompts, MAX_NEW_TOKENS, num_blocks=NUM_BLOCKS, chunk_size=chunk_size)
-    assert runner._requests == {}
+    assert runner.requests.requests == {}
     compared = [assert_greedy_match(ours, reference) for ours, reference in zip(outputs, references)]
     assert sum(compared) >= 30, compared

@@ -1,5 +1,5 @@
 """Speculative decoding end to end in one process: the real Scheduler planning, plans through the msgpack codec, the
-real ModelRunner verifying n-gram drafts in one forward. Greedy (and seeded) outputs with speculation are
+real Worker verifying n-gram drafts in one forward. Greedy (and seeded) outputs with speculation are
 token-identical to those without it, under chunked prefill, prefix caching and forced preemption.
 
 The default model runs with its weights dequantized to float32 (quantization="none"): the kept-quantized GGUF
@@ -17,7 +17,7 @@ from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.messages import EngineRequest, SamplingParams, StepPlan, WorkerCommand, decoder, encode
 from tokenmill.scheduler.scheduler import Scheduler
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
 RUNNER_BLOCKS = 64
@@ -31,15 +31,15 @@ CODE = '''def area(width, height):
 '''
 
 
-def make_runner(model: ModelConfig) -> ModelRunner:
-    runner = ModelRunner(EngineConfig(model=model, cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
+def make_runner(model: ModelConfig) -> Worker:
+    runner = Worker(EngineConfig(model=model, cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
                                       parallel=ParallelConfig(device="cpu")))
     runner.load_model()
     runner.allocate_kv_cache(RUNNER_BLOCKS)
     return runner
 
 
-def generate(runner: ModelRunner, speculative: SpeculativeConfig, requests: list[tuple[int, EngineRequest]], *,
+def generate(runner: Worker, speculative: SpeculativeConfig, requests: list[tuple[int, EngineRequest]], *,
              num_blocks: int, budget: int, tag: str) -> tuple[dict[str, list[int]], Scheduler]:
     """Run the requests (each added at its step) to completion; request ids get `tag` so runs never share state."""
     config = EngineConfig(cache=CacheConfig(block_size=16, enable_prefix_caching=True),
@@ -64,7 +64,7 @@ def generate(runner: ModelRunner, speculative: SpeculativeConfig, requests: list
     raise AssertionError("not finished")
 
 
-def compare(runner: ModelRunner, requests, *, num_blocks: int, budget: int):
+def compare(runner: Worker, requests, *, num_blocks: int, budget: int):
     plain, plain_scheduler = generate(runner, SpeculativeConfig(), requests, num_blocks=num_blocks, budget=budget,
                                       tag="plain")
     spec, spec_scheduler = generate(runner, NGRAM, requests, num_blocks=num_blocks, budget=budget, tag="spec")

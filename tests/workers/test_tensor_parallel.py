@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from tests.workers.runner_driver import logits_in_chunks
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 
 CHUNKS = [0, 9, 21, 22, 23]
 KV_BUDGET_BYTES = 1 << 20
@@ -31,7 +31,7 @@ def run_rank(rank: int, path: str, port: int, input_ids: torch.Tensor, out_dir: 
         cache=CacheConfig(block_size=4, kv_cache_memory_bytes=KV_BUDGET_BYTES),
         parallel=ParallelConfig(device="cpu", tensor_parallel_size=2, dist_port=port),
     )
-    runner = ModelRunner(config, rank=rank)
+    runner = Worker(config, rank=rank)
     try:
         runner.load_model()
         attention = runner.model.model.layers[0].self_attn

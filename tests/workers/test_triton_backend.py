@@ -11,10 +11,10 @@ import torch
 from tests.reference import assert_greedy_match, hf_greedy_reference
 from tests.workers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenmill.workers import backends, model_runner
+from tokenmill.workers import backends, worker
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from tokenmill.workers.model_runner import ModelRunner
+from tokenmill.workers.worker import Worker
 from tokenmill.workers.triton_backend import TritonAttentionBackend
 
 CHUNKS = [0, 9, 21, 22, 23]  # two prefill chunks, then two single-token (decode-only) steps
@@ -31,14 +31,14 @@ def triton_on_cpu(monkeypatch):
     backends.device_kernels.cache_clear()
 
 
-def make_runner(path, max_num_seqs: int = 256) -> ModelRunner:
+def make_runner(path, max_num_seqs: int = 256) -> Worker:
     config = EngineConfig(
         model=ModelConfig(path=str(path), max_model_len=128),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         parallel=ParallelConfig(device="cpu"),
     )
-    runner = ModelRunner(config)
+    runner = Worker(config)
     runner.load_model()
     runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
     return runner
@@ -124,7 +124,7 @@ def test_runner_greedy_through_decode_graphs_matches_hf(tiny_checkpoint, triton_
     runner = make_runner(path, max_num_seqs=4)
     # capture_cuda_graphs as on a GPU, with the eager stand-in for graph capture
     monkeypatch.setattr(runner, "_uses_cuda_graphs", lambda: True)
-    monkeypatch.setattr(model_runner, "cuda_graph_capture", lambda device: eager_capture)
+    monkeypatch.setattr(worker, "cuda_graph_capture", lambda device: eager_capture)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
     runner.capture_cuda_graphs()
     assert runner.decode_graphs.batch_sizes == [1, 2, 4]

@@ -206,12 +206,12 @@ class Gemma3ForCausalLM(PagedCausalLM):
 
     FINAL_LOGIT_SOFTCAPPING = True  # whether `config.final_logit_softcapping` applies (see the subclass)
 
-    def __init__(self, config, tp: TensorParallel = TensorParallel()):
+    def __init__(self, config, tp: TensorParallel = TensorParallel(), max_model_len: int | None = None):
+        """`max_model_len`: the engine's context length (the rotary tables'); None: max_position_embeddings."""
         super().__init__()
         text_config = getattr(config, "text_config", None) or config
         self.config = text_config
         self.tp = tp
-        max_model_len = getattr(config, "tokenmill_max_model_len", None)  # set by the model runner
         self.model = Gemma3Model(text_config, tp, max_model_len)
         self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", True))
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None

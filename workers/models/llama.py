@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, make_mlp=None,
-                 pp: PipelineStage = PipelineStage()):
+                 pp: PipelineStage = PipelineStage(), max_model_len: int | None = None):
         super().__init__()
         self.pp = pp
         self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
@@ -132,8 +132,7 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else MissingLayer()
         head_dim = self.layers[self.start_layer].self_attn.head_dim
-        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings,
-                                      getattr(config, "tokenmill_max_model_len", None))
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings, max_model_len)
 
     def forward(
         self,
@@ -199,13 +198,17 @@ class LlamaForCausalLM(PagedCausalLM):
     QK_NORM = False
     supports_pipeline_parallel = True
 
-    def __init__(self, config, tp: TensorParallel = TensorParallel(), pp: PipelineStage = PipelineStage()):
+    def __init__(self, config, tp: TensorParallel = TensorParallel(), pp: PipelineStage = PipelineStage(),
+                 max_model_len: int | None = None):
+        """`max_model_len`: the engine's context length (the rotary table's, and LongRoPE's short/long choice);
+        None: the checkpoint's max_position_embeddings."""
         super().__init__()
         self.config = config
         self.tp = tp
         self.pp = pp
         qkv_bias = self.QKV_BIAS if self.QKV_BIAS is not None else bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index), pp)
+        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index), pp,
+                                  max_model_len)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # a last stage without the embedding holds its own copy of a tied head (PipelineStage.weight_name)
         tied_to = self.model.embed_tokens if self.tie_word_embeddings and pp.is_first else None

@@ -1,0 +1,83 @@
+"""What the worker remembers about each request between steps, and applying a StepPlan's diff to it.
+
+A StepPlan is a diff: finished requests are forgotten, new ones arrive in full, running ones bring the tokens
+sampled last step and any new blocks. Applying it yields the step's `ScheduledRequest`s in flat-batch order (new
+requests first, then running ones), each contributing `num_scheduled_tokens` tokens from `num_computed_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from tokenmill.messages import NewRequestData, StepPlan
+from tokenmill.workers.prompt_logprobs import PromptLogprobsState, prompt_logprobs_state
+from tokenmill.workers.sampler import RequestSamplingState
+
+
+@dataclass
+class CachedRequest:
+    """One request as the worker holds it between steps."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + outputs known so far
+    block_ids: list[int]
+    task: str
+    sampling: RequestSamplingState | None  # None for embedding requests
+    prompt_logprobs: PromptLogprobsState | None = None  # while its prompt logprobs are being computed
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step: `num_scheduled_tokens` tokens from position `num_computed_tokens`."""
+
+    request: CachedRequest
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class RequestStates:
+    """Every request the worker holds, kept in step with the scheduler's plans."""
+
+    def __init__(self, eos_token_ids: list[int], device: torch.device) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.requests: dict[str, CachedRequest] = {}
+
+    def apply(self, plan: StepPlan, blocks_handed_out: Callable[[list[int]], None]) -> list[ScheduledRequest]:
+        """Forget, add and extend requests as `plan` says; the requests with tokens this step, in batch order.
+
+        `blocks_handed_out` hears of every block id the plan hands out (the KV cache zeroes the ones never used)."""
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+        scheduled: list[ScheduledRequest] = []
+        handed_out: list[int] = []
+        for new in plan.new_requests:
+            handed_out.extend(new.block_ids)
+            scheduled.append(ScheduledRequest(self._add(new), new.num_computed_tokens, new.num_scheduled_tokens))
+        for running in plan.running:
+            request = self.requests[running.request_id]
+            request.token_ids.extend(running.new_token_ids)
+            request.block_ids.extend(running.new_block_ids)
+            handed_out.extend(running.new_block_ids)
+            scheduled.append(ScheduledRequest(request, running.num_computed_tokens, running.num_scheduled_tokens))
+        if handed_out:
+            blocks_handed_out(handed_out)
+        return [entry for entry in scheduled if entry.num_scheduled_tokens > 0]
+
+    def _add(self, new: NewRequestData) -> CachedRequest:
+        sampling = None
+        if new.task == "generate":
+            prompt = new.token_ids[: new.num_prompt_tokens]
+            sampling = RequestSamplingState(new.sampling, prompt, self.eos_token_ids, self.device)
+            sampling.output_token_ids.extend(new.token_ids[new.num_prompt_tokens :])  # resumed after preemption
+        request = CachedRequest(new.request_id, list(new.token_ids), list(new.block_ids), new.task, sampling)
+        request.prompt_logprobs = prompt_logprobs_state(new)
+        self.requests[new.request_id] = request
+        return request
+
+
+def plan_drafts(plan: StepPlan) -> dict[str, list[int]]:
+    """Speculative decoding: request id -> the draft tokens the plan schedules after its known tokens."""
+    return {running.request_id: running.spec_token_ids for running in plan.running if running.spec_token_ids}

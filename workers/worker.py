@@ -1,0 +1,305 @@
+"""The worker: owns the device, the distributed groups, the model, the KV cache and the decode graphs, and runs each
+StepPlan as one pipeline:
+
+    apply the plan (request_state.py) -> prepare inputs (step_inputs.py) -> forward (step_forward.py: eager, graph
+    or pipelined, chosen at start-up) -> sample stage (sample_stage.py) -> one StepResult (`step_result` below)
+
+Start-up, as `workers/process.py` drives it: `Worker(config, rank)` -> `load_model()` -> `num_kv_blocks_for_budget()`
+(profiles a worst-case step on CUDA) -> `allocate_kv_cache(n)` -> `capture_cuda_graphs()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.config import EngineConfig
+from tokenmill.kernels.kv_quant import check_kv_cache_device, kv_cache_torch_dtype
+from tokenmill.messages import PromptLogprobsEntry, StepPlan, StepResult
+from tokenmill.workers.attention import DECODE_GATHER_BYTES, build_attention_metadata, token_positions
+from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
+from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
+from tokenmill.workers.draft_proposer import DraftModel
+from tokenmill.workers.kv_cache import KVCache, PagedKVCache, kv_block_bytes
+from tokenmill.workers.memory_profile import GpuMemory, kv_blocks_in_budget, worst_case_step
+from tokenmill.workers.model_facts import read_eos_token_ids, text_config, weight_bytes
+from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
+from tokenmill.workers.models.layers import pack_linear_weights
+from tokenmill.workers.models.llama import PagedCausalLM
+from tokenmill.workers.models.registry import architecture_of, model_class
+from tokenmill.workers.pipeline_parallel import stage_forward
+from tokenmill.workers.prompt_logprobs import compute_prompt_logprobs, prompt_rows
+from tokenmill.workers.request_state import CachedRequest, RequestStates, ScheduledRequest, plan_drafts
+from tokenmill.workers.sample_stage import SampledTokens, SampleStage
+from tokenmill.workers.step_forward import PipelinedStageForward, SingleStageForward, StepForward
+from tokenmill.workers.step_inputs import InputPreparer
+
+log = logging.getLogger(__name__)
+
+PromptLogprobs = dict[str, list[PromptLogprobsEntry]]  # request id -> every prompt position's entry
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config, rank)
+        self.pp, self.tp = parallel_position(config, rank)
+        self.world_size = config.parallel.world_size
+        self.block_size = config.cache.block_size
+        self.hf_config: Any = None  # a transformers PretrainedConfig
+        self.architecture = ""
+        self.dtype = torch.float32
+        self.model: Any = None  # a PagedCausalLM (an encoder in embedding instances)
+        self.weight_bytes = 0
+        self.eos_token_ids: list[int] = []
+        self.kv_cache: PagedKVCache | None = None  # set by allocate_kv_cache
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (workers/draft_proposer.py)
+        self.requests = RequestStates([], self.device)  # every request held between steps
+        # the step's stages, built by allocate_kv_cache (the forward chosen again once graphs are captured)
+        self.forward: StepForward | None = None
+        self.inputs: InputPreparer | None = None
+        self.sampler: SampleStage | None = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self._cuda_memory_at_start = torch.cuda.mem_get_info(self.device)  # (free, total) before any weight
+        elif self.world_size > 1 and config.parallel.distributed_executor_backend == "mp":
+            # the ranks share the host's cores: oversubscribed, every all-reduce would wait on the slowest rank
+            torch.set_num_threads(max(1, torch.get_num_threads() // self.world_size))
+        torch.manual_seed(config.model.seed)
+        if self.world_size > 1:
+            self.tp = init_distributed(config, rank, self.device, self.pp, self.tp)
+
+    # ---------------------------------------------------------------- the model
+
+    def load_model(self) -> None:
+        """Build the model on the target device and dtype, then stream the checkpoint into it."""
+        model_cfg = self.config.model
+        self.hf_config = load_hf_config(model_cfg)
+        self.architecture = model_cfg.architecture or architecture_of(self.hf_config)
+        self.dtype = resolve_dtype(model_cfg, self.hf_config, self.device)
+        started = time.perf_counter()
+        with torch.device(self.device), default_dtype(self.dtype):
+            model = self.build_model()
+        model.load_weights(self.checkpoint_weights())
+        self.model = model.eval()
+        self.weight_bytes = weight_bytes(model)
+        if self.device.type == "cpu":
+            pack_linear_weights(model)
+        self.eos_token_ids = read_eos_token_ids(model_cfg.path, self.hf_config)
+        self.requests = RequestStates(self.eos_token_ids, self.device)
+        if self.config.speculative.method == "draft_model":
+            self.draft = DraftModel(self.config, self.device, self.dtype, self.kv_cache_dtype, self.max_model_len(),
+                                    self.vocab_size, model_cfg.path, self.tp)
+        log.info("loaded %s (%s, %.1f MiB of weights on %s) in %.1f s", self.architecture,
+                 str(self.dtype).removeprefix("torch."), self.weight_bytes / 2**20, self.device,
+                 time.perf_counter() - started)
+
+    def build_model(self) -> torch.nn.Module:
+        """The model with uninitialised weights, on the current default device and dtype."""
+        cls = model_class(self.architecture)
+        if self.pp.size == 1:
+            return cls(self.hf_config, tp=self.tp, max_model_len=self.max_model_len())
+        if not (issubclass(cls, PagedCausalLM) and cls.supports_pipeline_parallel):
+            raise ValueError(f"{self.architecture} does not support pipeline_parallel_size > 1")
+        return cls(self.hf_config, tp=self.tp, pp=self.pp, max_model_len=self.max_model_len())
+
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs for `load_weights`; a pipeline stage reads only its own tensors."""
+        if self.pp.size == 1:
+            return iter_weights(self.config.model, self.device)
+        num_layers = self.text_config.num_hidden_layers
+        tied = bool(getattr(self.text_config, "tie_word_embeddings", False))  # absent: untied, as transformers
+        return iter_weights(self.config.model, self.device,
+                            wanted=lambda name: self.pp.weight_name(name, num_layers, tied) is not None)
+
+    @property
+    def text_config(self) -> Any:
+        return text_config(self.hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits the sampler sees."""
+        return int(self.text_config.vocab_size)
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window the scheduler may free KV blocks by: set when every layer is windowed, else None."""
+        return self.model.kv_sliding_window if isinstance(self.model, PagedCausalLM) else None
+
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len or int(self.text_config.max_position_embeddings)
+
+    # ---------------------------------------------------------------- the KV cache
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's dtype, or fp8 with `--kv-cache-dtype fp8` (kernels/kv_quant.py)."""
+        return kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype)
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        """Per layer of this rank the (K, V) cache tensors; empty before `allocate_kv_cache`."""
+        return self.kv_cache.layers if self.kv_cache is not None else []
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block across every layer, K and V (the draft model's layers too: they share the blocks)."""
+        return self._target_kv_block_bytes() + (self.draft.kv_block_bytes() if self.draft is not None else 0)
+
+    def _target_kv_block_bytes(self) -> int:
+        return kv_block_bytes(self.model, self.block_size, self.kv_cache_dtype)
+
+    def decode_chunk_tokens(self) -> int:
+        """Keys per decode-attention chunk on the torch path: `DECODE_GATHER_BYTES` of one layer's K and V."""
+        return max(1, DECODE_GATHER_BYTES * self.model.num_layers * self.block_size // self._target_kv_block_bytes())
+
+    def num_kv_blocks_for_budget(self) -> int:
+        """How many KV blocks fit: the configured count, the CPU byte budget, or what the GPU has left.
+
+        With tensor or pipeline parallelism every rank must call this; they agree on the smallest count."""
+        cache = self.config.cache
+        if cache.num_kv_blocks > 0:
+            return cache.num_kv_blocks
+        if self.device.type == "cuda":
+            num_blocks = self._num_kv_blocks_on_gpu()
+        else:
+            num_blocks = cache.kv_cache_memory_bytes // self.kv_block_bytes()
+        if self.world_size > 1:  # every stage holds its own layers' blocks: one count for all
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
+        return num_blocks
+
+    def _num_kv_blocks_on_gpu(self) -> int:
+        """The blocks that fit in gpu_memory_utilization of the GPU besides everything else this worker holds
+        (`workers/memory_profile.py`)."""
+        free_at_start, total = self._cuda_memory_at_start
+        peak = self._profile_peak_memory()  # weights + activations
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        memory = GpuMemory(free_at_start, total, free_now, torch.cuda.memory_reserved(self.device), peak)
+        graph_share = 0.0
+        if self._uses_cuda_graphs():  # the graphs' pool: their largest batch's share of the profiled step
+            sched = self.config.scheduler
+            graph_share = min(1.0, graph_batch_sizes(sched.max_num_seqs)[-1] / sched.max_num_batched_tokens)
+        return kv_blocks_in_budget(memory, self.config.cache.gpu_memory_utilization, self.kv_block_bytes(),
+                                   graph_share)
+
+    def _profile_peak_memory(self) -> int:
+        """Bytes this process holds at the peak of a worst-case step (max_num_batched_tokens tokens), KV excluded."""
+        sched = self.config.scheduler
+        step = worst_case_step(sched.max_num_batched_tokens, self.max_model_len(), self.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocate_kv_cache(step.num_blocks)
+        dummy_kv_bytes = step.num_blocks * self.kv_block_bytes()
+        attn = build_attention_metadata(step.seq_lens, step.seq_lens, step.block_tables, self.block_size,
+                                        self.device, attention_backend(self.device.type))
+        num_tokens = int(step.seq_lens.sum())
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.from_numpy(token_positions(step.seq_lens, step.seq_lens)).to(self.device)
+        intermediate = None
+        if not self.pp.is_first:  # a later stage starts from zeros instead of the previous stage's hidden states
+            intermediate = torch.zeros(2, num_tokens, self.text_config.hidden_size, dtype=self.dtype,
+                                       device=self.device)
+        with torch.inference_mode():
+            hidden = stage_forward(self.model, self.pp, input_ids, positions, attn, self.kv_caches, intermediate)
+            if self.pp.is_last:
+                self.model.compute_logits(hidden[: min(sched.max_num_seqs, num_tokens)]).softmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device) - dummy_kv_bytes
+        assert self.kv_cache is not None
+        self.kv_cache.release()
+        del hidden
+        torch.cuda.empty_cache()
+        log.info("profiled a %d-token step: %.2f GiB peak besides the KV cache", num_tokens, peak / 2**30)
+        return peak
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Per layer a K and a V cache `[num_blocks, block_size, num_kv_heads, head_dim]` (`workers/kv_cache.py`),
+        and the forward that runs over them."""
+        check_kv_cache_device(self.kv_cache_dtype, self.device)
+        self.kv_cache = PagedKVCache(self.model, self.draft, num_blocks, self.block_size, self.kv_cache_dtype,
+                                     self.device)
+        self.decode_graphs = None
+        self.forward = self._choose_forward()
+        self.inputs = InputPreparer(self.block_size, self.device, attention_backend(self.device.type),
+                                    self.decode_chunk_tokens())
+        self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
+
+    def _uses_cuda_graphs(self) -> bool:
+        model_cfg = self.config.model
+        return (self.device.type == "cuda" and not model_cfg.enforce_eager and model_cfg.task != "embed"
+                and self.pp.size == 1)
+
+    def capture_cuda_graphs(self) -> None:
+        """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager)."""
+        if not self._uses_cuda_graphs():
+            return
+        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
+        max_blocks_per_seq = -(-self.max_model_len() // self.block_size)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sizes, max_blocks_per_seq, self.block_size,
+                                              self.device, cuda_graph_capture(self.device))
+        self.forward = self._choose_forward()
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s (%.2f GiB); --enforce-eager turns them off",
+                 sizes, time.perf_counter() - started, (free_before - free_after) / 2**30)
+
+    def _choose_forward(self) -> StepForward:
+        """Pipelined with pipeline stages; else the whole model here, replaying decode graphs once captured."""
+        assert self.kv_cache is not None
+        if self.pp.size > 1:
+            return PipelinedStageForward(self.model, self.kv_cache, self.pp, self.tp, self.dtype,
+                                         int(self.text_config.hidden_size))
+        return SingleStageForward(self.model, self.kv_cache, self.draft, self.decode_graphs)
+
+    # ---------------------------------------------------------------- steps
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply the plan, prepare the inputs, run the forward, sample: one StepResult (empty on silent ranks)."""
+        assert self.kv_cache and self.forward and self.inputs and self.sampler, "allocate_kv_cache first"
+        scheduled = self.requests.apply(plan, self.kv_cache.zero_never_used)
+        if not scheduled:
+            return step_result(plan.step_id, [], None, None, 0.0)
+        started, inputs, drafts = time.perf_counter(), self.inputs, plan_drafts(plan)
+        batch, hidden = self.forward(scheduled, lambda part: inputs.prepare(part, drafts))
+        if hidden is None:  # a pipeline stage before the last
+            return step_result(plan.step_id, [], None, None, time.perf_counter() - started)
+        prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
+        sampled = self.sampler.run(plan, batch, hidden)
+        return step_result(plan.step_id, batch.sampled_requests, sampled, prompt_logprobs,
+                           time.perf_counter() - started)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> PromptLogprobs | None:
+        """Every rank: the LM head over the prompt positions that ask for logprobs; rank 0's completed entries."""
+        rows = prompt_rows(scheduled)
+        if rows is None:
+            return None
+        return compute_prompt_logprobs(self.model.compute_logits, hidden, rows, self.tp.rank,
+                                       max(8, self.config.scheduler.max_num_seqs // 2))
+
+
+def step_result(step_id: int, requests: list[CachedRequest], sampled: SampledTokens | None,
+                prompt_logprobs: PromptLogprobs | None, model_time_s: float) -> StepResult:
+    """The one place a generation step's StepResult is built: empty where this rank sampled nothing."""
+    if sampled is None:
+        return StepResult(step_id, [], [], model_time_s=model_time_s)
+    return StepResult(
+        step_id,
+        [request.request_id for request in requests],
+        [token_ids[0] for token_ids in sampled.new_token_ids],
+        logprobs=sampled.logprobs,
+        model_time_s=model_time_s,
+        prompt_logprobs=prompt_logprobs or None,
+        accepted_token_ids=sampled.new_token_ids if sampled.verified_drafts else None,
+        draft_token_ids=sampled.draft_token_ids,
+    )
