@@ -85,8 +85,10 @@ def label_cpu_kernels() -> None:
 
         return call
 
-    for attr in ("write_kv", "attend"):
-        setattr(CpuKernelBackend, attr, staticmethod(labelled(attr, getattr(CpuKernelBackend, attr))))
+    from tokenmill.workers import cpu_backend
+
+    CpuKernelBackend.write_kv = staticmethod(labelled("write_kv", CpuKernelBackend.write_kv))
+    cpu_backend.paged_attention_cpu = labelled("attend", cpu_backend.paged_attention_cpu)  # what forward calls
     from tokenmill.workers.quantization.gguf import GGUFWeight
 
     for attr in ("matmul", "lookup"):  # GGUF weights kept quantized: the kernels of kernels/gguf_ops.py
@@ -119,6 +121,7 @@ def verification_step_times(runner, context_len: int, query_tokens: list[int], s
     CPU kernels backend "kernel" (as it is) and "sdpa" (multi-token sequences on the prompt path), else the backend's
     class name; the best of `rounds` alternating rounds is kept."""
     from tokenmill.workers.backends import attention_backend
+    from tokenmill.workers.cpu_backend import CpuKernelBackend
 
     backend = attention_backend(runner.device.type)
     max_len = context_len + max(query_tokens)
@@ -126,7 +129,7 @@ def verification_step_times(runner, context_len: int, query_tokens: list[int], s
     if blocks.shape[1] >= runner.kv_caches[0][0].shape[0]:
         raise ValueError(f"context {context_len} + {max(query_tokens)} tokens needs more KV blocks")
     attention_s = [0.0]
-    attend = backend.attend
+    attend = backend.forward  # a layer's attention with its KV write
 
     def timed_attend(*args, **kwargs):
         started = time.perf_counter()
@@ -135,16 +138,18 @@ def verification_step_times(runner, context_len: int, query_tokens: list[int], s
         return result
 
     one_request_forward(runner, backend, blocks, 0, context_len)
-    modes = {type(backend).__name__: backend.max_kernel_query_len}
-    if type(backend).__name__ == "CpuKernelBackend":
-        modes = {"kernel": backend.max_kernel_query_len, "sdpa": 1}
-    limit = backend.max_kernel_query_len
+    kernel_backend = backend if isinstance(backend, CpuKernelBackend) else None
+    modes: dict[str, int | None] = {type(backend).__name__: None}
+    if kernel_backend is not None:
+        modes = {"kernel": kernel_backend.max_kernel_query_len, "sdpa": 1}
+    limit = kernel_backend.max_kernel_query_len if kernel_backend is not None else None
     results: dict[str, dict[int, tuple[float, float]]] = {mode: {} for mode in modes}
-    backend.attend = timed_attend
+    backend.forward = timed_attend
     try:
         for _ in range(rounds):
             for mode, mode_limit in modes.items():
-                backend.max_kernel_query_len = mode_limit
+                if kernel_backend is not None and mode_limit is not None:
+                    kernel_backend.max_kernel_query_len = mode_limit
                 for num_tokens in query_tokens:
                     step_s, attn_s = [], []
                     for _ in range(steps):
@@ -157,8 +162,9 @@ def verification_step_times(runner, context_len: int, query_tokens: list[int], s
                     best = results[mode].get(num_tokens)
                     results[mode][num_tokens] = figures if best is None or figures[0] < best[0] else best
     finally:
-        backend.max_kernel_query_len = limit
-        del backend.attend  # back to the class's
+        if kernel_backend is not None and limit is not None:
+            kernel_backend.max_kernel_query_len = limit
+        del backend.forward  # back to the class's
     return results
 
 

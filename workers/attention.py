@@ -15,13 +15,15 @@ handed out; after that a slot holds zeros or stale but finite keys and values.
 precomputed for the whole step (decode chunks and masks, per-sequence causal masks) is built there, not per layer.
 
 Which implementation runs is decided in one place, `workers/backends.py`, which depends on the backends here and in
-`workers/cpu_backend.py` and `workers/triton_backend.py`, never the other way round. A step's metadata is built for
-one backend (`build_attention_metadata(..., backend)`) and carries it, so every layer of that step uses the same
-one. The torch code below is the reference and the fallback: SDPA through the block tables. Kernels read only the
-block-table entries their sequences' lengths cover, so they need none of the decode chunks and masks built here
-(`builds_decode_chunks`); SDPA on prompts needs the per-sequence groups (`builds_prefill_groups`) of the sequences
-with more query tokens than the backend's kernel takes (`max_kernel_query_len`: 1 for a decode kernel; the CPU
-kernel also takes a speculative-decoding verification step's few tokens).
+`workers/cpu_backend.py` and `workers/triton_backend.py`, never the other way round. Each backend builds its own
+step metadata (`prepare(step) -> AttentionMetadata`, from the step's host arrays, once per step) and runs one layer
+(`forward(q, k, v, kv_cache, layer, metadata)`: write this step's K/V, then attend); the metadata carries its backend,
+so every layer of a step uses the same one. A layer's constants (scale, sliding window, fp8 KV scales) travel as one
+`AttentionLayer`, which the model's attention module holds. The torch code below is the reference and the fallback:
+SDPA through the block tables. It needs decode chunks with their masks and per-sequence prefill groups; the kernels
+read only the block-table entries their sequences' lengths cover and need neither (the CPU kernel leaves its longer
+sequences to the same prefill groups). Whatever depends on a sliding window is precomputed in `prepare` for each
+distinct window the model has (`StepShape.sliding_windows`), never during the forward.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.kv_quant import as_bytes, dequantize, quantize
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K cache, V cache); workers/kv_cache.py allocates them
 
 
 # Decode attention gathers the K and V of a few sequences at a time, about this many bytes a layer, so the copy is
@@ -53,9 +57,8 @@ class DecodeChunk:
     key_mask: torch.Tensor | None  # [end - start, 1, 1, num_keys] bool, True where the key is in the sequence;
     # None when every sequence of the chunk has num_keys keys
     seq_lens: torch.Tensor | None = None  # [end - start] int64: each sequence's keys (for sliding windows)
-    # sliding window -> (block ids [n, cols], key mask [n, 1, 1, cols * block_size]): built by the first layer
-    # with that window, reused by the others
-    windowed: dict = field(default_factory=dict)
+    # sliding window -> (block ids [n, cols], key mask [n, 1, 1, cols * block_size]), built in prepare
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,8 +79,8 @@ class PrefillSequence:
     seq_len: int
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
     causal_mask: torch.Tensor | None  # [q_len, seq_len] bool; None when q_len == seq_len (plain causal)
-    # sliding window -> (first block read, [q_len, keys read] mask): built by the first layer with that window
-    windowed: dict = field(default_factory=dict)
+    # sliding window -> (first block read, [q_len, keys read] mask), built in prepare
+    windowed: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,13 +95,44 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    decode: DecodeGroup | None  # the single-token sequences, batched
-    prefills: list[PrefillSequence]  # the sequences of more than backend.max_kernel_query_len tokens, one SDPA each
-    backend: AttentionBackend  # the implementation this metadata was built for
+    backend: AttentionBackend  # the implementation that built this metadata and runs every layer over it
+    decode: DecodeGroup | None = None  # torch backend: the single-token sequences, batched
+    prefills: list[PrefillSequence] = field(default_factory=list)  # the sequences a backend leaves to SDPA
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+
+@dataclass
+class AttentionLayer:
+    """One attention layer's constants, held by the model's attention module and handed to the backend whole.
+
+    `sliding_window` (None: full attention): a query at position p attends to keys p - window < k <= p, as
+    transformers' sliding-window mask (Mistral, Qwen2 `use_sliding_window`, Gemma 3's local layers). `k_scale`,
+    `v_scale`: an fp8 cache stores key / k_scale and value / v_scale (a cache in the model's dtype ignores them)."""
+
+    scale: float
+    sliding_window: int | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of keys, got {self.sliding_window}")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step's flat batch as host arrays, what every backend's `prepare` starts from."""
+
+    query_lens: np.ndarray  # [B] int64
+    seq_lens: np.ndarray  # [B] int64: tokens in the cache after this step
+    block_tables: np.ndarray  # [B, max_blocks] int64
+    block_size: int
+    device: torch.device
+    decode_chunk_tokens: int | None = None  # torch decode: keys per chunk; None: every decode sequence in one chunk
+    sliding_windows: tuple[int, ...] = ()  # the model's distinct windows, whose reads are precomputed
 
 
 def _decode_chunk_bounds(padded_lens: np.ndarray, max_tokens: int | None) -> list[tuple[int, int]]:
@@ -135,78 +169,96 @@ def build_attention_metadata(
     device: torch.device,
     backend: AttentionBackend,
     decode_chunk_tokens: int | None = None,
+    sliding_windows: tuple[int, ...] = (),
 ) -> AttentionMetadata:
-    """Build a step's metadata from host arrays: query_lens[B], seq_lens[B] and block_tables[B, max_blocks].
+    """`backend`'s metadata for a step given as host arrays: query_lens[B], seq_lens[B], block_tables[B, max_blocks]."""
+    return backend.prepare(StepShape(np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64),
+                                     np.asarray(block_tables, dtype=np.int64), block_size, device,
+                                     decode_chunk_tokens, sliding_windows))
 
-    `decode_chunk_tokens` bounds the (padded) keys of one decode chunk; None puts every decode sequence in one chunk.
-    """
-    query_lens = np.asarray(query_lens, dtype=np.int64)
-    seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    block_tables = np.asarray(block_tables, dtype=np.int64)
+
+def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+
+def common_metadata(step: StepShape, backend: AttentionBackend, decode: DecodeGroup | None = None,
+                    prefills: list[PrefillSequence] | None = None) -> AttentionMetadata:
+    """What every backend reads: slots, block tables, query starts, lengths; with a backend's own extras."""
+    query_lens, seq_lens, block_size = step.query_lens, step.seq_lens, step.block_size
     num_seqs = len(query_lens)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
-
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     positions = token_positions(query_lens, seq_lens)
-    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-
-    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
-
-    blocks_needed = -(-seq_lens // block_size)
-    is_decode = query_lens == 1
-    is_decode_only = bool(is_decode.all())
-    decode = None
-    if backend.builds_decode_chunks and is_decode.any():
-        decode_seqs = np.flatnonzero(is_decode)
-        chunks = []
-        for start, end in _decode_chunk_bounds(blocks_needed[decode_seqs] * block_size, decode_chunk_tokens):
-            chunk_seqs = decode_seqs[start:end]
-            chunk_lens = seq_lens[chunk_seqs]
-            num_keys = int(chunk_lens.max())
-            key_mask = None
-            if (chunk_lens != num_keys).any():
-                key_mask = to_device((np.arange(num_keys)[None, :] < chunk_lens[:, None])[:, None, None, :], torch.bool)
-            num_blocks = int(blocks_needed[chunk_seqs].max())
-            chunks.append(DecodeChunk(start, end, to_device(block_tables[chunk_seqs, :num_blocks], torch.int64),
-                                      num_keys, key_mask, to_device(chunk_lens, torch.int64)))
-        decode = DecodeGroup(
-            token_indices=None if is_decode_only else to_device(query_start_loc[decode_seqs], torch.int64),
-            chunks=chunks,
-        )
-
-    prefills = []
-    for seq in np.flatnonzero(query_lens > backend.max_kernel_query_len) if backend.builds_prefill_groups else ():
-        q_len, seq_len = int(query_lens[seq]), int(seq_lens[seq])
-        causal_mask = None
-        if q_len != seq_len:
-            query_positions = np.arange(seq_len - q_len, seq_len)
-            causal_mask = to_device(np.arange(seq_len)[None, :] <= query_positions[:, None], torch.bool)
-        prefills.append(
-            PrefillSequence(
-                query_start=int(query_start_loc[seq]),
-                query_end=int(query_start_loc[seq + 1]),
-                seq_len=seq_len,
-                block_ids=to_device(block_tables[seq, : blocks_needed[seq]], torch.int64),
-                causal_mask=causal_mask,
-            )
-        )
-
+    slot_mapping = step.block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     return AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, torch.int64),
-        block_tables=to_device(block_tables, torch.int32),
-        query_start_loc=to_device(query_start_loc, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
-        is_decode_only=is_decode_only,
+        slot_mapping=_to_device(slot_mapping, torch.int64, step.device),
+        block_tables=_to_device(step.block_tables, torch.int32, step.device),
+        query_start_loc=_to_device(query_start_loc, torch.int32, step.device),
+        seq_lens=_to_device(seq_lens, torch.int32, step.device),
+        is_decode_only=bool((query_lens == 1).all()),
         max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
         block_size=block_size,
-        decode=decode,
-        prefills=prefills,
         backend=backend,
+        decode=decode,
+        prefills=prefills if prefills is not None else [],
     )
 
+
+def decode_group(step: StepShape) -> DecodeGroup | None:
+    """The single-token sequences in chunks for batched SDPA (the torch backend's decode path); None if there are
+    none. Each chunk's sliding-window reads are precomputed for the step's windows."""
+    is_decode = step.query_lens == 1
+    if not is_decode.any():
+        return None
+    seq_lens, block_size = step.seq_lens, step.block_size
+    blocks_needed = -(-seq_lens // block_size)
+    decode_seqs = np.flatnonzero(is_decode)
+    chunks = []
+    for start, end in _decode_chunk_bounds(blocks_needed[decode_seqs] * block_size, step.decode_chunk_tokens):
+        chunk_seqs = decode_seqs[start:end]
+        chunk_lens = seq_lens[chunk_seqs]
+        num_keys = int(chunk_lens.max())
+        key_mask = None
+        if (chunk_lens != num_keys).any():
+            in_sequence = (np.arange(num_keys)[None, :] < chunk_lens[:, None])[:, None, None, :]
+            key_mask = _to_device(in_sequence, torch.bool, step.device)
+        num_blocks = int(blocks_needed[chunk_seqs].max())
+        chunk = DecodeChunk(start, end, _to_device(step.block_tables[chunk_seqs, :num_blocks], torch.int64, step.device),
+                            num_keys, key_mask, _to_device(chunk_lens, torch.int64, step.device))
+        chunk.windowed = {w: _decode_window(chunk, w, block_size) for w in step.sliding_windows if num_keys > w}
+        chunks.append(chunk)
+    token_indices = None
+    if not is_decode.all():
+        first_rows = np.cumsum(step.query_lens) - step.query_lens
+        token_indices = _to_device(first_rows[decode_seqs], torch.int64, step.device)
+    return DecodeGroup(token_indices=token_indices, chunks=chunks)
+
+
+def prefill_sequences(step: StepShape, max_kernel_query_len: int) -> list[PrefillSequence]:
+    """One SDPA group per sequence of more than `max_kernel_query_len` query tokens, its sliding-window reads
+    precomputed for the step's windows."""
+    query_start_loc = np.concatenate([[0], np.cumsum(step.query_lens)])
+    prefills = []
+    for seq in np.flatnonzero(step.query_lens > max_kernel_query_len):
+        q_len, seq_len = int(step.query_lens[seq]), int(step.seq_lens[seq])
+        causal_mask = None
+        if q_len != seq_len:
+            query_positions = np.arange(seq_len - q_len, seq_len)
+            causal_mask = _to_device(np.arange(seq_len)[None, :] <= query_positions[:, None], torch.bool, step.device)
+        num_blocks = -(-seq_len // step.block_size)
+        sequence = PrefillSequence(
+            query_start=int(query_start_loc[seq]),
+            query_end=int(query_start_loc[seq + 1]),
+            seq_len=seq_len,
+            block_ids=_to_device(step.block_tables[seq, :num_blocks], torch.int64, step.device),
+            causal_mask=causal_mask,
+        )
+        sequence.windowed = {w: _prefill_window(sequence, w, step.block_size, step.device)
+                             for w in step.sliding_windows if seq_len > w}
+        prefills.append(sequence)
+    return prefills
 
 
 # ---------------------------------------------------------------- torch implementation (CPU, and correct anywhere)
@@ -253,10 +305,8 @@ def _decode_window(chunk: DecodeChunk, window: int, block_size: int) -> tuple[to
     slid out of the window (freed by the scheduler, possibly someone else's by now) are never read. Columns past a
     sequence's last block repeat that block and are masked.
     """
-    cached = chunk.windowed.get(window)
-    if cached is not None:
-        return cached
     lens = chunk.seq_lens
+    assert lens is not None  # set by decode_group
     first_key = (lens - window).clamp(min=0)
     first_block = first_key // block_size
     num_cols = min(chunk.block_tables.shape[1], (window - 1 + block_size - 1) // block_size + 1)
@@ -264,117 +314,87 @@ def _decode_window(chunk: DecodeChunk, window: int, block_size: int) -> tuple[to
     block_ids = chunk.block_tables.gather(1, torch.minimum(cols, ((lens - 1) // block_size)[:, None]))
     positions = first_block[:, None] * block_size + torch.arange(num_cols * block_size, device=lens.device)
     mask = ((positions >= first_key[:, None]) & (positions < lens[:, None]))[:, None, None, :]
-    chunk.windowed[window] = block_ids, mask
     return block_ids, mask
 
 
-def _attend_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: DecodeGroup,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+def _prefill_window(seq: PrefillSequence, window: int, block_size: int,
+                    device: torch.device) -> tuple[int, torch.Tensor]:
+    """(first block read, `[q_len, keys read]` mask) of a multi-token sequence under a sliding window: keys are read
+    from the block of the first query's first visible key on."""
+    first_query = seq.seq_len - (seq.query_end - seq.query_start)
+    first_block = max(0, first_query - window + 1) // block_size
+    positions = torch.arange(first_block * block_size, seq.seq_len, device=device)
+    return first_block, sliding_window_mask(positions[first_query - first_block * block_size :], positions, window)
+
+
+def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+                   layer: AttentionLayer) -> torch.Tensor:
     """Single-token queries `[Bd, Hq, D]`: per chunk of sequences, gather their blocks (dequantized from an fp8
     cache) and run one masked SDPA."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
+    window = layer.sliding_window
     # Grouped-query attention without repeating K/V: the G query heads sharing a KV head act as G query rows.
     grouped_query = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.empty_like(grouped_query)
     for chunk in group.chunks:
         shape = (chunk.end - chunk.start, -1, num_kv_heads, head_dim)
-        if sliding_window is not None and chunk.num_keys > sliding_window:
-            block_ids, key_mask = _decode_window(chunk, sliding_window, block_size)
+        if window is not None and chunk.num_keys > window:
+            windowed = chunk.windowed.get(window)  # a window prepare was not told of (a test's): built here
+            block_ids, key_mask = windowed if windowed is not None else _decode_window(chunk, window, block_size)
             num_keys = key_mask.shape[-1]
         else:
             block_ids, key_mask, num_keys = chunk.block_tables, chunk.key_mask, chunk.num_keys
         flat_blocks = block_ids.reshape(-1)
         keys = k_cache.index_select(0, flat_blocks).view(shape)[:, :num_keys].transpose(1, 2)
         values = v_cache.index_select(0, flat_blocks).view(shape)[:, :num_keys].transpose(1, 2)
-        keys, values = dequantize(keys, k_scale, query.dtype), dequantize(values, v_scale, query.dtype)
+        keys, values = dequantize(keys, layer.k_scale, query.dtype), dequantize(values, layer.v_scale, query.dtype)
         out[chunk.start : chunk.end] = F.scaled_dot_product_attention(
-            grouped_query[chunk.start : chunk.end], keys, values, attn_mask=key_mask, scale=scale
+            grouped_query[chunk.start : chunk.end], keys, values, attn_mask=key_mask, scale=layer.scale
         )
     return out.view(num_seqs, num_heads, head_dim)
 
 
-def attend_prefills_sdpa(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    prefills: list[PrefillSequence],
-    scale: float,
-    output: torch.Tensor,
-    sliding_window: int | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
+def attend_prefills_sdpa(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         prefills: list[PrefillSequence], layer: AttentionLayer, output: torch.Tensor) -> None:
     """Into `output`'s rows of each multi-token sequence, its causal attention: one SDPA call per sequence.
 
     With a sliding window, keys are read from the block of the first query's first visible key on. An fp8 cache's
     keys and values are dequantized after the gather.
     """
     block_size = k_cache.shape[1]
+    window = layer.sliding_window
     for seq in prefills:
         # 4-d [1, heads, len, D]: torch's CPU SDPA takes a far slower path for 3-d GQA inputs with a mask.
         seq_query = query[seq.query_start : seq.query_end].transpose(0, 1)[None]
         block_ids, num_keys, mask = seq.block_ids, seq.seq_len, seq.causal_mask
-        if sliding_window is not None and seq.seq_len > sliding_window:
-            windowed = seq.windowed.get(sliding_window)
-            if windowed is None:
-                first_query = seq.seq_len - (seq.query_end - seq.query_start)
-                first_block = max(0, first_query - sliding_window + 1) // block_size
-                positions = torch.arange(first_block * block_size, seq.seq_len, device=query.device)
-                windowed = first_block, sliding_window_mask(positions[first_query - first_block * block_size :],
-                                                            positions, sliding_window)
-                seq.windowed[sliding_window] = windowed
-            first_block, mask = windowed
+        if window is not None and seq.seq_len > window:
+            windowed = seq.windowed.get(window)  # a window prepare was not told of (a test's): built here
+            first_block, mask = windowed if windowed is not None else _prefill_window(seq, window, block_size,
+                                                                                     query.device)
             block_ids, num_keys = block_ids[first_block:], seq.seq_len - first_block * block_size
-        keys = dequantize(_gather_sequence(k_cache, block_ids, num_keys)[None], k_scale, query.dtype)
-        values = dequantize(_gather_sequence(v_cache, block_ids, num_keys)[None], v_scale, query.dtype)
-        seq_out = F.scaled_dot_product_attention(
-            seq_query,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
+        keys = dequantize(_gather_sequence(k_cache, block_ids, num_keys)[None], layer.k_scale, query.dtype)
+        values = dequantize(_gather_sequence(v_cache, block_ids, num_keys)[None], layer.v_scale, query.dtype)
+        seq_out = F.scaled_dot_product_attention(seq_query, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 scale=layer.scale, enable_gqa=True)
         output[seq.query_start : seq.query_end] = seq_out[0].transpose(0, 1)
 
 
-def paged_attention_torch(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          metadata: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:
     """Causal attention of query `[T, Hq, D]` over each sequence's cached keys/values; returns `[T, Hq, D]`.
 
-    The caches must already hold this step's keys and values. With `sliding_window` a query at position p sees only
-    keys p - window < k <= p. k_scale and v_scale: what an fp8 cache's keys and values are multiplied by when read.
-    """
+    The caches must already hold this step's keys and values."""
     decode = metadata.decode
-    kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
     if metadata.is_decode_only and decode is not None:
-        return _attend_decode(query, k_cache, v_cache, decode, scale, sliding_window, **kv_scales)
-
+        return _attend_decode(query, k_cache, v_cache, decode, layer)
     output = torch.empty_like(query)
     if decode is not None:
-        decode_query = query.index_select(0, decode.token_indices)
-        decoded = _attend_decode(decode_query, k_cache, v_cache, decode, scale, sliding_window, **kv_scales)
+        assert decode.token_indices is not None  # set whenever the batch is not all decode
+        decoded = _attend_decode(query.index_select(0, decode.token_indices), k_cache, v_cache, decode, layer)
         output.index_copy_(0, decode.token_indices, decoded)
-    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, scale, output, sliding_window, **kv_scales)
+    attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, layer, output)
     return output
 
 
@@ -382,68 +402,34 @@ def paged_attention_torch(
 
 
 class AttentionBackend(Protocol):
-    # whether `build_attention_metadata` must prepare `decode` (chunks and masks for batched decode SDPA) and
-    # `prefills` (a group for SDPA per sequence of more than `max_kernel_query_len` query tokens: the sequences
-    # `attend` leaves to SDPA). Both methods take the layer's k_scale and v_scale, which an fp8 cache stores keys and
-    # values divided by (and a cache in the model's dtype ignores).
-    builds_decode_chunks: bool
-    builds_prefill_groups: bool
-    max_kernel_query_len: int
+    """One implementation of paged attention: its own per-step metadata, then each layer's KV write and attention."""
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> None: ...
+    def prepare(self, step: StepShape) -> AttentionMetadata:
+        """The step's metadata, built once and shared by every layer."""
+        ...
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> torch.Tensor: ...
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+        """Store this step's key/value `[T, Hkv, D]` in the layer's cache, then attend: `[T, Hq, D]`."""
+        ...
 
 
 class TorchAttentionBackend:
-    """Pure torch: gathers through the block tables and calls SDPA."""
+    """Pure torch: gathers through the block tables and calls SDPA (batched for single-token sequences)."""
 
-    builds_decode_chunks = True
-    builds_prefill_groups = True
-    max_kernel_query_len = 1  # single-token sequences go through the batched decode SDPA, the others one by one
     write_kv = staticmethod(write_kv_torch)
-    attend = staticmethod(paged_attention_torch)
+
+    def prepare(self, step: StepShape) -> AttentionMetadata:
+        return common_metadata(step, self, decode_group(step), prefill_sequences(step, max_kernel_query_len=1))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, layer.k_scale, layer.v_scale)
+        return paged_attention_torch(query, k_cache, v_cache, metadata, layer)
 
 
-def write_kv_and_attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
-    metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """One layer's paged attention: store this step's key/value `[T, Hkv, D]`, then attend; returns `[T, Hq, D]`.
-
-    `sliding_window` (per layer; None for full attention): a query at position p attends to keys p - window < k <= p,
-    as transformers' sliding-window mask (Mistral, Qwen2 `use_sliding_window`, Gemma 3's local layers).
-    `k_scale`, `v_scale` (per layer): an fp8 cache stores key / k_scale and value / v_scale.
-    """
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
-    k_cache, v_cache = kv_cache
-    metadata.backend.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
-    return metadata.backend.attend(query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window,
-                                   k_scale=k_scale, v_scale=v_scale)
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                    layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+    """One layer's paged attention on the backend that built `metadata`: what the models call."""
+    return metadata.backend.forward(query, key, value, kv_cache, layer, metadata)

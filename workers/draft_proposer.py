@@ -123,7 +123,7 @@ class DraftModel:
             for row, i in enumerate(active):
                 tables[row, : blocks_needed[row]] = block_ids[i][: blocks_needed[row]]
             attn = build_attention_metadata(np.ones(len(active), dtype=np.int64), seq_lens, tables, self.block_size,
-                                            self.device, backend)
+                                            self.device, backend, sliding_windows=self.model.sliding_windows)
             input_ids = torch.tensor([tokens[i] for i in active], dtype=torch.long).to(self.device)
             pos = torch.from_numpy(seq_lens - 1).to(self.device)
             hidden = self.model(input_ids, pos, attn, self.kv_caches)

@@ -40,6 +40,7 @@ class InputPreparer:
     device: torch.device
     backend: AttentionBackend
     decode_chunk_tokens: int | None  # keys per decode-attention chunk on the torch path (attention.py)
+    sliding_windows: tuple[int, ...] = ()  # the models' distinct windows, whose attention reads prepare precomputes
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], drafts: dict[str, list[int]]) -> StepBatch:
         """The flat batch of `scheduled`; `drafts` (request id -> draft tokens scheduled after its known tokens, this
@@ -71,7 +72,7 @@ class InputPreparer:
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
             positions=torch.from_numpy(token_positions(query_lens, seq_lens)).to(device),
             attn=build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, device, self.backend,
-                                          self.decode_chunk_tokens),
+                                          self.decode_chunk_tokens, self.sliding_windows),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long).to(device),
             sampled_requests=sampled_requests,
             drafts=sampled_drafts if drafts else None,

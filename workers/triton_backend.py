@@ -18,7 +18,7 @@ from tokenmill.kernels.moe_grouped_gemm import moe_experts
 from tokenmill.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from tokenmill.kernels.rms_norm import rms_norm
 from tokenmill.kernels.rotary import apply_rotary
-from tokenmill.workers.attention import AttentionMetadata
+from tokenmill.workers.attention import AttentionLayer, AttentionMetadata, KVCache, StepShape, common_metadata
 from tokenmill.workers.ops import LayerOps
 
 
@@ -29,37 +29,41 @@ def rotate_in_place(
     return apply_rotary(q, k, positions, cos_sin_table, neox_style=True, inplace=True)
 
 
-def paged_attention_triton(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           metadata: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:
     """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`.
 
-    With `sliding_window`, a query at position p sees keys p - window < k <= p (the kernels start at the window).
+    With a sliding window, a query at position p sees keys p - window < k <= p (the kernels start at the window).
     An fp8 cache holds keys / k_scale and values / v_scale (plain floats: a captured CUDA graph keeps them)."""
     if metadata.is_decode_only:
-        return paged_attention_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale,
-                                      sliding_window, k_scale, v_scale)
+        return decode_attention(query, k_cache, v_cache, metadata, layer)
     return paged_attention_prefill(
-        query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale,
-        sliding_window, k_scale, v_scale,
+        query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, layer.scale,
+        layer.sliding_window, layer.k_scale, layer.v_scale,
     )
 
 
-class TritonAttentionBackend:
-    """KV write and paged attention as Triton kernels."""
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                     layer: AttentionLayer) -> torch.Tensor:
+    """A decode-only step's attention: the one call into the decode kernel (`kernels/paged_attention.py`)."""
+    return paged_attention_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, layer.scale,
+                                  layer.sliding_window, layer.k_scale, layer.v_scale)
 
-    builds_decode_chunks = False
-    builds_prefill_groups = False
-    max_kernel_query_len = 1  # the decode kernel's; anything longer runs the varlen prefill kernel
+
+class TritonAttentionBackend:
+    """KV write and paged attention as Triton kernels, which need only the common metadata (no host values, so a
+    decode step over static buffers can be captured in a CUDA graph)."""
+
     write_kv = staticmethod(write_kv)
-    attend = staticmethod(paged_attention_triton)
+
+    def prepare(self, step: StepShape) -> AttentionMetadata:
+        return common_metadata(step, self)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, layer.k_scale, layer.v_scale)
+        return paged_attention_triton(query, k_cache, v_cache, metadata, layer)
 
 
 # SiLU-and-mul stays torch (one fused op there); MoE experts run the grouped GEMM

@@ -133,6 +133,13 @@ class Worker:
         """The window the scheduler may free KV blocks by: set when every layer is windowed, else None."""
         return self.model.kv_sliding_window if isinstance(self.model, PagedCausalLM) else None
 
+    def _sliding_windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of this rank's layers, the draft model's included."""
+        windows = set(self.model.sliding_windows)
+        if self.draft is not None:
+            windows.update(self.draft.model.sliding_windows)
+        return tuple(sorted(windows))
+
     def max_model_len(self) -> int:
         return self.config.model.max_model_len or int(self.text_config.max_position_embeddings)
 
@@ -229,7 +236,7 @@ class Worker:
         self.decode_graphs = None
         self.forward = self._choose_forward()
         self.inputs = InputPreparer(self.block_size, self.device, attention_backend(self.device.type),
-                                    self.decode_chunk_tokens())
+                                    self.decode_chunk_tokens(), self._sliding_windows())
         self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
 
     def _uses_cuda_graphs(self) -> bool:

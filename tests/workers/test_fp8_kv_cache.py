@@ -107,11 +107,12 @@ def test_checkpoint_kv_scales_set_the_attention_scales(tiny_checkpoint):
               ("model.layers.0.self_attn.q_scale", torch.tensor(3.0)),
               ("model.layers.1.self_attn.kv_scale", torch.tensor([2.0, 1.5]))]  # per head: the largest
     model.load_weights([*iter_weights(ModelConfig(path=str(path))), *scales])
-    layers = [layer.self_attn for layer in model.model.layers]
+    layers = [layer.self_attn.attn_layer for layer in model.model.layers]
     assert [(a.k_scale, a.v_scale) for a in layers] == [(0.5, 0.25), (2.0, 2.0)]
     untouched = model_class("LlamaForCausalLM")(hf_model.config)
     untouched.load_weights(iter_weights(ModelConfig(path=str(path))))
-    assert all((layer.self_attn.k_scale, layer.self_attn.v_scale) == (1.0, 1.0) for layer in untouched.model.layers)
+    assert all((layer.self_attn.attn_layer.k_scale, layer.self_attn.attn_layer.v_scale) == (1.0, 1.0)
+               for layer in untouched.model.layers)
     with pytest.raises(ValueError, match="positive"):
         model.load_weights([("model.layers.0.self_attn.k_scale", torch.tensor(0.0))])
 
@@ -126,7 +127,7 @@ def test_scales_apply_only_to_an_fp8_cache(tiny_checkpoint):
     chunks = [0, 11, 12, 30]
     plain = logits_in_chunks(model, input_ids, chunks)
     for layer in model.model.layers:
-        layer.self_attn.k_scale, layer.self_attn.v_scale = 0.37, 3.1
+        layer.self_attn.attn_layer.k_scale, layer.self_attn.attn_layer.v_scale = 0.37, 3.1
     assert torch.equal(logits_in_chunks(model, input_ids, chunks), plain)
     fp8 = logits_in_chunks(model, input_ids, chunks, kv_cache_dtype=torch.float8_e4m3fn)
     assert not torch.equal(fp8, plain)

@@ -1,4 +1,4 @@
-"""`write_kv_and_attend(..., sliding_window=w)` on the CPU backends (torch reference and compiled kernels) against
+"""`paged_attention` with `AttentionLayer(sliding_window=w)` on the CPU backends (torch reference and compiled kernels) against
 dense attention with transformers' sliding-window mask (q - w < k <= q), in decode, prefill, chunked and mixed
 batches. Blocks wholly before a sequence's window hold NaN (as a block the scheduler freed may hold anything): no
 path may read them."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.workers.attention import build_attention_metadata, write_kv_and_attend
+from tokenmill.workers.attention import AttentionLayer, build_attention_metadata, paged_attention
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -32,7 +32,7 @@ def dense_window_reference(query, keys, values, scale, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).float()
 
 
-def run_case(query_lens, seq_lens, window, decode_chunk_tokens=None, seed=0):
+def run_case(query_lens, seq_lens, window, decode_chunk_tokens=None, seed=0, prepared_windows=()):
     generator = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     k_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"))
@@ -62,10 +62,10 @@ def run_case(query_lens, seq_lens, window, decode_chunk_tokens=None, seed=0):
     from tokenmill.workers.backends import attention_backend
 
     meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), block_tables, BLOCK_SIZE, CPU,
-                                    attention_backend("cpu"), decode_chunk_tokens)
+                                    attention_backend("cpu"), decode_chunk_tokens, prepared_windows)
     scale = HEAD_DIM**-0.5
-    out = write_kv_and_attend(torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache),
-                              meta, scale, sliding_window=window)
+    out = paged_attention(torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache),
+                          AttentionLayer(scale, window), meta)
     expected = torch.cat([dense_window_reference(q, k, v, scale, window) for q, (k, v) in zip(queries, histories)])
     return out, expected
 
@@ -95,6 +95,27 @@ def test_sliding_window_in_decode_chunks(use_cpu_backend, decode_chunk_tokens):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_windows_prepared_with_the_step_give_the_same_attention(use_cpu_backend, backend):
+    """The model's windows are precomputed in prepare (the worker passes them); a window prepare was not told of is
+    built during the forward. Both read the same keys."""
+    use_cpu_backend(backend)
+    for query_lens, seq_lens in CASES:
+        prepared, expected = run_case(query_lens, seq_lens, 5, 16, prepared_windows=(5, 9))
+        on_the_fly, _ = run_case(query_lens, seq_lens, 5, 16)
+        torch.testing.assert_close(prepared, expected, atol=1e-5, rtol=1e-4)
+        assert torch.equal(prepared, on_the_fly)
+
+
+def test_prepare_precomputes_each_window_the_step_reaches_past(use_cpu_backend):
+    backend = use_cpu_backend("torch")
+    block_tables = np.arange(1, 1 + 3 * 3).reshape(3, 3)
+    meta = build_attention_metadata(np.array([1, 1, 6]), np.array([3, 9, 10]), block_tables, BLOCK_SIZE, CPU,
+                                    backend, None, (4, 32))
+    assert [sorted(chunk.windowed) for chunk in meta.decode.chunks] == [[4]]  # 9 keys: past 4, not past 32
+    assert [sorted(seq.windowed) for seq in meta.prefills] == [[4]]
+
+
 def test_no_window_is_full_causal_attention_and_a_window_changes_it(use_cpu_backend):
     use_cpu_backend("torch")
     out_full, expected_full = run_case([1, 6, 1], [17, 6, 30], None)
@@ -118,7 +139,7 @@ def test_layer_windows_follow_transformers_configs():
     tiny = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                 num_hidden_layers=4)
     mistral = MistralForCausalLM(MistralConfig(sliding_window=24, **tiny))
-    assert [layer.self_attn.sliding_window for layer in mistral.model.layers] == [24] * 4
+    assert [layer.self_attn.attn_layer.sliding_window for layer in mistral.model.layers] == [24] * 4
     assert mistral.kv_sliding_window == 24
     assert MistralForCausalLM(MistralConfig(sliding_window=None, **tiny)).kv_sliding_window is None
     # Qwen2: only with use_sliding_window, and then the layers from max_window_layers on
@@ -126,7 +147,7 @@ def test_layer_windows_follow_transformers_configs():
     mixed = Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=2, **tiny)
     assert layer_sliding_windows(mixed) == [None, None, 32, 32]
     model = LlamaForCausalLM(mixed)
-    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, None, 32, 32]
+    assert [layer.self_attn.attn_layer.sliding_window for layer in model.model.layers] == [None, None, 32, 32]
     assert model.kv_sliding_window is None  # a global layer keeps every block
     everywhere = Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=0, **tiny)
     assert LlamaForCausalLM(everywhere).kv_sliding_window == 32

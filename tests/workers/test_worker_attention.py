@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tokenmill.kernels.kv_quant import dequantize, quantize
-from tokenmill.workers.attention import _decode_chunk_bounds, build_attention_metadata, write_kv_and_attend, write_kv_torch
+from tokenmill.workers.attention import (AttentionLayer, _decode_chunk_bounds, build_attention_metadata, paged_attention,
+                                         write_kv_torch)
 from tokenmill.workers.backends import attention_backend
 
 CPU = torch.device("cpu")
@@ -68,10 +69,8 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_to
     meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), block_tables, BLOCK_SIZE, CPU,
                                     attention_backend("cpu"), decode_chunk_tokens)
     scale = HEAD_DIM**-0.5
-    out = write_kv_and_attend(
-        torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache), meta, scale,
-        k_scale=k_scale, v_scale=v_scale,
-    )
+    out = paged_attention(torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache),
+                          AttentionLayer(scale, k_scale=k_scale, v_scale=v_scale), meta)
     expected = torch.cat([dense_reference(q, k, v, scale) for q, (k, v) in zip(queries, histories)])
     return out, expected, meta
 

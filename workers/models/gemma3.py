@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.workers.attention import AttentionMetadata, write_kv_and_attend
+from tokenmill.workers.attention import AttentionLayer, AttentionMetadata, paged_attention
 from tokenmill.workers.models.layers import (
     GateUpLinear,
     LMHead,
@@ -88,8 +88,6 @@ class GeluTanhGateUpLinear(GateUpLinear):
 
 
 class Gemma3Attention(nn.Module):
-    k_scale = v_scale = 1.0  # an fp8 KV cache holds k / k_scale and v / v_scale (from the checkpoint, if it has them)
-
     def __init__(self, config, layer_type: str, tp: TensorParallel):
         super().__init__()
         if getattr(config, "attn_logit_softcapping", None) is not None:
@@ -104,19 +102,19 @@ class Gemma3Attention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = head_dim
-        self.scale = float(config.query_pre_attn_scalar) ** -0.5
         rank_columns = (self.qkv_proj.heads.first_head * head_dim, self.num_heads * head_dim)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden_size, bias, tp, rank_columns)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
         self.is_sliding = layer_type == SLIDING
-        self.sliding_window = config.sliding_window if self.is_sliding else None
+        # the fp8 KV scales are set by the checkpoint, if it has them
+        self.attn_layer = AttentionLayer(scale=float(config.query_pre_attn_scalar) ** -0.5,
+                                         sliding_window=config.sliding_window if self.is_sliding else None)
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryStep, kv_cache: KVCache, attn: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden)
         q, k = rotary.rotate(self.q_norm.normalize(q), self.k_norm.normalize(k))
-        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window,
-                                  k_scale=self.k_scale, v_scale=self.v_scale)
+        out = paged_attention(q, k, v, kv_cache, self.attn_layer, attn)
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 

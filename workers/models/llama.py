@@ -12,13 +12,15 @@ that q/k/v and gate/up are fused into single matmuls at load time (`qkv_proj`, `
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from tokenmill.kernels.kv_quant import kv_scale_target, scale_value
-from tokenmill.workers.attention import AttentionMetadata, write_kv_and_attend
+from tokenmill.workers.attention import AttentionLayer, AttentionMetadata, paged_attention
 from tokenmill.workers.models.layers import (
     GateUpLinear,
     LMHead,
@@ -48,9 +50,6 @@ _FUSED_PROJECTIONS = {
 
 
 class DecoderAttention(nn.Module):
-    sliding_window: int | None = None  # this layer's window (keys a query sees, itself included); None: global
-    k_scale = v_scale = 1.0  # an fp8 KV cache holds k / k_scale and v / v_scale (from the checkpoint, if it has them)
-
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
         super().__init__()
         hidden_size = config.hidden_size
@@ -62,7 +61,8 @@ class DecoderAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        # the sliding window is set by the model (layer_sliding_windows), the fp8 KV scales by the checkpoint if any
+        self.attn_layer = AttentionLayer(scale=head_dim**-0.5)
         rank_columns = (self.qkv_proj.heads.first_head * head_dim, self.num_heads * head_dim)  # this rank's heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden_size, out_bias, tp, rank_columns)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
@@ -80,8 +80,7 @@ class DecoderAttention(nn.Module):
             q = self.q_norm.normalize(q)
             k = self.k_norm.normalize(k)
         q, k = rotary.rotate(q, k)
-        out = write_kv_and_attend(q, k, v, kv_cache, attn, self.scale, sliding_window=self.sliding_window,
-                                  k_scale=self.k_scale, v_scale=self.v_scale)
+        out = paged_attention(q, k, v, kv_cache, self.attn_layer, attn)
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 
@@ -171,6 +170,13 @@ class PagedCausalLM(nn.Module):
         self.num_kv_heads = attention.num_kv_heads  # per rank
         self.head_dim = attention.head_dim
 
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of this stage's layers (the attention metadata precomputes their reads)."""
+        windows = {layer.self_attn.attn_layer.sliding_window for layer in self.model.layers
+                   if not isinstance(layer, MissingLayer)}
+        return tuple(sorted(window for window in windows if window is not None))
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (or V) cache."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -217,7 +223,7 @@ class LlamaForCausalLM(PagedCausalLM):
         windows = layer_sliding_windows(config)
         for layer, window in zip(self.model.layers, windows, strict=True):
             if not isinstance(layer, MissingLayer):
-                layer.self_attn.sliding_window = window
+                layer.self_attn.attn_layer = dataclasses.replace(layer.self_attn.attn_layer, sliding_window=window)
         # what the scheduler may free by: the largest window when every layer has one, else None
         self.kv_sliding_window = max(windows) if windows and None not in windows else None
 
@@ -260,8 +266,9 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         kv_scale = kv_scale_target(name)
         if kv_scale is not None:  # a float attribute of the attention (used by an fp8 KV cache), not a parameter
             attention_path, attributes = kv_scale
-            for attribute in attributes:
-                setattr(model.get_submodule(attention_path), attribute, scale_value(tensor, name))
+            attention = model.get_submodule(attention_path)
+            value = scale_value(tensor, name)
+            attention.attn_layer = dataclasses.replace(attention.attn_layer, **dict.fromkeys(attributes, value))
             continue
         module_path, param_name, shard_id = weight_target(name)
         target = f"{module_path}.{param_name}"
