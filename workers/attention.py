@@ -158,7 +158,9 @@ def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     first_token = np.cumsum(query_lens) - query_lens
-    return np.arange(int(query_lens.sum())) - first_token[seq_of_token] + (seq_lens - query_lens)[seq_of_token]
+    positions: np.ndarray = (np.arange(int(query_lens.sum())) - first_token[seq_of_token]
+                             + (seq_lens - query_lens)[seq_of_token])
+    return positions
 
 
 def build_attention_metadata(
@@ -340,12 +342,11 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     out = torch.empty_like(grouped_query)
     for chunk in group.chunks:
         shape = (chunk.end - chunk.start, -1, num_kv_heads, head_dim)
+        block_ids, key_mask, num_keys = chunk.block_tables, chunk.key_mask, chunk.num_keys
         if window is not None and chunk.num_keys > window:
             windowed = chunk.windowed.get(window)  # a window prepare was not told of (a test's): built here
-            block_ids, key_mask = windowed if windowed is not None else _decode_window(chunk, window, block_size)
-            num_keys = key_mask.shape[-1]
-        else:
-            block_ids, key_mask, num_keys = chunk.block_tables, chunk.key_mask, chunk.num_keys
+            block_ids, window_mask = windowed if windowed is not None else _decode_window(chunk, window, block_size)
+            key_mask, num_keys = window_mask, window_mask.shape[-1]
         flat_blocks = block_ids.reshape(-1)
         keys = k_cache.index_select(0, flat_blocks).view(shape)[:, :num_keys].transpose(1, 2)
         values = v_cache.index_select(0, flat_blocks).view(shape)[:, :num_keys].transpose(1, 2)

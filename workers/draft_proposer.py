@@ -34,6 +34,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.kv_cache import allocate_kv_caches, kv_block_bytes
 from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.model_facts import text_config
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights
 from tokenmill.workers.models.registry import architecture_of, model_class
@@ -71,8 +72,7 @@ class DraftModel:
         self.max_model_len = max_model_len
         self.model_config = draft_model_config(config)
         self.hf_config = load_hf_config(self.model_config)
-        text_config = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
-        vocab_size = int(text_config.vocab_size)
+        vocab_size = int(text_config(self.hf_config).vocab_size)
         if vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config: the draft model {config.speculative.model!r} has a vocabulary of "
                              f"{vocab_size} tokens, the target's has {target_vocab_size}; a draft model must use the "
@@ -98,6 +98,12 @@ class DraftModel:
     def kv_block_bytes(self) -> int:
         """Bytes of one block across the draft's layers, K and V: this rank's KV heads, as the target's count."""
         return kv_block_bytes(self.model, self.block_size, self.kv_cache_dtype)
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The draft's distinct sliding windows (its attention reads are precomputed with the target's)."""
+        windows: tuple[int, ...] = self.model.sliding_windows
+        return windows
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.model, num_blocks, self.block_size, self.kv_cache_dtype, self.device)

@@ -31,6 +31,7 @@ from tokenmill.workers.kv_cache import PagedKVCache
 from tokenmill.workers.models.registry import is_encoder, model_class
 from tokenmill.pooling_config import PoolingConfig, load_pooling_config
 from tokenmill.workers.pooling import pool
+from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class EmbeddingRunner(Worker):
             raise NotImplementedError("encoder embedding models run on one device (tensor_parallel_size 1)")
         return model_class(self.architecture)(self.hf_config, self.dtype, self.device)
 
-    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         weights = super().checkpoint_weights()
         return weights if self.encoder else _decoder_body_weights(weights)
 
@@ -149,7 +150,8 @@ def _check_whole(new: NewRequestData) -> None:
                          f"{len(new.token_ids)} tokens scheduled from {new.num_computed_tokens}")
 
 
-def _decoder_body_weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _decoder_body_weights(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
+                          ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """A decoder checkpoint's tensors minus its LM head, under `model.` whether saved from *ForCausalLM or *Model."""
     for name, tensor in weights:
         if name.startswith("lm_head."):

@@ -70,7 +70,7 @@ def pipelined_forward(model: torch.nn.Module, pp: PipelineStage, tp: TensorParal
     previous_rank = (pp.rank - 1) * tp.size + tp.rank
     next_rank = (pp.rank + 1) * tp.size + tp.rank
     outputs: list[torch.Tensor] = []
-    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    sends: list[tuple[dist.Work | None, torch.Tensor]] = []
     for index, batch in enumerate(batches):
         intermediate = None
         if not pp.is_first:
@@ -84,6 +84,7 @@ def pipelined_forward(model: torch.nn.Module, pp: PipelineStage, tp: TensorParal
             out = out.contiguous()
             sends.append((dist.isend(out, dst=next_rank, tag=index), out))  # keep the tensor until it is sent
     for work, _ in sends:
-        work.wait()
+        if work is not None:  # None: this rank is not in the group (never, with the default group)
+            work.wait()
     return join_step_batches(batches), (torch.cat(outputs) if pp.is_last else None)
 

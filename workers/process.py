@@ -9,13 +9,18 @@ down cleanly instead of hanging.
 
 from __future__ import annotations
 
+import logging
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import Shutdown, StepPlan, WorkerCommand, WorkerError, WorkerReady, decoder, encode
 from tokenmill.processes import become_child_process, make_socket, worker_socket_address
+
+if TYPE_CHECKING:  # imported where a worker starts: the launcher imports this module and must not load torch
+    from tokenmill.workers.worker import Worker
 
 
 def run_worker_process(config_bytes: bytes, rank: int) -> None:
@@ -24,19 +29,14 @@ def run_worker_process(config_bytes: bytes, rank: int) -> None:
     serve_worker(EngineConfig.from_bytes(config_bytes), rank, log)
 
 
-def serve_worker(config: EngineConfig, rank: int, log) -> None:
+def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
     """Load, report ready, then run plans until Shutdown; raises SystemExit(1) after reporting a failure."""
     replying_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.SUB, worker_socket_address(config, "plans"), bind=False)
     results = make_socket(ctx, zmq.PUSH, worker_socket_address(config, "results"), bind=False)
     try:
-        if config.model.task == "embed":
-            from tokenmill.workers.embedding_runner import EmbeddingRunner as Runner
-        else:
-            from tokenmill.workers.worker import Worker as Runner
-
-        runner = Runner(config, rank=rank)
+        runner = make_worker(config, rank)
         runner.load_model()
         num_blocks = runner.num_kv_blocks_for_budget()
         runner.allocate_kv_cache(num_blocks)
@@ -61,3 +61,14 @@ def serve_worker(config: EngineConfig, rank: int, log) -> None:
         raise SystemExit(1)
     finally:
         ctx.destroy(linger=200)
+
+
+def make_worker(config: EngineConfig, rank: int) -> Worker:
+    """The worker of a generation instance, or the embedding runner of an embedding one."""
+    if config.model.task == "embed":
+        from tokenmill.workers.embedding_runner import EmbeddingRunner
+
+        return EmbeddingRunner(config, rank=rank)
+    from tokenmill.workers.worker import Worker
+
+    return Worker(config, rank=rank)

@@ -33,6 +33,7 @@ from tokenmill.workers.models.layers import pack_linear_weights
 from tokenmill.workers.models.llama import PagedCausalLM
 from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.pipeline_parallel import stage_forward
+from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from tokenmill.workers.request_state import CachedRequest, RequestStates, ScheduledRequest, plan_drafts
 from tokenmill.workers.sample_stage import SampledTokens, SampleStage
@@ -101,8 +102,9 @@ class Worker:
                  str(self.dtype).removeprefix("torch."), self.weight_bytes / 2**20, self.device,
                  time.perf_counter() - started)
 
-    def build_model(self) -> torch.nn.Module:
-        """The model with uninitialised weights, on the current default device and dtype."""
+    def build_model(self) -> Any:
+        """The model (a PagedCausalLM; an encoder in embedding instances) with uninitialised weights, on the current
+        default device and dtype."""
         cls = model_class(self.architecture)
         if self.pp.size == 1:
             return cls(self.hf_config, tp=self.tp, max_model_len=self.max_model_len())
@@ -110,7 +112,7 @@ class Worker:
             raise ValueError(f"{self.architecture} does not support pipeline_parallel_size > 1")
         return cls(self.hf_config, tp=self.tp, pp=self.pp, max_model_len=self.max_model_len())
 
-    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """(HF name, tensor) pairs for `load_weights`; a pipeline stage reads only its own tensors."""
         if self.pp.size == 1:
             return iter_weights(self.config.model, self.device)
@@ -137,7 +139,7 @@ class Worker:
         """The distinct sliding windows of this rank's layers, the draft model's included."""
         windows = set(self.model.sliding_windows)
         if self.draft is not None:
-            windows.update(self.draft.model.sliding_windows)
+            windows.update(self.draft.sliding_windows)
         return tuple(sorted(windows))
 
     def max_model_len(self) -> int:
@@ -164,7 +166,8 @@ class Worker:
 
     def decode_chunk_tokens(self) -> int:
         """Keys per decode-attention chunk on the torch path: `DECODE_GATHER_BYTES` of one layer's K and V."""
-        return max(1, DECODE_GATHER_BYTES * self.model.num_layers * self.block_size // self._target_kv_block_bytes())
+        num_layers = int(self.model.num_layers)
+        return max(1, DECODE_GATHER_BYTES * num_layers * self.block_size // self._target_kv_block_bytes())
 
     def num_kv_blocks_for_budget(self) -> int:
         """How many KV blocks fit: the configured count, the CPU byte budget, or what the GPU has left.

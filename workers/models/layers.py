@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from tokenmill.workers.backends import layer_ops
 from tokenmill.workers.models.packed_linear import can_pack, linear, packed
@@ -48,7 +49,7 @@ class HeadShard(NamedTuple):
 class TensorParallel(NamedTuple):
     rank: int = 0
     size: int = 1
-    group: object = None  # the torch.distributed group of this stage's ranks (None: the whole world)
+    group: ProcessGroup | None = None  # the torch.distributed group of this stage's ranks (None: the whole world)
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, MLP columns), which must divide evenly."""
