@@ -1,4 +1,4 @@
-"""FP8 KV cache against the model's dtype on the CPU, in this process on the worker's `Worker`: accuracy and
+"""FP8 KV cache against the model's dtype on the CPU, in this process on the `Worker`: accuracy and
 decode speed, for each `--kv-cache-dtype` given.
 
 1. Accuracy: a fixed English text (--kl-tokens tokens) teacher-forced through the paged cache: a --prefill-tokens

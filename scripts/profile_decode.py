@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: the worker's `Worker` at batch B, in this process, under torch.profiler.
+"""Where a decode step's time goes: the `Worker` at batch B, in this process, under torch.profiler.
 
 It prefills B random prompts of --context-len tokens, times --steps decode steps (one token per request per step,
 no scheduler or messaging), prints the profiler's top operators by self CPU time (the compiled CPU kernels as
