@@ -318,17 +318,16 @@ def test_back_off_when_drafts_are_rejected():
 
 
 def test_metrics_expose_vllm_spec_decode_counters_as_running_totals():
-    from types import SimpleNamespace
-
+    from tests.frontend.frontend_fakes import FakeEngine
     from tokenmill.frontend.engine_client import AsyncEngineClient
     from tokenmill.frontend.metrics import FrontendMetrics
     from tokenmill.messages import SchedulerStats
 
-    engine = SimpleNamespace(latest_stats=None)
+    engine = FakeEngine()
     for report in ([3, 1], [2, 2, 1]):  # per-position counts grow with k between reports
         stats = SchedulerStats(1, 0, 0.1, 0, 0, 0, spec_num_drafts=4, spec_num_draft_tokens=9,
                                spec_num_accepted_tokens=sum(report), spec_accepted_per_pos=report)
-        AsyncEngineClient._accumulate(engine, stats)
+        AsyncEngineClient._accumulate(engine, stats)  # type: ignore[arg-type]
     text = FrontendMetrics(engine, "m").render().decode()
     assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 8.0' in text
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 18.0' in text
