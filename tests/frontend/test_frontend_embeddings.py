@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 from tokenmill.frontend.server import build_app
 from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.config import EngineConfig, ModelConfig, replace
-from frontend_fakes import FakeEngine, rejected
+from tests.helpers.frontend_fakes import FakeEngine, rejected
 from tokenmill.messages import EngineRequest, RequestOutput
 from tokenmill.scheduler.scheduler import Rejection
 

@@ -3,8 +3,8 @@ draft's KV, stale proposals dropped, requests that may not speculate never draft
 
 from __future__ import annotations
 
-from tests.scheduler.sched_testing import EOS, make_request
-from tests.scheduler.test_spec_decode_scheduler import PROMPT, TARGET, SpecFakeWorker, make_scheduler, run
+from tests.helpers.sched_testing import EOS, make_request
+from tests.helpers.spec_decode_testing import PROMPT, TARGET, SpecFakeWorker, make_scheduler, run
 from tokenmill.config import SpeculativeConfig
 from tokenmill.messages import StepPlan, StepResult
 

@@ -97,3 +97,14 @@ class Server:
         for pid in kids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def child_by_role(server: Server, role: str) -> int:
+    """pid of the child named tm-<role> (children set their process name at start-up)."""
+    for pid in server.children():
+        try:
+            if open(f"/proc/{pid}/comm").read().strip() == f"tm-{role}":
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no tm-{role} process among {server.children()}")
