@@ -45,7 +45,7 @@ def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints,
                 "--max-model-len", "1024",
                 "--kv-cache-memory-bytes", "256MiB", log_path=tmp_path / "server.log") as server:
         with ThreadPoolExecutor(len(prompts)) as pool:
-            ours = list(pool.map(lambda p: complete_ids(server.url, p), prompts))
+            ours = list(pool.map(lambda p: complete_ids(server.url, p, max_tokens=NEW_TOKENS), prompts))
     if family == "smollm2":
         expected = request.getfixturevalue("smollm2_case")[1]  # computed once for this module
     else:

@@ -1,4 +1,4 @@
-"""GGUF CPU kernel checks shared by the kernel tests: random quantized blocks, comparisons against the torch reference."""
+"""GGUF CPU kernel checks shared by the kernel tests: random quantized blocks, comparisons with the torch reference."""
 
 from __future__ import annotations
 

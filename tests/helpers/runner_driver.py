@@ -2,10 +2,10 @@
 that runs a bare model over one sequence in chunks through a paged cache.
 
 The toy scheduler schedules every request every step once it has arrived: its prompt in chunks of at most
-`chunk_size` tokens, then one token per step. Blocks come from a shuffled pool and return to it when a request finishes, so block ids
-are non-contiguous and reused (with stale contents). Plans go through the msgpack codec, as on the wire. The
-driver also checks the runner's promise that exactly the requests whose scheduled tokens reach the end of their
-known tokens get a sampled token.
+`chunk_size` tokens, then one token per step. Blocks come from a shuffled pool and return to it when a request
+finishes, so block ids are non-contiguous and reused (with stale contents). Plans go through the msgpack codec, as on
+the wire. The driver also checks the runner's promise that exactly the requests whose scheduled tokens reach the end
+of their known tokens get a sampled token.
 """
 
 from __future__ import annotations

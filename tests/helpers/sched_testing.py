@@ -9,8 +9,8 @@ exactly when a real worker would.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.messages import EngineRequest, NewRequestData, RequestOutput, SamplingParams, StepPlan, StepResult
