@@ -9,6 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenmill.config import EngineConfig
+from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import AdmissionControl
 from tokenmill.frontend.metrics import FrontendMetrics
@@ -16,7 +18,6 @@ from tokenmill.frontend.offload import Offload
 from tokenmill.frontend.reasoning_parsers import get_reasoning_parser
 from tokenmill.frontend.tokenizer import vocab_size
 from tokenmill.frontend.tool_parsers import get_tool_parser
-from tokenmill.config import EngineConfig
 
 TASK_ENDPOINTS = {"generate": "/v1/completions, /v1/chat/completions and /v1/responses",
                   "embed": "/v1/embeddings"}
@@ -25,7 +26,7 @@ TASK_ENDPOINTS = {"generate": "/v1/completions, /v1/chat/completions and /v1/res
 @dataclass
 class ServingContext:
     config: EngineConfig
-    engine: Any  # AsyncEngineClient or anything with its interface
+    engine: EngineClient
     tokenizer: Any
     metrics: FrontendMetrics
     admission: AdmissionControl
@@ -37,7 +38,7 @@ class ServingContext:
     offload: Offload  # the threads that tokenize and render chat templates, off the event loop
 
     @classmethod
-    def create(cls, config: EngineConfig, engine: Any, tokenizer: Any) -> "ServingContext":
+    def create(cls, config: EngineConfig, engine: EngineClient, tokenizer: Any) -> ServingContext:
         model = config.model
         if model.max_model_len <= 0:
             raise ValueError("config.model.max_model_len is unset: resolve the config (resolve_config) first")

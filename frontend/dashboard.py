@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.errors import APIError
 from tokenmill.messages import StepSummary
 
@@ -213,7 +214,7 @@ class Subscriber:
 class DashboardHub:
     """Fans the engine's summaries out to the open streams, and turns the scheduler's summaries on and off."""
 
-    def __init__(self, engine: Any, metrics: Any, model_name: str, max_streams: int = MAX_STREAMS) -> None:
+    def __init__(self, engine: EngineClient, metrics: Any, model_name: str, max_streams: int = MAX_STREAMS) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_streams = max_streams
@@ -222,8 +223,7 @@ class DashboardHub:
         self.latest: dict[int, bytes] = {}  # per engine: its last update, for a stream that opens while others run
         self.num_updates = 0
         self._tasks: set[asyncio.Task] = set()
-        if hasattr(engine, "summary_listener"):
-            engine.summary_listener = self.on_summary
+        engine.summary_listener = self.on_summary
 
     def on_summary(self, summary: StepSummary) -> None:
         if not self.subscribers:
@@ -259,10 +259,7 @@ class DashboardHub:
 
     def _watch(self, interval_s: float) -> None:
         """Tell the engine (sent in order: zmq keeps the order of sends on one socket)."""
-        watch_steps = getattr(self.engine, "watch_steps", None)
-        if watch_steps is None:
-            return
-        task = asyncio.ensure_future(watch_steps(interval_s))
+        task = asyncio.ensure_future(self.engine.watch_steps(interval_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -279,7 +276,7 @@ def page_html() -> bytes:
     return _page_cache[0]
 
 
-def add_dashboard_routes(app: web.Application, engine: Any, metrics: Any, model_name: str,
+def add_dashboard_routes(app: web.Application, engine: EngineClient, metrics: Any, model_name: str,
                          api_key: str | None) -> DashboardHub:
     hub = DashboardHub(engine, metrics, model_name)
     app[HUB_KEY] = hub

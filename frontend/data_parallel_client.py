@@ -1,4 +1,4 @@
-"""The frontend's handle on N data-parallel engine replicas, with AsyncEngineClient's interface.
+"""The frontend's handle on N data-parallel engine replicas, an `EngineClient` (frontend/engine_protocol.py).
 
 Each replica has its own `AsyncEngineClient` (its sockets, its output reader, its child watcher). A request goes, with
 all of its `n` choices, to the replica the router picks (`frontend/router.py`); its aborts follow it there.
@@ -17,12 +17,12 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import msgspec
-
 from tokenmill.config import EngineConfig
-from tokenmill.frontend.engine_client import COUNTER_FIELDS, AsyncEngineClient, EngineDeadError
+from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
+from tokenmill.frontend.engine_protocol import ReplicaStats
 from tokenmill.frontend.router import Router
 from tokenmill.messages import EngineReady, EngineRequest, RequestOutput, SchedulerStats, StepSummary, choice_requests
+from tokenmill.stats import sum_counters
 
 log = logging.getLogger("tokenmill.data_parallel")
 
@@ -30,8 +30,9 @@ DEATH_WATCH_INTERVAL_S = 0.1
 
 
 class DataParallelEngineClient:
-    """`replica_configs[i]` and `dead_children[i]` describe replica i; `stop_replica(i)` stops its processes (it is
-    called in a thread once the replica has died, so nothing of it lingers until shutdown)."""
+    """The `EngineClient` over N replicas. `replica_configs[i]` and `dead_children[i]` describe replica i;
+    `stop_replica(i)` stops its processes (it is called in a thread once the replica has died, so nothing of it
+    lingers until shutdown)."""
 
     def __init__(self, replica_configs: Sequence[EngineConfig], dead_children: Sequence[Callable[[], str | None]],
                  stop_replica: Callable[[int], None] | None = None) -> None:
@@ -110,20 +111,19 @@ class DataParallelEngineClient:
                  if r.latest_stats is not None and rank not in self._dead]
         if not stats:
             return None
-        totals = {field: sum(getattr(s, field) for s in stats) for field in COUNTER_FIELDS}
-        if hasattr(stats[0], "spec_accepted_per_pos"):  # per-position counters: summed position by position
-            per_pos = [s.spec_accepted_per_pos for s in stats]
-            totals["spec_accepted_per_pos"] = [sum(p[i] for p in per_pos if i < len(p))
-                                               for i in range(max(map(len, per_pos)))]
-        return msgspec.structs.replace(stats[0], num_running=sum(s.num_running for s in stats),
-                                       num_waiting=sum(s.num_waiting for s in stats),
-                                       kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
-                                       grammar_mask_time_s=sum(s.grammar_mask_time_s for s in stats), **totals)
+        gauges = SchedulerStats(num_running=sum(s.num_running for s in stats),
+                                num_waiting=sum(s.num_waiting for s in stats),
+                                kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+                                prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+        return sum_counters(stats, gauges)
 
-    def replica_stats(self) -> list[tuple[int, bool, SchedulerStats | None]]:
-        """(replica index, alive, its latest stats) for every replica: the per-engine metrics."""
+    def replica_stats(self) -> list[ReplicaStats] | None:
+        """Every replica, alive or not, with its latest stats: the per-engine metrics."""
         self._notice_deaths()
-        return [(rank, rank not in self._dead, r.latest_stats) for rank, r in enumerate(self.replicas)]
+        return [ReplicaStats(rank, rank not in self._dead, r.latest_stats) for rank, r in enumerate(self.replicas)]
+
+    def routing_decisions(self) -> dict[str, list[int]]:
+        return self.router.decisions
 
     @property
     def summary_listener(self) -> Callable[[StepSummary], None] | None:

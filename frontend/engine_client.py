@@ -11,30 +11,37 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, Ping, Pong, RequestOutput, SchedulerMessage,
-                                SchedulerStats, StepOutputs, StepSummary, WatchSteps, choice_requests, decoder,
-                                encode)
+from tokenmill.frontend.engine_protocol import ReplicaStats
+from tokenmill.messages import (
+    AbortRequest,
+    EngineReady,
+    EngineRequest,
+    Ping,
+    Pong,
+    RequestOutput,
+    SchedulerMessage,
+    SchedulerStats,
+    StepOutputs,
+    StepSummary,
+    WatchSteps,
+    choice_requests,
+    decoder,
+    encode,
+)
 from tokenmill.processes import make_socket
+from tokenmill.stats import sum_counters
 
 log = logging.getLogger("tokenmill.engine_client")
 
 HEALTH_PING_TIMEOUT_S = 5.0
 CHILD_WATCH_INTERVAL_S = 0.2
-COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "step_time_s",
-                  "model_time_s", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
-
-
-def add_per_position(total: list[int], more: list[int]) -> list[int]:
-    """Per-position counters summed element by element (the shorter padded with zeros)."""
-    longer, shorter = (total, more) if len(total) >= len(more) else (more, total)
-    return [a + (shorter[i] if i < len(shorter) else 0) for i, a in enumerate(longer)]
 
 
 class EngineDeadError(RuntimeError):
@@ -42,7 +49,8 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngineClient:
-    """Connects to the scheduler's sockets in `config.ipc_dir`. `dead_child` reports a dead process, if any."""
+    """The `EngineClient` of one engine: connects to the scheduler's sockets in `config.ipc_dir`. `dead_child`
+    reports a dead process, if any."""
 
     def __init__(self, config: EngineConfig, dead_child: Callable[[], str | None] = lambda: None) -> None:
         self.config = config
@@ -128,12 +136,8 @@ class AsyncEngineClient:
                 self._ready.set_result(msg)
 
     def _accumulate(self, stats: SchedulerStats) -> None:
-        if self.latest_stats is not None:
-            totals = {f: getattr(self.latest_stats, f) + getattr(stats, f) for f in COUNTER_FIELDS}
-            totals["spec_accepted_per_pos"] = add_per_position(self.latest_stats.spec_accepted_per_pos,
-                                                               stats.spec_accepted_per_pos)
-            stats = msgspec.structs.replace(stats, **totals)
-        self.latest_stats = stats
+        reports = [stats] if self.latest_stats is None else [self.latest_stats, stats]
+        self.latest_stats = sum_counters(reports, gauges=stats)
 
     # ------------------------------------------------------------------ requests
 
@@ -204,3 +208,12 @@ class AsyncEngineClient:
             return False
         finally:
             self._pongs.pop(nonce, None)
+
+    def health_detail(self) -> dict[str, Any] | None:
+        return None  # one engine: healthy or not, nothing in between
+
+    def replica_stats(self) -> list[ReplicaStats] | None:
+        return None
+
+    def routing_decisions(self) -> dict[str, list[int]]:
+        return {}

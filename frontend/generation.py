@@ -20,11 +20,12 @@ from typing import Any
 import msgspec
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
+from tokenmill.frontend.engine_client import EngineDeadError
+from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.errors import APIError, engine_rejection
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.outputs import ChoiceDelta, next_delta
 from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo
-from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams, choice_requests
 
 log = logging.getLogger("tokenmill.frontend")
@@ -86,19 +87,19 @@ class AdmissionControl:
         self.max_waiting = max_waiting
         self.num_pending = 0
 
-    def check(self, engine: Any, num_new: int) -> None:
+    def check(self, engine: EngineClient, num_new: int) -> None:
         """Raise 503 when the engine is dead, 429 (with Retry-After) when the queue is full."""
-        dead_reason = getattr(engine, "dead_reason", None)
+        dead_reason = engine.dead_reason
         if dead_reason is not None:
             raise APIError(503, f"The engine stopped: {dead_reason}.")
-        stats = getattr(engine, "latest_stats", None)
+        stats = engine.latest_stats
         waiting = max(stats.num_waiting if stats is not None else 0, self.num_pending)
         if waiting + num_new > self.max_waiting:
             raise engine_rejection(f"The server is busy: {waiting} requests are waiting (limit {self.max_waiting}). "
                                    f"Retry later.", "overloaded")
 
 
-async def run_choices(engine: Any, choices: Sequence[Choice], metrics: FrontendMetrics,
+async def run_choices(engine: EngineClient, choices: Sequence[Choice], metrics: FrontendMetrics,
                       admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
     """Send each prompt's engine request once and yield every choice's deltas as they arrive (`merge_choice_streams`).
     Leaving early aborts whatever the engine has not finished."""
@@ -116,7 +117,7 @@ async def run_choices(engine: Any, choices: Sequence[Choice], metrics: FrontendM
                 yield delta
 
 
-async def stream_choice(engine: Any, choice: Choice, engine_outputs: AsyncIterator[RequestOutput],
+async def stream_choice(engine: EngineClient, choice: Choice, engine_outputs: AsyncIterator[RequestOutput],
                         metrics: FrontendMetrics, admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
     """Yield the choice's deltas; the last has finish_reason. Raises APIError: 400 for a request the engine rejects
     (429 with Retry-After when it is overloaded), 503 when the engine has died."""
@@ -168,7 +169,7 @@ async def stream_choice(engine: Any, choice: Choice, engine_outputs: AsyncIterat
             await _abort_quietly(engine, request.request_id)
 
 
-async def _abort_quietly(engine: Any, request_id: str) -> None:
+async def _abort_quietly(engine: EngineClient, request_id: str) -> None:
     try:
         await engine.abort([request_id])
     except Exception:  # the engine may be dead already; nothing is left to free then

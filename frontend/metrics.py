@@ -1,7 +1,7 @@
 """Prometheus metrics under vLLM's names, in a registry of the app's own (two apps in one process never clash).
 
-Scheduler gauges and counters are read from `engine.latest_stats` when scraped (the engine client keeps its counter
-fields as running totals); token counters and latency histograms are fed by the request handlers.
+Scheduler gauges and counters are read from the `EngineClient`'s `latest_stats` when scraped (its counter fields are
+running totals); token counters and latency histograms are fed by the request handlers.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from tokenmill.frontend.engine_protocol import EngineClient, ReplicaStats
+from tokenmill.messages import SchedulerStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -26,16 +29,16 @@ PROMPT_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10
 class SchedulerStatsCollector(Collector):
     """Reads the engine's latest SchedulerStats at scrape time."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[Any]:
-        replica_stats = getattr(self.engine, "replica_stats", None)
-        if replica_stats is not None:  # data parallel: one sample per replica, labelled engine="i" as in vLLM
-            yield from per_engine_metrics(self.engine, replica_stats(), self.model_name)
+        replicas = self.engine.replica_stats()
+        if replicas is not None:  # data parallel: one sample per replica, labelled engine="i" as in vLLM
+            yield from per_engine_metrics(self.engine, replicas, self.model_name)
             return
-        stats = getattr(self.engine, "latest_stats", None)
+        stats = self.engine.latest_stats
         labels = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -59,7 +62,7 @@ class SchedulerStatsCollector(Collector):
         yield counter("vllm:num_preemptions", "Requests preempted (their KV blocks freed for recompute).",
                       stats.num_preemptions if stats else 0)
         yield from spec_decode_metrics(stats, self.model_name)
-        ready = getattr(self.engine, "ready", None)  # EngineReady, once the engine is up
+        ready = self.engine.ready  # EngineReady, once the engine is up
         if ready is not None:  # as vLLM: the KV cache's shape in the labels, value 1
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                      labels=["block_size", "num_gpu_blocks"])
@@ -67,7 +70,7 @@ class SchedulerStatsCollector(Collector):
             yield info
 
 
-def per_engine_metrics(engine: Any, replicas: list, model_name: str) -> Iterator[Any]:
+def per_engine_metrics(engine: EngineClient, replicas: list[ReplicaStats], model_name: str) -> Iterator[Any]:
     """The scheduler metrics of data-parallel replicas, `(index, alive, SchedulerStats | None)` each: gauges read 0
     once a replica has died (counters keep their totals), and `tokenmill:engine_alive` says which are serving."""
     labels = ["model_name", "engine"]
@@ -97,19 +100,19 @@ def per_engine_metrics(engine: Any, replicas: list, model_name: str) -> Iterator
     for rank, is_alive, _ in replicas:
         alive.add_metric([model_name, str(rank)], 1.0 if is_alive else 0.0)
     yield alive
-    router = getattr(engine, "router", None)
-    if router is not None:
+    decisions = engine.routing_decisions()
+    if decisions:
         routed = CounterMetricFamily("tokenmill:data_parallel_routed_requests",
                                      "Requests sent to each replica, by why the router chose it (prefix: longest "
                                      "cached prefix; new-prefix: smallest prefix index; load: least loaded; balance: "
                                      "loads too uneven; round-robin).",
                                      labels=[*labels, "reason"])
-        for reason, counts in sorted(router.decisions.items()):
+        for reason, counts in sorted(decisions.items()):
             for rank, count in enumerate(counts):
                 routed.add_metric([model_name, str(rank), reason], count)
         yield routed
-    yield from spec_decode_metrics(getattr(engine, "latest_stats", None), model_name)  # the replicas' summed
-    ready = getattr(engine, "ready", None)
+    yield from spec_decode_metrics(engine.latest_stats, model_name)  # the replicas' summed
+    ready = engine.ready
     if ready is not None:
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["block_size", "num_gpu_blocks"])
@@ -117,7 +120,7 @@ def per_engine_metrics(engine: Any, replicas: list, model_name: str) -> Iterator
         yield info
 
 
-def spec_decode_metrics(stats: Any, model_name: str) -> Iterator[CounterMetricFamily]:
+def spec_decode_metrics(stats: SchedulerStats | None, model_name: str) -> Iterator[CounterMetricFamily]:
     """vLLM's speculative-decoding counters (running totals), when the engine speculates."""
     if stats is None or not stats.spec_accepted_per_pos:
         return
@@ -140,7 +143,7 @@ def spec_decode_metrics(stats: Any, model_name: str) -> Iterator[CounterMetricFa
 class FrontendMetrics:
     """The app's registry and the per-request instruments the handlers feed."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.registry.register(SchedulerStatsCollector(engine, model_name))

@@ -15,14 +15,15 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenmill.config import EngineConfig
 from tokenmill.frontend import serving_misc, serving_responses
 from tokenmill.frontend.context import ServingContext
 from tokenmill.frontend.dashboard import add_dashboard_routes
+from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.errors import APIError, error_response
 from tokenmill.frontend.serving_chat import create_chat_completion
 from tokenmill.frontend.serving_completions import create_completion
 from tokenmill.frontend.serving_embeddings import EmbeddingServing
-from tokenmill.config import EngineConfig
 
 log = logging.getLogger("tokenmill.frontend")
 
@@ -105,9 +106,9 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
             response.headers["Vary"] = "Origin"
 
 
-def build_app(config: EngineConfig, engine: Any, tokenizer: Any) -> web.Application:
-    """The HTTP app for one instance. `engine` has AsyncEngineClient's interface (generate, abort, check_health,
-    latest_stats, dead_reason); `config.model` must be resolved (max_model_len, served_model_name, task)."""
+def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any) -> web.Application:
+    """The HTTP app for one instance over `engine` (frontend/engine_protocol.py); `config.model` must be resolved
+    (max_model_len, served_model_name, task)."""
     ctx = ServingContext.create(config, engine, tokenizer)
     middlewares = [error_middleware, make_auth_middleware(config.server.api_key)]
     if config.server.allowed_origins:

@@ -8,9 +8,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import tokenmill
 from tokenmill.frontend.context import ServingContext, read_body
 from tokenmill.frontend.errors import APIError, error_response
-from tokenmill.frontend.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                               TokenizeResponse, decode_request, encode_json)
 from tokenmill.frontend.limits import check_json_depth
+from tokenmill.frontend.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    decode_request,
+    encode_json,
+)
 from tokenmill.frontend.serving_chat import chat_prompt_ids
 from tokenmill.frontend.tokenizer import encode_text
 
@@ -59,9 +67,9 @@ async def detokenize(ctx: ServingContext, request: web.Request) -> web.Response:
 async def health(ctx: ServingContext, request: web.Request) -> web.Response:
     if await ctx.engine.check_health():
         # data parallel with a replica down: still serving, and saying which replica is gone
-        detail = getattr(ctx.engine, "health_detail", lambda: None)()
+        detail = ctx.engine.health_detail()
         return web.Response(status=200) if detail is None else json_response(encode_json(detail))
-    reason = getattr(ctx.engine, "dead_reason", None)
+    reason = ctx.engine.dead_reason
     return error_response(503, f"The engine stopped: {reason}." if reason else "The engine is not ready.")
 
 

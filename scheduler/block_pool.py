@@ -15,8 +15,8 @@ import hashlib
 import itertools
 import os
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import msgspec
 

@@ -15,7 +15,7 @@ block, through intact content).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenmill.scheduler.block_pool import ROOT_CONTENT_ID, Block, BlockContent, BlockPool, hash_block
 from tokenmill.scheduler.request import Request
@@ -72,13 +72,16 @@ class KVCacheManager:
             parent_id = block.content_id
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: Sequence[Block] = ()) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[Block] = (),
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Give the request blocks for `num_new_tokens` more tokens after its computed ones (and after
-        `cached_blocks`, prefix hits of a request being scheduled from scratch). Returns the ids of the blocks added
-        to its table, or None, changing nothing, when the pool is short."""
+        `cached_blocks`, prefix hits of a request being scheduled from scratch), plus `num_lookahead_tokens` slots
+        past them that the step writes without computing them (the draft model's KV, as vLLM's
+        num_lookahead_tokens). Returns the ids of the blocks added to its table, or None, changing nothing, when the
+        pool is short."""
         blocks = self.req_blocks.get(request.request_id, [])
-        num_tokens_after = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_tokens_after = (request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+                            + num_lookahead_tokens)
         num_table_blocks = len(blocks) + self.num_freed_blocks.get(request.request_id, 0)
         num_fresh = self.num_blocks_for(num_tokens_after) - num_table_blocks - len(cached_blocks)
         # hits that sit in the free queue stop being allocatable once we take them
@@ -133,9 +136,9 @@ class KVCacheManager:
         (they slid out of every layer's window); returns how many were freed now. Their table positions stay
         counted, so the request's later blocks keep their positions."""
         request_id = request.request_id
-        blocks = self.req_blocks.get(request_id)
+        blocks = self.req_blocks.get(request_id, [])
         num_freed = self.num_freed_blocks.get(request_id, 0)
-        count = min(num_blocks - num_freed, len(blocks or ()))
+        count = min(num_blocks - num_freed, len(blocks))
         if count <= 0:
             return 0
         self.pool.free(reversed(blocks[:count]))  # newest first, so the oldest are evicted last (as `free`)

@@ -62,5 +62,6 @@ class NgramProposer:
                 candidates = candidates[tokens[candidates + j] == suffix[j]]
             if candidates.size:
                 start = int(candidates[-1]) + n
-                return tokens[start : start + max_drafts].tolist()
+                drafts: list[int] = tokens[start : start + max_drafts].tolist()
+                return drafts
         return []

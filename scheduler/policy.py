@@ -13,7 +13,7 @@ the one with the highest key is preempted. Waiting requests are admitted in key 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenmill.scheduler.request import Request
 
@@ -22,12 +22,16 @@ from tokenmill.scheduler.request import Request
 DEFAULT_SJF_AGEING_TOKENS_PER_S = 100.0
 
 
+# compared element by element; the last element is always the arrival sequence (a unique tie-break)
+SortKey = tuple[float, ...]
+
+
 class SchedulingPolicy(ABC):
     name: str = ""
     preempts_for_waiting = False  # may a waiting request preempt a running one with a worse key?
 
     @abstractmethod
-    def sort_key(self, request: Request, now: float) -> tuple:
+    def sort_key(self, request: Request, now: float) -> SortKey:
         """Lower keys are served first. `now` is the scheduler clock, fixed for one step."""
 
     def order(self, requests: Iterable[Request], now: float) -> list[Request]:
@@ -37,7 +41,7 @@ class SchedulingPolicy(ABC):
 class FcfsPolicy(SchedulingPolicy):
     name = "fcfs"
 
-    def sort_key(self, request: Request, now: float) -> tuple:
+    def sort_key(self, request: Request, now: float) -> SortKey:
         return (request.arrival_seq,)
 
 
@@ -45,7 +49,7 @@ class PriorityPolicy(SchedulingPolicy):
     name = "priority"
     preempts_for_waiting = True
 
-    def sort_key(self, request: Request, now: float) -> tuple:
+    def sort_key(self, request: Request, now: float) -> SortKey:
         return (request.priority, request.arrival_seq)
 
 
@@ -57,7 +61,7 @@ class SjfPolicy(SchedulingPolicy):
             raise ValueError("SJF needs a positive ageing rate, or long jobs can starve")
         self.ageing_tokens_per_s = ageing_tokens_per_s
 
-    def sort_key(self, request: Request, now: float) -> tuple:
+    def sort_key(self, request: Request, now: float) -> SortKey:
         waited_s = max(0.0, now - request.enqueue_time)
         return (request.remaining_work - waited_s * self.ageing_tokens_per_s, request.arrival_seq)
 

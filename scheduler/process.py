@@ -11,20 +11,38 @@ an error for every request in flight (503 over HTTP) and an orderly stop of the 
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 
 import msgspec
 import zmq
 
+from tokenmill.config import EngineConfig
+from tokenmill.messages import (
+    AbortRequest,
+    EngineReady,
+    EngineRequest,
+    FrontendMessage,
+    Ping,
+    Pong,
+    RequestOutput,
+    Shutdown,
+    StepOutputs,
+    StepResult,
+    WatchSteps,
+    WorkerError,
+    WorkerMessage,
+    WorkerReady,
+    choice_requests,
+    decoder,
+    encode,
+)
+from tokenmill.processes import become_child_process, make_socket, worker_socket_address
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.scheduler.spec_decode import SpecDecodeLogger
 from tokenmill.scheduler.step_summary import StepSummarizer
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, grammar_tokenizer
-from tokenmill.config import EngineConfig
-from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, FrontendMessage, Ping, Pong, RequestOutput,
-                                Shutdown, StepOutputs, StepResult, WatchSteps, WorkerError, WorkerMessage,
-                                WorkerReady, choice_requests, decoder, encode)
-from tokenmill.processes import become_child_process, make_socket, worker_socket_address
 
 IDLE_POLL_MS = 1000
 STATS_INTERVAL_S = 0.5
@@ -38,7 +56,7 @@ class WorkerFailed(RuntimeError):
 
 
 class SchedulerLoop:
-    def __init__(self, config: EngineConfig, log) -> None:
+    def __init__(self, config: EngineConfig, log: logging.Logger) -> None:
         self.config = config
         self.log = log
         self.ctx = zmq.Context()
@@ -122,6 +140,7 @@ class SchedulerLoop:
         now = time.monotonic()
         stats = None
         if now - self.last_stats_time >= STATS_INTERVAL_S or any(o.finish_reason for o in outputs):
+            assert self.scheduler is not None, "outputs are published only once the scheduler runs"
             stats = msgspec.structs.replace(
                 self.scheduler.stats(), num_steps=self.steps_since_report,
                 step_time_s=self.step_time_since_report, model_time_s=self.model_time_since_report)
@@ -149,7 +168,7 @@ class SchedulerLoop:
         while True:
             wait_ms = None
             if deadline is not None:
-                wait_ms = (deadline - time.monotonic()) * 1000
+                wait_ms = math.ceil((deadline - time.monotonic()) * 1000)
                 if wait_ms <= 0:
                     raise WorkerFailed(f"no worker answered step {step_id} within {timeout:g} s "
                                        f"(--worker-step-timeout); treating the worker as dead")
@@ -208,6 +227,6 @@ def run_scheduler_process(config_bytes: bytes) -> None:
         loop.run()
     except WorkerFailed as exc:
         log.error("%s", exc)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         loop.close()

@@ -7,9 +7,13 @@ chunk at a time for a long prompt and one token at a time once it is generating.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from tokenmill.messages import EngineRequest, FinishReason, SamplingParams
 from tokenmill.scheduler.structured_outputs import RequestGrammar
+
+if TYPE_CHECKING:  # spec_decode imports this module
+    from tokenmill.scheduler.spec_decode import SpecDecodeState
 
 
 class RequestStatus(enum.Enum):
@@ -50,7 +54,8 @@ class Request:
         self.num_tokens_on_worker = 0
         self.num_blocks_on_worker = 0
         self.grammar: RequestGrammar | None = None  # its structured-output matcher, when it has a constraint
-        self.spec = None  # speculative decoding: its SpecDecodeState (scheduler/spec_decode.py) once it proposes
+        # speculative decoding's state (scheduler/spec_decode.py), once it proposes
+        self.spec: SpecDecodeState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

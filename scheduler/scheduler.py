@@ -19,17 +19,41 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
+from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.grammars import GrammarError
+from tokenmill.messages import (
+    EngineRequest,
+    ErrorKind,
+    FinishReason,
+    NewRequestData,
+    RequestOutput,
+    RunningRequestData,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+    choice_requests,
+)
+from tokenmill.scheduler.draft_speculator import DraftModelSpeculator
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
 from tokenmill.scheduler.request import Request, RequestStatus
-from tokenmill.scheduler.draft_speculator import DraftModelSpeculator
-from tokenmill.scheduler.spec_decode import Speculator
-from tokenmill.scheduler.structured_outputs import GrammarCompiler, GrammarError, RequestGrammar
-from tokenmill.config import EngineConfig
-from tokenmill.messages import (EngineRequest, ErrorKind, FinishReason, NewRequestData, RequestOutput,
-                                RunningRequestData, SchedulerStats, StepPlan, StepResult, choice_requests)
+from tokenmill.scheduler.spec_decode import NgramSpeculator, Speculator
+from tokenmill.scheduler.structured_outputs import GrammarCompiler, RequestGrammar
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+
+def make_speculator(config: SpeculativeConfig) -> Speculator | None:
+    """The scheduler's side of the configured speculation method; None when speculation is off."""
+    if config.method == "ngram":
+        return NgramSpeculator(config)
+    if config.method == "draft_model":
+        return DraftModelSpeculator(config)
+    return None
 
 
 class Rejection(NamedTuple):
@@ -78,9 +102,7 @@ class Scheduler:
         self._reported_counters = (0, 0, 0)  # the three counters above, summed over every stats() report
         self._pending_outputs: list[RequestOutput] = []  # outputs found while planning (grammars that failed)
         # speculative decoding (scheduler/spec_decode.py): None when off; the drafts scheduled by the step being planned
-        method = config.speculative.method
-        self.speculator = (Speculator(config.speculative) if method == "ngram"
-                           else DraftModelSpeculator(config.speculative) if method == "draft_model" else None)
+        self.speculator = make_speculator(config.speculative)
         self._step_drafts: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ admission and aborts
@@ -102,10 +124,11 @@ class Scheduler:
         elif max_tokens is None:
             max_tokens = self.max_model_len - len(request.prompt_token_ids)
         constraint = request.sampling.structured_outputs
-        compiled = self.grammars.compile(constraint) if constraint is not None else None
+        # _admission_error refused a constraint without a compiler
+        compiled = self.grammars.compile(constraint) if constraint is not None and self.grammars is not None else None
         for choice in choices:
             req = Request(choice, next(self._arrival_seq), self.clock(), max_tokens)
-            if compiled is not None:
+            if compiled is not None and constraint is not None:
                 req.grammar = RequestGrammar(compiled, constraint.begin_after_token_ids)
             self.requests[req.request_id] = req
             self.waiting.append(req)
@@ -184,11 +207,16 @@ class Scheduler:
                 continue
             self._free_slid_out_blocks(req)
             drafts = self._propose_drafts(req, budget) if num_new == 1 else []
-            if self._lookahead_slots(req, num_new):  # best effort: with the pool short, fewer drafts come back
-                self.kv.allocate_slots(req, num_new + len(drafts) + self._lookahead_slots(req, num_new))
-            if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
-                drafts = []  # the pool is short: no speculation rather than a preemption
-            while not drafts and self.kv.allocate_slots(req, num_new) is None:
+            lookahead = self._lookahead_slots(req, num_new)
+            while self.kv.allocate_slots(req, num_new + len(drafts), num_lookahead_tokens=lookahead) is None:
+                # the pool is short: speculation gives way first (the lookahead, then the drafts; with fewer
+                # lookahead slots the draft model proposes fewer tokens), never causing a preemption
+                if lookahead:
+                    lookahead = 0
+                    continue
+                if drafts:
+                    drafts = []
+                    continue
                 victim = next(r for r in reversed(order) if r.status is RequestStatus.RUNNING and not r.is_embedding)
                 budget += self._preempt(victim, scheduled)
                 preempted_any = True
@@ -222,10 +250,10 @@ class Scheduler:
     def _lookahead_slots(self, req: Request, num_new: int) -> int:
         """KV slots past a request's scheduled tokens that the workers' draft model writes while proposing after
         them (scheduler/draft_speculator.py): only when the step reaches the request's end."""
-        lookahead = getattr(self.speculator, "lookahead_slots", 0)
-        if not lookahead or req.num_computed_tokens + num_new < req.num_tokens or not self.speculator.allowed(req):
+        if self.speculator is None or req.num_computed_tokens + num_new < req.num_tokens:
             return 0
-        return lookahead
+        lookahead = self.speculator.lookahead_slots
+        return lookahead if lookahead and self.speculator.allowed(req) else 0
 
     def _admit_waiting(self, now: float, budget: int, scheduled: dict[str, int]) -> int:
         """Admit waiting requests in policy order until one does not fit; returns the budget left."""
@@ -233,7 +261,7 @@ class Scheduler:
         for req in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if req.grammar is not None and not self._grammar_ready(req):
+            if req.grammar is not None and not self._grammar_ready(req, req.grammar):
                 continue  # still compiling (or failed): the others go ahead
             if req.is_embedding:
                 if req.num_tokens > budget:
@@ -248,7 +276,11 @@ class Scheduler:
                     if not self.chunked_prefill and req.num_preemptions == 0:
                         break
                     num_new = budget
-                while (new_block_ids := self.kv.allocate_slots(req, num_new, hits)) is None:
+                lookahead = self._lookahead_slots(req, num_cached + num_new)  # it has computed none yet
+                while (new_block_ids := self.kv.allocate_slots(req, num_new, hits, lookahead)) is None:
+                    if lookahead:  # best effort, as for running requests
+                        lookahead = 0
+                        continue
                     victim = self._victim_for_waiting(req, now)
                     if victim is None:
                         break
@@ -257,9 +289,6 @@ class Scheduler:
                     break  # the pool is short: keep the policy order strict, try again next step
                 self._prefix_queries += req.num_tokens
                 self._prefix_hits += num_cached
-                lookahead = self._lookahead_slots(req, num_cached + num_new)  # it has computed none yet
-                if lookahead:  # best effort, as for running requests
-                    self.kv.allocate_slots(req, num_cached + num_new + lookahead)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -272,12 +301,12 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
         return budget
 
-    def _grammar_ready(self, req: Request) -> bool:
+    def _grammar_ready(self, req: Request, grammar: RequestGrammar) -> bool:
         """Whether a waiting request's grammar is compiled; a grammar that failed finishes the request with why."""
-        if not req.grammar.compiled:
+        if not grammar.compiled:
             return False
         try:
-            req.grammar.start()
+            grammar.start()
             return True
         except GrammarError as exc:
             self._finish(req, "error")
@@ -362,12 +391,16 @@ class Scheduler:
 
     def _add_grammar_bitmask(self, plan: StepPlan, scheduled: dict[str, int]) -> None:
         """The allowed-token bitmask of every constrained request that samples this step, one row each."""
-        constrained = [self.requests[request_id] for request_id in scheduled]
-        constrained = [r for r in constrained if r.grammar is not None and r.grammar.active
-                       and r.num_computed_tokens == r.num_tokens]
-        if constrained:
-            bitmask = self.grammars.fill_bitmask([r.grammar.matcher for r in constrained])
-            plan.grammar_request_ids = [r.request_id for r in constrained]
+        rows: list[tuple[str, LLMatcher]] = []  # (request id, its matcher)
+        for request_id in scheduled:
+            req = self.requests[request_id]
+            grammar = req.grammar
+            if (grammar is not None and grammar.active and grammar.matcher is not None
+                    and req.num_computed_tokens == req.num_tokens):
+                rows.append((request_id, grammar.matcher))
+        if rows and self.grammars is not None:
+            bitmask = self.grammars.fill_bitmask([matcher for _, matcher in rows])
+            plan.grammar_request_ids = [request_id for request_id, _ in rows]
             plan.grammar_bitmask = bitmask.tobytes()
 
     # ------------------------------------------------------------------ applying a step's result
@@ -377,8 +410,8 @@ class Scheduler:
         planned = [self.requests.get(n.request_id) for n in plan.new_requests]
         planned += [self.requests.get(r.request_id) for r in plan.running]
         planned_alive = [r for r in planned if r is not None and r.status is RequestStatus.RUNNING]
-        for req in planned_alive:
-            self.kv.cache_computed_blocks(req)  # their KV is written now: shareable
+        for alive in planned_alive:
+            self.kv.cache_computed_blocks(alive)  # their KV is written now: shareable
 
         outputs: list[RequestOutput] = self.take_pending_outputs()
         answered: set[str] = set()

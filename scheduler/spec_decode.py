@@ -20,7 +20,12 @@ integer work grows with the query tokens: since the repacked GGUF kernels, 8 tok
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 from tokenmill.config import SpeculativeConfig
+from tokenmill.messages import SchedulerStats
 from tokenmill.scheduler.ngram_proposer import NgramProposer, TokenBuffer
 from tokenmill.scheduler.request import Request
 
@@ -42,15 +47,12 @@ class SpecDecodeState:
 
 
 class Speculator:
-    """Proposes drafts for the scheduler and keeps vLLM's spec_decode counters until `take_stats`."""
+    """What the scheduler asks of a speculation method: drafts for a decoding request (`propose`), the KV slots the
+    workers write past a request's tokens while proposing (`lookahead_slots`), the workers' proposals (`receive`);
+    and vLLM's spec_decode counters until `take_stats`. Subclasses: `NgramSpeculator`, `DraftModelSpeculator`."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative method {config.method!r} is not available in the scheduler")
         self.k = config.num_speculative_tokens
-        # draft_model: the workers' draft model proposes (scheduler/draft_speculator.py overrides `propose`)
-        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-                         if config.method == "ngram" else None)
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -71,22 +73,18 @@ class Speculator:
                 and s.prompt_logprobs is None and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
                 and s.repetition_penalty == 1.0 and not req.is_embedding)
 
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots past a request's scheduled tokens the workers write while proposing after them (0: none)."""
+        return 0
+
     def propose(self, req: Request, limit: int) -> list[int]:
         """Drafts for a decoding request: at most `limit` (what the budget, max_tokens and the context allow)."""
-        if not self.allowed(req):
-            return []
-        state = req.spec
-        if state is None:
-            state = req.spec = SpecDecodeState(self.k)
-        if state.skip_steps > 0:
-            state.skip_steps -= 1
-            return []
-        limit = min(limit, state.max_drafts, self.step_draft_budget)
-        if limit <= 0:
-            return []
-        drafts = self.proposer.propose(state.tokens.sync(req.all_token_ids), limit)
-        self.step_draft_budget -= len(drafts)
-        return drafts
+        raise NotImplementedError
+
+    def receive(self, req: Request, proposal: list[int]) -> None:
+        """The workers' proposal after the request's newest token (`StepResult.draft_token_ids`); by default the
+        method proposes in the scheduler and there is none."""
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """A verification's outcome: the counters, and the request's allowance for next time."""
@@ -116,12 +114,35 @@ class Speculator:
         return stats
 
 
+class NgramSpeculator(Speculator):
+    """Prompt lookup (scheduler/ngram_proposer.py) with per-request back-off and the per-step draft budget."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        if not self.allowed(req):
+            return []
+        state = req.spec
+        if state is None:
+            state = req.spec = SpecDecodeState(self.k)
+        if state.skip_steps > 0:
+            state.skip_steps -= 1
+            return []
+        limit = min(limit, state.max_drafts, self.step_draft_budget)
+        if limit <= 0:
+            return []
+        drafts = self.proposer.propose(state.tokens.sync(req.all_token_ids), limit)
+        self.step_draft_budget -= len(drafts)
+        return drafts
+
+
 class SpecDecodeLogger:
     """The periodic speculative-decoding log line (as vLLM's SpecDecodingLogging), from the stats reports."""
 
-    def __init__(self, log, interval_s: float = 10.0, clock=None) -> None:
-        import time
-
+    def __init__(self, log: logging.Logger, interval_s: float = 10.0,
+                 clock: Callable[[], float] | None = None) -> None:
         self.log = log
         self.interval_s = interval_s
         self.clock = clock or time.monotonic
@@ -132,7 +153,7 @@ class SpecDecodeLogger:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_pos: list[int] = []
 
-    def observe(self, stats) -> str | None:
+    def observe(self, stats: SchedulerStats) -> str | None:
         """Add a SchedulerStats report; log (and return) the line when the interval has passed and drafts ran."""
         self.num_drafts += stats.spec_num_drafts
         self.num_draft_tokens += stats.spec_num_draft_tokens

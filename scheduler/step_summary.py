@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from tokenmill.scheduler.block_pool import BLOCK_CACHED
 from tokenmill.messages import QueueEntry, StepPlan, StepRecord, StepSummary
+from tokenmill.scheduler.block_pool import BLOCK_CACHED
+
+if TYPE_CHECKING:  # the scheduler never imports this module; the type is only for the signatures
+    from tokenmill.scheduler.scheduler import Scheduler
 
 HISTORY_STEPS = 512  # the steps a summary can carry: the ring's length, and the most one summary holds
 MAX_QUEUE_ENTRIES = 256  # requests listed per summary (running first); the counts cover the rest
@@ -95,7 +99,7 @@ class StepSummarizer:
         if self.pending is not None:
             self.pending.append(record)
 
-    def maybe_publish(self, scheduler) -> bool:
+    def maybe_publish(self, scheduler: Scheduler) -> bool:
         """Build and send a summary of `scheduler` if one is watched and due. Returns whether it sent one."""
         if not self.watched:
             return False
@@ -110,7 +114,7 @@ class StepSummarizer:
         self.next_due = now + min(max(self.interval_s, cost / MAX_DUTY), MAX_BACKOFF_S)
         return True
 
-    def build(self, scheduler) -> StepSummary:
+    def build(self, scheduler: Scheduler) -> StepSummary:
         """The summary of the scheduler's state now, with the steps recorded since the previous one."""
         kv = scheduler.kv
         pool = kv.pool

@@ -50,17 +50,18 @@ class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], llguidance.LLTokenizer], *, threads: int = COMPILE_THREADS,
                  cache_size: int = CACHE_SIZE) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
-        self._tokenizer: Future = self._pool.submit(load_tokenizer)
-        self._cache: OrderedDict[bytes, Future] = OrderedDict()
+        self._tokenizer: Future[llguidance.LLTokenizer] = self._pool.submit(load_tokenizer)
+        self._cache: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
         self._cache_size = cache_size
         self._executor = llguidance.LLExecutor(threads)
         self.mask_time_s = 0.0  # spent filling bitmasks since the last `take_mask_time`
 
     @property
     def vocab_size(self) -> int:
-        return self._tokenizer.result().vocab_size
+        vocab_size: int = self._tokenizer.result().vocab_size
+        return vocab_size
 
-    def compile(self, params: StructuredOutputsParams) -> Future:
+    def compile(self, params: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
         """A future of the compiled matcher for `params` (shared: callers deep-copy it); its exception is a
         GrammarError when the constraint does not compile."""
         key = msgspec.msgpack.encode(msgspec.structs.replace(params, begin_after_token_ids=None))
@@ -102,7 +103,7 @@ class RequestGrammar:
 
     __slots__ = ("_compiled", "matcher", "_begin_after", "active")
 
-    def __init__(self, compiled: Future, begin_after_token_ids: list[int] | None) -> None:
+    def __init__(self, compiled: Future[llguidance.LLMatcher], begin_after_token_ids: list[int] | None) -> None:
         self._compiled = compiled
         self.matcher: llguidance.LLMatcher | None = None
         self._begin_after = list(begin_after_token_ids or [])
@@ -123,6 +124,7 @@ class RequestGrammar:
             n = len(self._begin_after)
             self.active = len(output_token_ids) >= n and list(output_token_ids[-n:]) == self._begin_after
             return None
+        assert self.matcher is not None, "start() first"
         if not self.matcher.consume_token(token_id):
             return f"the sampled token {token_id} does not fit the structured-output grammar"
         return None
@@ -130,4 +132,4 @@ class RequestGrammar:
     @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more (only end of sequence)."""
-        return self.active and self.matcher.is_stopped()
+        return self.active and self.matcher is not None and self.matcher.is_stopped()

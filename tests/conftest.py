@@ -24,7 +24,7 @@ if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from tests.checkpoints import smollm2_tokenizer
+    from tests.helpers.checkpoints import smollm2_tokenizer
 
     return smollm2_tokenizer()
 
@@ -32,7 +32,7 @@ def smollm2_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory, smollm2_tokenizer):
     """A function family -> directory of a tiny random-weight checkpoint (llama, qwen2, qwen3), built once."""
-    from tests.checkpoints import build_tiny_checkpoint
+    from tests.helpers.checkpoints import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny-models")
     return lambda family: build_tiny_checkpoint(family, root, smollm2_tokenizer)

@@ -139,9 +139,14 @@ from tokenmill.frontend.server import build_app
 from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.pooling_config import load_pooling_config
 
-class Engine:  # what build_app needs of an engine client, without one
+class Engine:  # what build_app reads of an EngineClient (metrics collected once at registration), without one
     dead_reason = None
     latest_stats = None
+    ready = None
+    summary_listener = None
+
+    def replica_stats(self):
+        return None
 
 for task in ("generate", "embed"):
     config = resolve_config(EngineConfig(model=ModelConfig(task=task)))

@@ -11,24 +11,35 @@ import atexit
 import itertools
 import time
 import uuid
-from dataclasses import dataclass, field, replace as copied
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
 from tqdm import tqdm
 
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tokenmill.data_parallel import DataParallelEngines, EngineSockets
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.frontend.outputs import CompletionOutput, next_delta
 from tokenmill.frontend.logprobs import TokenTexts
+from tokenmill.frontend.outputs import CompletionOutput, next_delta
 from tokenmill.frontend.prompt_logprobs import vllm_prompt_logprobs
 from tokenmill.frontend.protocol import PromptLogprobs
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenmill.speculative import parse_speculative_config
-from tokenmill.data_parallel import DataParallelEngines, EngineSockets
 from tokenmill.launcher import kv_capacity_error
-from tokenmill.messages import (EngineReady, EngineRequest, RequestOutput, SamplingParams, SchedulerStats, StepOutputs,
-                                StepSummary, WatchSteps, choice_requests)
+from tokenmill.messages import (
+    EngineReady,
+    EngineRequest,
+    RequestOutput,
+    SamplingParams,
+    SchedulerStats,
+    StepOutputs,
+    StepSummary,
+    WatchSteps,
+    choice_requests,
+)
+from tokenmill.speculative import parse_speculative_config
+from tokenmill.stats import sum_counters
 
 READY_TIMEOUT_S = 600.0
 
@@ -83,16 +94,15 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
 
-    def add(self, stats: SchedulerStats) -> None:
-        self.num_steps += stats.num_steps
-        self.step_time_s += stats.step_time_s
-        self.model_time_s += stats.model_time_s
-        self.grammar_mask_time_s += stats.grammar_mask_time_s
-        self.spec_num_drafts += stats.spec_num_drafts
-        self.spec_num_draft_tokens += stats.spec_num_draft_tokens
-        self.spec_num_accepted_tokens += stats.spec_num_accepted_tokens
+    @classmethod
+    def from_totals(cls, totals: SchedulerStats | None) -> EngineStats:
+        """The timings of `totals`, every report summed (`tokenmill.stats.sum_counters`); zeros before any."""
+        if totals is None:
+            return cls()
+        return cls(totals.num_steps, totals.step_time_s, totals.model_time_s, totals.grammar_mask_time_s,
+                   totals.spec_num_drafts, totals.spec_num_draft_tokens, totals.spec_num_accepted_tokens)
 
-    def since(self, earlier: "EngineStats") -> "EngineStats":
+    def since(self, earlier: EngineStats) -> EngineStats:
         """The steps reported after the snapshot `earlier` was taken."""
         return EngineStats(self.num_steps - earlier.num_steps, self.step_time_s - earlier.step_time_s,
                            self.model_time_s - earlier.model_time_s,
@@ -142,7 +152,7 @@ class LLM:
         self._ctx = zmq.Context()
         self._engines = EngineSockets(self._ctx, self.processes.configs)
         self._ids = itertools.count()
-        self._stats = EngineStats()
+        self._stats_totals: SchedulerStats | None = None  # every report summed, as the server's engine client
         # called with every StepOutputs as it arrives (one per engine step that produced output); benchmarks use it
         # to time individual steps
         self.step_listener: Callable[[StepOutputs], None] | None = None
@@ -189,7 +199,7 @@ class LLM:
             self.processes.stop()
             self._ctx.destroy(linger=0)
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -206,7 +216,7 @@ class LLM:
 
     def engine_stats(self) -> EngineStats:
         """A snapshot of the step timings reported so far (subtract two with `since` to time one call)."""
-        return copied(self._stats)
+        return EngineStats.from_totals(self._stats_totals)
 
     # ------------------------------------------------------------------ generation
 
@@ -350,7 +360,8 @@ class LLM:
         if not isinstance(msg, StepOutputs):
             return []
         if msg.stats is not None:
-            self._stats.add(msg.stats)
+            reports = [msg.stats] if self._stats_totals is None else [self._stats_totals, msg.stats]
+            self._stats_totals = sum_counters(reports, gauges=msg.stats)
         if self.step_listener is not None:
             self.step_listener(msg)
         return msg.outputs

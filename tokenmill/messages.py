@@ -12,7 +12,7 @@ one decoder per socket reads a union of message kinds. Nothing here is ever pick
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -106,7 +106,7 @@ class WatchSteps(msgspec.Struct, tag=True, array_like=True):
     interval_s: float
 
 
-FrontendMessage = Union[EngineRequest, AbortRequest, Ping, WatchSteps]
+FrontendMessage = EngineRequest | AbortRequest | Ping | WatchSteps
 
 
 # ---------------------------------------------------------------- scheduler -> frontend
@@ -223,7 +223,7 @@ class StepSummary(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     summary_time_s: float  # the scheduler's time spent building summaries since start-up
 
 
-SchedulerMessage = Union[StepOutputs, Pong, EngineReady, StepSummary]
+SchedulerMessage = StepOutputs | Pong | EngineReady | StepSummary
 
 
 # ---------------------------------------------------------------- scheduler -> workers
@@ -271,7 +271,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-WorkerCommand = Union[StepPlan, Shutdown]
+WorkerCommand = StepPlan | Shutdown
 
 
 # ---------------------------------------------------------------- workers -> scheduler
@@ -314,7 +314,7 @@ class WorkerError(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-WorkerMessage = Union[WorkerReady, StepResult, WorkerError]
+WorkerMessage = WorkerReady | StepResult | WorkerError
 
 
 # ---------------------------------------------------------------- codecs
@@ -323,6 +323,6 @@ _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 
 
-def decoder(kind) -> msgspec.msgpack.Decoder:
+def decoder(kind: Any) -> msgspec.msgpack.Decoder[Any]:
     """A decoder for one socket's message union (e.g. `decoder(FrontendMessage)`)."""
     return msgspec.msgpack.Decoder(kind)

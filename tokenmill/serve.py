@@ -13,10 +13,11 @@ import signal
 
 from aiohttp import web
 
-from tokenmill.frontend.data_parallel_client import DataParallelEngineClient
-from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from tokenmill.config import EngineConfig
 from tokenmill.data_parallel import DataParallelEngines
+from tokenmill.frontend.data_parallel_client import DataParallelEngineClient
+from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
+from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.launcher import kv_capacity_error, log_capacity
 
 log = logging.getLogger("tokenmill.serve")
@@ -83,7 +84,7 @@ async def serve(config: EngineConfig) -> int:
         processes.stop()
 
 
-def engine_client(processes: DataParallelEngines) -> AsyncEngineClient | DataParallelEngineClient:
+def engine_client(processes: DataParallelEngines) -> EngineClient:
     """One replica's client, or the data-parallel client over every replica (it routes each request)."""
     if processes.size == 1:
         return AsyncEngineClient(processes.config, processes.dead_child)

@@ -14,8 +14,8 @@ import openai
 import pytest
 import requests
 
-from tests.engine.api_helpers import API_KEY, metric, strictly_valid
-from tests.server import Server
+from tests.helpers.api_helpers import API_KEY, metric, strictly_valid
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,9 @@ import pytest
 import requests
 
 import tokenmill
-from tests.engine.api_helpers import (API_KEY, collect_stream, metric, metric_samples, result, run_concurrently,
+from tests.helpers.api_helpers import (API_KEY, collect_stream, metric, metric_samples, result, run_concurrently,
                                       strictly_valid)
-from tests.server import Server
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

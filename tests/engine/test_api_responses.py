@@ -15,8 +15,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.engine.api_helpers import API_KEY, result, run_concurrently, strictly_valid
-from tests.server import Server
+from tests.helpers.api_helpers import API_KEY, result, run_concurrently, strictly_valid
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ import openai
 import pytest
 import requests
 
-from tests.engine.api_helpers import metric_samples
-from tests.server import Server
+from tests.helpers.api_helpers import metric_samples
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.engine.api_helpers import metric_samples
-from tests.engine.test_greedy_vs_transformers import load_reference_model
-from tests.reference import assert_greedy_match, hf_greedy_reference
-from tests.server import Server, alive
+from tests.helpers.api_helpers import metric_samples
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference, load_reference_model
+from tests.helpers.server import Server, alive
 
 pytestmark = pytest.mark.slow
 

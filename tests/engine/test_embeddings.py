@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from tests.server import Server
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

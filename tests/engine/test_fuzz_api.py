@@ -21,9 +21,9 @@ import requests
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from tests.engine.api_helpers import metric
-from tests.engine.fuzz_payloads import FuzzRequest, fuzz_requests
-from tests.server import Server
+from tests.helpers.api_helpers import metric
+from tests.helpers.fuzz_payloads import FuzzRequest, fuzz_requests
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

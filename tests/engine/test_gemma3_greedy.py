@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoints import TINY_CONFIGS
-from tests.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.checkpoints import TINY_CONFIGS
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
 
 pytestmark = pytest.mark.slow
 

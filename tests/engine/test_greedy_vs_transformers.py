@@ -10,39 +10,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
-import torch
 
-from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir
-from tests.reference import assert_greedy_match, hf_greedy_reference
-from tests.server import Server
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
+from tests.helpers.reference import TEXTS, assert_greedy_match, complete_ids, hf_greedy_reference, load_reference_model
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
-TEXTS = [
-    "Hi",
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "In 1905, Albert Einstein published four papers that changed physics. The first one explained",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "List three fruits:",
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter and his "
-    "daughter. Every morning the woodcutter walked into the forest with his axe, and every evening he came back",
-    "Q: What is 12 times 12?\nA:",
-    "Translate to French: I like green apples and long walks on the beach, especially in the early morning.",
-]
-
-
-def load_reference_model(family: str, tiny_checkpoints):
-    from transformers import AutoModelForCausalLM
-
-    if family == "smollm2":
-        model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family), dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # the engine runs with ignore_eos: so must the reference
-    return model.eval()
 
 
 def references(model, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
@@ -61,14 +36,6 @@ def smollm2_case(smollm2_tokenizer, smollm2_hf):
     return prompts, references(smollm2_hf, prompts)
 
 
-def complete_ids(url: str, prompt: list[int], **extra) -> list[int]:
-    body = {"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}
-    response = requests.post(f"{url}/v1/completions", json=body, timeout=300)
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["token_ids"]
-
-
 @pytest.mark.parametrize("family", ["smollm2", "llama", "qwen2", "qwen3"])
 def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints, smollm2_tokenizer, tmp_path,
                                                        request):
@@ -78,7 +45,7 @@ def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints,
                 "--max-model-len", "1024",
                 "--kv-cache-memory-bytes", "256MiB", log_path=tmp_path / "server.log") as server:
         with ThreadPoolExecutor(len(prompts)) as pool:
-            ours = list(pool.map(lambda p: complete_ids(server.url, p), prompts))
+            ours = list(pool.map(lambda p: complete_ids(server.url, p, max_tokens=NEW_TOKENS), prompts))
     if family == "smollm2":
         expected = request.getfixturevalue("smollm2_case")[1]  # computed once for this module
     else:

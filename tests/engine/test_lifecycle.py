@@ -13,22 +13,11 @@ import time
 import pytest
 import requests
 
-from tests.server import Server, alive
+from tests.helpers.server import alive, child_by_role, Server
 
 pytestmark = pytest.mark.slow
 
 TINY_ARGS = ("--kv-cache-memory-bytes", "64MiB", "--max-model-len", "512")
-
-
-def child_by_role(server: Server, role: str) -> int:
-    """pid of the child named tm-<role> (children set their process name at start-up)."""
-    for pid in server.children():
-        try:
-            if open(f"/proc/{pid}/comm").read().strip() == f"tm-{role}":
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no tm-{role} process among {server.children()}")
 
 
 def complete(url: str, max_tokens: int = 4) -> requests.Response:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir
-from tests.reference import NEAR_TIE_MARGIN, hf_greedy_reference
-from tests.server import Server
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
+from tests.helpers.reference import NEAR_TIE_MARGIN, hf_greedy_reference
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_greedy_vs_transformers import TEXTS, load_reference_model
-from tests.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.reference import TEXTS, assert_greedy_match, hf_greedy_reference, load_reference_model
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 the real processes equal transformers' `generate` in float32, with chunked prefill and prefix caching on, and on two
 tensor-parallel ranks on CPU.
 
-The tiny checkpoint's original context is 64 tokens of 1024 (tests/checkpoints.py "phi3"). With max_model_len 1024
+The tiny checkpoint's original context is 64 tokens of 1024 (tests/helpers/checkpoints.py "phi3"). With max_model_len 1024
 the engine rotates every position with the long factors (workers/models/rope.py), which is what transformers does for
 a prompt longer than the original context, so every prompt here is longer than 64 tokens.
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_greedy_vs_transformers import load_reference_model
-from tests.engine.test_tensor_parallel_e2e import assert_tp2_matches, offline_greedy
-from tests.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference, load_reference_model
+from tests.helpers.parallel_e2e import assert_tp2_matches, offline_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from tests.engine.test_greedy_vs_transformers import load_reference_model
-from tests.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference, load_reference_model
 
 pytestmark = pytest.mark.slow
 

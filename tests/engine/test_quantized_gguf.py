@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
-from tests.workers.runner_driver import logits_in_chunks, run_greedy
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
+from tests.helpers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.kernels import gguf_ops
 from tokenmill.workers.worker import Worker

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.server import alive, descendants, free_port
+from tests.helpers.server import alive, descendants, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
 
 pytestmark = pytest.mark.slow
 

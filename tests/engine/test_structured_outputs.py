@@ -1,6 +1,6 @@
 """Structured outputs against a real server on the default model (SmolLM2), through the official `openai` client.
 
-The acceptance run: 200 random JSON schemas (tests/engine/json_schemas.py) at temperature 1, every output parsing
+The acceptance run: 200 random JSON schemas (tests/helpers/json_schemas.py) at temperature 1, every output parsing
 and validating with `jsonschema`, then the same 200 streamed, the deltas joined. Plus each other kind of constraint
 (regex, choice, Lark and GBNF grammars, json_object, the guided_* aliases, completions), n > 1, and the 400s.
 `TOKENMILL_SCHEMA_COUNT` changes the number of schemas.
@@ -18,8 +18,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.engine.json_schemas import random_schema
-from tests.server import Server
+from tests.helpers.json_schemas import random_schema
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir
-from tests.engine.test_greedy_vs_transformers import complete_ids, load_reference_model
-from tests.engine.test_lifecycle import child_by_role
-from tests.reference import assert_greedy_match, hf_greedy_reference
-from tests.server import Server, alive
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
+from tests.helpers.reference import complete_ids, hf_greedy_reference, load_reference_model
+from tests.helpers.server import alive, child_by_role, Server
+from tests.helpers.parallel_e2e import NEW_TOKENS, assert_tp2_matches, offline_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -31,33 +30,11 @@ TEXTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "Once upon a time, in a small village at the edge of a great forest, there lived",
 ]
-# dequantized at load, as transformers runs the GGUF
-ENGINE_ARGS = dict(dtype="float32", quantization="none", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
-NEW_TOKENS = 16
-
-
-def offline_greedy(model: str, prompts: list[list[int]], tensor_parallel_size: int) -> list[list[int]]:
-    from tokenmill import LLM, SamplingParams
-
-    with LLM(model, tensor_parallel_size=tensor_parallel_size, **ENGINE_ARGS) as llm:
-        assert len(llm.processes.children) == 1 + tensor_parallel_size  # the scheduler and one worker per rank
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-        return [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def transformers_greedy(family: str, tiny_checkpoints, prompts: list[list[int]]) -> list:
     model = load_reference_model(family, tiny_checkpoints)
     return [hf_greedy_reference(model, prompt, NEW_TOKENS) for prompt in prompts]
-
-
-def assert_tp2_matches(tp2: list[list[int]], tp1: list[list[int]], expected) -> None:
-    """tp=2 equals tp=1 token for token, and both equal the reference up to its first near tie (if any)."""
-    compared = [assert_greedy_match(ours, reference) for ours, reference in zip(tp2, expected, strict=True)]
-    for ours, reference in zip(tp1, expected):
-        assert_greedy_match(ours, reference)
-    assert tp2 == tp1
-    assert all(len(ours) == NEW_TOKENS for ours in tp2)
-    assert sum(compared) >= len(tp2) * NEW_TOKENS // 2, f"too few tokens compared before near ties: {compared}"
 
 
 @pytest.fixture(scope="module")

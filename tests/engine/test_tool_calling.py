@@ -19,8 +19,8 @@ import openai
 import pytest
 import requests
 
-from tests.chat_templates import HERMES_TOOL_TEMPLATE
-from tests.server import Server
+from tests.helpers.chat_templates import HERMES_TOOL_TEMPLATE
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

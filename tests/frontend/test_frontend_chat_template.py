@@ -7,7 +7,7 @@ import asyncio
 import copy
 import time
 
-from test_frontend_server import MODEL, assert_error, async_test, serving
+from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 
 from tokenmill.config import replace
 from tokenmill.frontend.tokenizer import encode_text

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from frontend_fakes import FakeEngine
+from tests.helpers.frontend_fakes import FakeEngine
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.frontend.dashboard import (CLIENT_BACKLOG, COOKIE_NAME, HUB_KEY, MAX_STREAMS, STREAM_INTERVAL_S,
                                           Subscriber, cookie_value)

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 from tokenmill.frontend.server import build_app
 from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.config import EngineConfig, ModelConfig, replace
-from frontend_fakes import rejected
+from tests.helpers.frontend_fakes import FakeEngine, rejected
 from tokenmill.messages import EngineRequest, RequestOutput
 from tokenmill.scheduler.scheduler import Rejection
 
@@ -37,12 +37,8 @@ def fake_vector(token_ids: list[int]) -> np.ndarray:
     return vector / np.linalg.norm(vector)
 
 
-class FakeEmbeddingEngine:
-    def __init__(self) -> None:
-        self.latest_stats = None
-        self.dead_reason: str | None = None
-        self.requests: list[EngineRequest] = []
-        self.reject_with: str | Rejection | None = None
+class FakeEmbeddingEngine(FakeEngine):
+    """The fake engine answering every request with an embedding of its tokens, out of input order."""
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
@@ -52,12 +48,6 @@ class FakeEmbeddingEngine:
             return
         yield RequestOutput(request.request_id, [], "stop", num_prompt_tokens=len(request.prompt_token_ids),
                             embedding=fake_vector(request.prompt_token_ids).tobytes())
-
-    async def abort(self, request_ids: list[str]) -> None:
-        pass
-
-    async def check_health(self) -> bool:
-        return True
 
 
 def run_async(fn):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_frontend_server import MODEL, assert_error, async_test, serving
+from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 
 from tokenmill.config import ServerConfig
 from tokenmill.frontend.errors import APIError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from test_frontend_server import MODEL, assert_error, async_test, serving
+from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 
 from tokenmill.frontend.logprobs import TokenTexts
 from tokenmill.frontend.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs

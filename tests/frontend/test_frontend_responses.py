@@ -12,8 +12,8 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from frontend_fakes import EOS_ID
-from test_frontend_server import MODEL, assert_error, async_test, serving
+from tests.helpers.frontend_fakes import EOS_ID
+from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 
 from tokenmill.frontend.tokenizer import encode_text
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from test_frontend_server import MODEL, assert_error, async_test, serving
+from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 
 from tokenmill.messages import StructuredOutputsParams
 

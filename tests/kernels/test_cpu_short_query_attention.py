@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.kernels_testutil import make_paged_cache
-from tests.kernels.test_kernel_sliding_window import poison_blocks_before_windows
+from tests.helpers.kernels_testutil import make_paged_cache, poison_blocks_before_windows
 from tokenmill.kernels import cpu_ops
 from tokenmill.kernels.kv_quant import dequantize
 

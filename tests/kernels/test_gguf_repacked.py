@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from tests.kernels.test_gguf_cpu_kernels import check, check_float, needs_kernels, random_blocks
+from tests.helpers.gguf_kernels import check, check_float, needs_kernels, random_blocks
 from tokenmill.kernels import gguf_ops
 
 Q = GGMLQuantizationType

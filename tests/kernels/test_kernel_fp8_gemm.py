@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.quantized_checkpoints import quantize_fp8_weight
+from tests.helpers.quantized_checkpoints import quantize_fp8_weight
 from tokenmill.kernels.fp8_gemm import FP8_MAX, fp8_gemm, fp8_gemm_ref, has_fp8_tensor_cores, pick_method, quantize_fp8
 
 TOLERANCES = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.quantized_checkpoints import awq_tensors, gptq_tensors, quantize_int4
+from tests.helpers.quantized_checkpoints import awq_tensors, gptq_tensors, quantize_int4
 from tokenmill.kernels import int4_gemm as int4_module
 from tokenmill.kernels.int4_gemm import (
     awq_dequantize_ref,

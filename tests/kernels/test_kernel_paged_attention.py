@@ -13,7 +13,7 @@ from tokenmill.kernels.paged_attention import (
     paged_attention_prefill,
     paged_attention_prefill_ref,
 )
-from kernels_testutil import make_paged_cache
+from tests.helpers.kernels_testutil import make_paged_cache
 
 TOLERANCES = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),

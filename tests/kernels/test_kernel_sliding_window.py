@@ -18,7 +18,7 @@ from tokenmill.kernels.paged_attention import (
     paged_attention_prefill,
     paged_attention_prefill_ref,
 )
-from tests.kernels.kernels_testutil import make_paged_cache
+from tests.helpers.kernels_testutil import make_paged_cache, poison_blocks_before_windows
 
 NUM_KV_HEADS = 2
 ATOL = RTOL = 1e-4
@@ -27,18 +27,6 @@ DECODE_SEQ_LENS = [1, 17, 45, 70, 33]
 PREFILL_SEQS = [(37, 37), (50, 1), (45, 20), (81, 70)]
 # smaller than every context, equal to one (17, 45, 70), larger than all, a single key, odd sizes
 WINDOWS = [1, 7, 16, 17, 45, 70, 100]
-
-
-def poison_blocks_before_windows(cache, first_keys: list[int], block_size: int) -> None:
-    """Point each sequence's table entries for blocks wholly before its first visible key at a block of NaN."""
-    nan_block = cache.k_cache.shape[0] - 1
-    while (cache.block_tables == nan_block).any():  # a block no sequence uses
-        nan_block -= 1
-    # make_paged_cache leaves unused blocks NaN; make sure of it
-    cache.k_cache[nan_block] = float("nan")
-    cache.v_cache[nan_block] = float("nan")
-    for seq, first_key in enumerate(first_keys):
-        cache.block_tables[seq, : first_key // block_size] = nan_block
 
 
 def dense_hf_mask_attention(query, keys, values, query_positions, window, scale):

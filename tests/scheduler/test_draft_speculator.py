@@ -3,8 +3,8 @@ draft's KV, stale proposals dropped, requests that may not speculate never draft
 
 from __future__ import annotations
 
-from tests.scheduler.sched_testing import EOS, make_request
-from tests.scheduler.test_spec_decode_scheduler import PROMPT, TARGET, SpecFakeWorker, make_scheduler, run
+from tests.helpers.sched_testing import EOS, make_request
+from tests.helpers.spec_decode_testing import PROMPT, TARGET, SpecFakeWorker, make_scheduler, run
 from tokenmill.config import SpeculativeConfig
 from tokenmill.messages import StepPlan, StepResult
 
@@ -85,3 +85,27 @@ def test_short_pool_gets_fewer_lookahead_slots_not_preemptions():
     outputs, _, _ = run(scheduler, worker)
     assert outputs["r"] == TARGET[:4]
     assert scheduler.counter_totals()[2] == 0
+
+
+def test_one_allocation_per_request_per_step_when_the_pool_has_room():
+    """The new tokens, the drafts and the draft model's lookahead slots are asked for in one allocate_slots call."""
+    scheduler = make_scheduler(DRAFT_MODEL, block_size=4, max_num_batched_tokens=64)
+    worker = DraftFakeWorker(4)
+    calls_per_step: list[list[str]] = []
+    allocate, schedule = scheduler.kv.allocate_slots, scheduler.schedule
+
+    def counting_allocate(request, *args, **kwargs):
+        calls_per_step[-1].append(request.request_id)
+        return allocate(request, *args, **kwargs)
+
+    def counting_schedule():
+        calls_per_step.append([])
+        return schedule()
+
+    scheduler.kv.allocate_slots = counting_allocate
+    scheduler.schedule = counting_schedule
+    for i in range(2):
+        scheduler.add_request(make_request(f"r{i}", PROMPT, max_tokens=20))
+    outputs, _, _ = run(scheduler, worker)
+    assert outputs["r0"] == TARGET[:20] and worker.drafts_seen
+    assert all(len(calls) == len(set(calls)) for calls in calls_per_step), calls_per_step

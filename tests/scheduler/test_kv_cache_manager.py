@@ -1,6 +1,6 @@
 """Unit tests of the KV cache manager: slot allocation, prefix lookup rules, caching computed blocks, freeing."""
 
-from sched_testing import make_request
+from tests.helpers.sched_testing import make_request
 
 from tokenmill.scheduler import kv_cache_manager
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
@@ -29,6 +29,19 @@ def test_allocation_covers_the_tokens_and_grows_a_block_at_a_time():
     req.num_computed_tokens = 12
     assert kv.allocate_slots(req, 1) == [3]
     assert kv.block_ids("a") == [0, 1, 2, 3]
+
+
+def test_lookahead_slots_are_allocated_but_not_cached():
+    """num_lookahead_tokens: blocks past the new tokens (the draft model's KV writes), all or nothing, never
+    indexed in the prefix cache since no computed token lands in them."""
+    kv = KVCacheManager(4, BLOCK)
+    req = new_request("a", list(range(8)))
+    assert kv.allocate_slots(req, 8, num_lookahead_tokens=9) is None  # 17 slots: 5 blocks > 4
+    assert "a" not in kv.req_blocks
+    assert kv.allocate_slots(req, 8, num_lookahead_tokens=3) == [0, 1, 2]
+    req.num_computed_tokens = 8
+    kv.cache_computed_blocks(req)
+    assert kv.num_indexed_blocks["a"] == 2
 
 
 def test_allocation_fails_without_side_effects_when_short():

@@ -3,7 +3,7 @@ prefix-cache reuse, embeddings and stats."""
 
 import msgspec
 import pytest
-from sched_testing import EOS, FakeWorker, make_config, make_request, run_to_completion, scheduled_tokens, step
+from tests.helpers.sched_testing import EOS, FakeWorker, make_config, make_request, run_to_completion, scheduled_tokens, step
 
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.messages import StepResult

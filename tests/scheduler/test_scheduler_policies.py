@@ -2,7 +2,7 @@
 SJF ageing (long jobs are not starved by a stream of short ones)."""
 
 import pytest
-from sched_testing import EOS, FakeClock, FakeWorker, make_config, make_request, run_to_completion, \
+from tests.helpers.sched_testing import EOS, FakeClock, FakeWorker, make_config, make_request, run_to_completion, \
     scheduled_tokens, step
 
 from tokenmill.scheduler.policy import SjfPolicy, make_policy

@@ -2,7 +2,7 @@
 position has a hidden state to score), still feed it, leak no blocks, and get the worker's entries on their first
 output only."""
 
-from sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
+from tests.helpers.sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
 
 from tokenmill.messages import StepResult
 from tokenmill.scheduler.scheduler import Scheduler

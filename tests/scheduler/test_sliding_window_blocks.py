@@ -4,7 +4,7 @@ its queries can still see is its own KV, even as the freed blocks go to other re
 
 from __future__ import annotations
 
-from tests.scheduler.sched_testing import FakeWorker, make_config, make_request, step
+from tests.helpers.sched_testing import FakeWorker, make_config, make_request, step
 from tokenmill.scheduler.scheduler import Scheduler
 
 

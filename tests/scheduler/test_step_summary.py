@@ -10,7 +10,7 @@ from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.scheduler.step_summary import (FIRST_COLOR, HISTORY_STEPS, MAX_BACKOFF_S, MAX_DUTY,
                                               MAX_QUEUE_ENTRIES, StepSummarizer, request_color, split_tokens)
 from tokenmill.messages import SchedulerMessage, StepSummary, decoder, encode
-from tests.scheduler.sched_testing import FakeClock, FakeWorker, make_config, make_request, step
+from tests.helpers.sched_testing import FakeClock, FakeWorker, make_config, make_request, step
 
 
 class Clock:

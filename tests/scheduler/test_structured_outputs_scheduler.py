@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from llguidance.hf import from_tokenizer
 
-from tests.scheduler.sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
+from tests.helpers.sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
 from tokenmill.messages import StepPlan, StepResult, StructuredOutputsParams
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.scheduler.structured_outputs import GrammarCompiler

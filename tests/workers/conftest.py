@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers.tiny_models import make_tiny_checkpoint
+from tests.helpers.tiny_models import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.runner_driver import logits_in_chunks
-from tests.workers.test_triton_backend import BLOCK_SIZE, CHUNKS, make_runner
+from tests.helpers.runner_driver import logits_in_chunks
+from tests.helpers.triton_runner import BLOCK_SIZE, CHUNKS, make_runner
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama-tied-mha", "qwen2", "qwen3"])

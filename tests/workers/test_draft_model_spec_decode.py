@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from tests.draft_checkpoints import write_first_layers_checkpoint
-from tests.workers.test_spec_decode_runner import RUNNER_BLOCKS, generate
+from tests.helpers.draft_checkpoints import write_first_layers_checkpoint
+from tests.helpers.spec_decode_runs import RUNNER_BLOCKS, generate, requests
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.messages import EngineRequest, SamplingParams
 from tokenmill.speculative import parse_speculative_config
@@ -27,20 +27,9 @@ def draft_runner(target: str, draft: str, k: int = 4) -> tuple[Worker, Speculati
     return runner, speculative
 
 
-def requests(max_tokens: int, seeded: bool) -> list[tuple[int, EngineRequest]]:
-    """Two greedy requests, and a third (seeded, or greedy) with the first one's prompt."""
-    prompt = [(i * 7) % 50 + 100 for i in range(40)]
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    third = SamplingParams(max_tokens=max_tokens, temperature=0.8 if seeded else 0.0, seed=3, ignore_eos=True)
-    return [(0, EngineRequest(request_id="a", prompt_token_ids=prompt, sampling=greedy)),
-            (0, EngineRequest(request_id="b", prompt_token_ids=prompt[5:] + prompt[:5], sampling=greedy)),
-            # arrives once the first prompt is cached: prefix hits (the draft's KV lives in the same blocks)
-            (3, EngineRequest(request_id="c", prompt_token_ids=prompt, sampling=third))]
-
-
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from tests.checkpoints import build_tiny_checkpoint, smollm2_tokenizer
+    from tests.helpers.checkpoints import build_tiny_checkpoint, smollm2_tokenizer
 
     root = tmp_path_factory.mktemp("draft-spec")
     tokenizer = smollm2_tokenizer()
@@ -97,8 +86,8 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tmp_path):
                     reason="~5 min on 2 busy cores: set TOKENMILL_DRAFT_DEFAULT_MODEL=1 (the tiny checkpoints above run in CI)")
 def test_default_model_with_its_first_layers_as_draft_greedy_identical(tmp_path):
     """The default model (float32) with a draft of its own first 24 of 30 layers: token-identical greedy output."""
-    from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
-    from tests.workers.test_spec_decode_runner import CODE
+    from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
+    from tests.helpers.spec_decode_runs import CODE
 
     source = ModelConfig(path=str(smollm2_dir()), gguf_file=SMOLLM2_GGUF, dtype="float32", quantization="none")
     tokenizer = smollm2_tokenizer()

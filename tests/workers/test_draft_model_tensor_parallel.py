@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.draft_checkpoints import write_first_layers_checkpoint
-from tests.workers.test_draft_model_spec_decode import requests
-from tests.workers.test_spec_decode_runner import RUNNER_BLOCKS, generate
-from tests.workers.test_tensor_parallel import free_port
+from tests.helpers.draft_checkpoints import write_first_layers_checkpoint
+from tests.helpers.spec_decode_runs import RUNNER_BLOCKS, generate, requests
+from tests.helpers.server import free_port
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.messages import StepPlan, WorkerCommand, decoder, encode
 from tokenmill.model_source import ModelSourceError, resolve_config
@@ -98,7 +97,7 @@ def run_rank(rank: int, checkpoints: dict[str, str], port: int, out_dir: str) ->
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    from tests.checkpoints import build_tiny_checkpoint, smollm2_tokenizer
+    from tests.helpers.checkpoints import build_tiny_checkpoint, smollm2_tokenizer
 
     root = tmp_path_factory.mktemp("draft-tp")
     tokenizer = smollm2_tokenizer()

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.workers.runner_driver import logits_in_chunks, run_greedy
+from tests.helpers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.model_source import resolve_config

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.workers.runner_driver import logits_in_chunks
-from tests.workers.tiny_models import randomize_
+from tests.helpers.runner_driver import logits_in_chunks
+from tests.helpers.tiny_models import randomize_
 from tokenmill.config import ModelConfig
 from tokenmill.workers.model_loader import iter_weights, load_hf_config
 from tokenmill.workers.models.gemma3 import FULL, SLIDING, gemma_rope_parameters, layer_types

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tests.workers.runner_driver import logits_in_chunks
-from tests.workers.tiny_models import TINY_CONFIGS
+from tests.helpers.runner_driver import logits_in_chunks
+from tests.helpers.tiny_models import TINY_CONFIGS
 from tokenmill.config import ModelConfig
 from tokenmill.workers.model_loader import iter_weights
 from tokenmill.workers.models.layers import TensorParallel, rope_inverse_frequencies

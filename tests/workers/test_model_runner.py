@@ -7,28 +7,14 @@ import json
 import pytest
 import torch
 
-from tests.reference import assert_greedy_match, hf_greedy_reference
-from tests.workers.runner_driver import run_greedy
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.runner_driver import BLOCK_SIZE, NUM_BLOCKS, make_runner, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
 from tokenmill.workers.worker import Worker
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 96
 MAX_NEW_TOKENS = 24
 PROMPT_LENGTHS = [3, 11, 17, 30]
-
-
-def make_runner(path, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, **cache) -> Worker:
-    config = EngineConfig(
-        model=ModelConfig(path=str(path)),
-        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, **cache),
-        parallel=ParallelConfig(device="cpu"),
-    )
-    runner = Worker(config)
-    runner.load_model()
-    runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
-    return runner
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:

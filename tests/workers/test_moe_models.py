@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from tests.workers.runner_driver import logits_in_chunks
-from tests.workers.tiny_models import randomize_
+from tests.helpers.runner_driver import logits_in_chunks
+from tests.helpers.tiny_models import randomize_
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.moe_grouped_gemm import moe_experts_ref
 from tokenmill.workers import backends

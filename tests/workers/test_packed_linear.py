@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tokenmill.workers.models.layers import GateUpLinear, LMHead, QKVLinear, RowParallelLinear
 from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 
-from tests.workers.test_model_runner import make_runner
+from tests.helpers.runner_driver import make_runner
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 

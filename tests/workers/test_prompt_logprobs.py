@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenmill.messages import (EngineRequest, NewRequestData, RequestOutput, RunningRequestData, SamplingParams,
                                 StepPlan, WorkerCommand, decoder, encode)
@@ -194,7 +194,7 @@ def run_tp_rank(rank: int, path: str, port: int, prompt: list[int], out_dir: str
 def test_tensor_parallel_rank_0_returns_the_prompt_logprobs(tiny_checkpoint, tmp_path):
     import torch.multiprocessing as mp
 
-    from tests.workers.test_tensor_parallel import free_port
+    from tests.helpers.server import free_port
 
     path, hf_model = tiny_checkpoint("llama-uneven-tp")  # a vocabulary of 321 split 161 + 160 over the ranks
     prompt = random_prompt(hf_model.config.vocab_size, 17, 7)

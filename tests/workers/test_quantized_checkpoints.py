@@ -1,5 +1,5 @@
 """AWQ, GPTQ (act-order), FP8 and compressed-tensors (int4, FP8) checkpoints of a tiny Llama, made by the test
-quantizer (tests/quantized_checkpoints.py): what each reader builds from them; the model holding those quantized
+quantizer (tests/helpers/quantized_checkpoints.py): what each reader builds from them; the model holding those quantized
 weights (fused, and sharded for two ranks) against the model on the dense checkpoint of the same dequantized weights;
 and the engine's greedy output on CPU, which dequantizes at load, against transformers' on that dense checkpoint."""
 
@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from tests.quantized_checkpoints import QUANTIZED_LAYER, write_quantized_checkpoint
-from tests.workers.runner_driver import logits_in_chunks
+from tests.helpers.quantized_checkpoints import QUANTIZED_LAYER, write_quantized_checkpoint
+from tests.helpers.runner_driver import logits_in_chunks
 from tokenmill.config import ModelConfig
 from tokenmill.workers.model_loader import iter_weights, load_hf_config
 from tokenmill.workers.models.registry import architecture_of, model_class
@@ -163,7 +163,7 @@ def test_engine_greedy_on_quantized_checkpoints_matches_dense(quantized, smollm2
     the same weights (float32; transformers' greedy on it is the reference, as for every dense model)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.reference import assert_greedy_match, hf_greedy_reference
+    from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
     from tokenmill import LLM, SamplingParams
 
     prompts = [smollm2_tokenizer.encode(text) for text in ("The quick brown fox", "Quantized weights are")]

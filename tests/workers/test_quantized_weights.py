@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.quantized_checkpoints import awq_tensors, gptq_tensors, quantize_fp8_weight, quantize_int4
+from tests.helpers.quantized_checkpoints import awq_tensors, gptq_tensors, quantize_fp8_weight, quantize_int4
 from tokenmill.workers.quantization.awq import AWQWeight
 from tokenmill.workers.quantization.base import StackedRows, fuse_rows
 from tokenmill.workers.quantization.fp8 import FP8Weight

@@ -12,8 +12,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-from tests.workers.runner_driver import logits_in_chunks
-from tests.workers.tiny_models import randomize_
+from tests.helpers.runner_driver import logits_in_chunks
+from tests.helpers.tiny_models import randomize_
 from tokenmill.config import ModelConfig
 from tokenmill.workers.model_loader import iter_weights
 from tokenmill.workers.models.layers import RotaryEmbedding, TensorParallel, apply_rotary

@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.reference import assert_greedy_match, hf_greedy_reference
-from tests.workers.runner_driver import run_greedy
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.runner_driver import run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.workers.model_loader import iter_weights
 from tokenmill.workers.worker import Worker

@@ -13,22 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
-from tokenmill.messages import EngineRequest, SamplingParams, StepPlan, WorkerCommand, decoder, encode
-from tokenmill.scheduler.scheduler import Scheduler
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
+from tokenmill.messages import EngineRequest, SamplingParams
 from tokenmill.workers.worker import Worker
+from tests.helpers.spec_decode_runs import CODE, RUNNER_BLOCKS, generate
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
-RUNNER_BLOCKS = 64
-_plans = decoder(WorkerCommand)
-
-CODE = '''def area(width, height):
-    """Return the area of a rectangle."""
-    if width < 0 or height < 0:
-        raise ValueError("negative size")
-    return width * height
-'''
 
 
 def make_runner(model: ModelConfig) -> Worker:
@@ -37,31 +28,6 @@ def make_runner(model: ModelConfig) -> Worker:
     runner.load_model()
     runner.allocate_kv_cache(RUNNER_BLOCKS)
     return runner
-
-
-def generate(runner: Worker, speculative: SpeculativeConfig, requests: list[tuple[int, EngineRequest]], *,
-             num_blocks: int, budget: int, tag: str) -> tuple[dict[str, list[int]], Scheduler]:
-    """Run the requests (each added at its step) to completion; request ids get `tag` so runs never share state."""
-    config = EngineConfig(cache=CacheConfig(block_size=16, enable_prefix_caching=True),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=budget), speculative=speculative)
-    scheduler = Scheduler(config, num_blocks, runner.eos_token_ids)
-    outputs: dict[str, list[int]] = {}
-    for step in range(1000):
-        for arrival, request in requests:
-            if arrival == step:
-                assert scheduler.add_request(EngineRequest(request_id=f"{tag}-{request.request_id}",
-                                                           prompt_token_ids=request.prompt_token_ids,
-                                                           sampling=request.sampling)) is None
-        if step > max(arrival for arrival, _ in requests) and not scheduler.has_unfinished_requests():
-            return outputs, scheduler
-        plan = scheduler.schedule()
-        if plan is None:
-            continue
-        wire_plan = _plans.decode(encode(plan))
-        assert isinstance(wire_plan, StepPlan)
-        for out in scheduler.update(plan, runner.execute(wire_plan)):
-            outputs.setdefault(out.request_id.removeprefix(f"{tag}-"), []).extend(out.new_token_ids)
-    raise AssertionError("not finished")
 
 
 def compare(runner: Worker, requests, *, num_blocks: int, budget: int):
@@ -79,7 +45,7 @@ def smollm2_runner():
 
 
 def test_default_model_greedy_identical_under_chunking_prefix_caching_and_preemption(smollm2_runner):
-    from tests.checkpoints import smollm2_tokenizer
+    from tests.helpers.checkpoints import smollm2_tokenizer
 
     tokenizer = smollm2_tokenizer()
     copy = tokenizer.encode(f"Copy this code exactly, then stop.\n\n{CODE}\nCopy:\n")

@@ -3,25 +3,19 @@ the full logits."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.workers.runner_driver import logits_in_chunks
+from tests.helpers.runner_driver import logits_in_chunks
+from tests.helpers.server import free_port
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.workers.worker import Worker
 
 CHUNKS = [0, 9, 21, 22, 23]
 KV_BUDGET_BYTES = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_rank(rank: int, path: str, port: int, input_ids: torch.Tensor, out_dir: str) -> None:

@@ -8,18 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.reference import assert_greedy_match, hf_greedy_reference
-from tests.workers.runner_driver import logits_in_chunks, run_greedy
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.workers import backends, worker
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from tokenmill.workers.worker import Worker
 from tokenmill.workers.triton_backend import TritonAttentionBackend
-
-CHUNKS = [0, 9, 21, 22, 23]  # two prefill chunks, then two single-token (decode-only) steps
-BLOCK_SIZE = 4
-NUM_BLOCKS = 64
+from tests.helpers.triton_runner import BLOCK_SIZE, CHUNKS, NUM_BLOCKS, make_runner
 
 
 @pytest.fixture
@@ -29,19 +24,6 @@ def triton_on_cpu(monkeypatch):
     backends.device_kernels.cache_clear()
     yield
     backends.device_kernels.cache_clear()
-
-
-def make_runner(path, max_num_seqs: int = 256) -> Worker:
-    config = EngineConfig(
-        model=ModelConfig(path=str(path), max_model_len=128),
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
-        parallel=ParallelConfig(device="cpu"),
-    )
-    runner = Worker(config)
-    runner.load_model()
-    runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
-    return runner
 
 
 def eager_capture(forward):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import requests
 import torch
+
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
 
 NEAR_TIE_MARGIN = 1e-4
 
@@ -50,3 +53,36 @@ def assert_greedy_match(ours: Sequence[int], reference: Sequence[tuple[int, floa
             f"ours {list(ours)}, reference {[t for t, _ in reference]}"
         )
     return len(reference)
+
+
+TEXTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "In 1905, Albert Einstein published four papers that changed physics. The first one explained",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "List three fruits:",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter and his "
+    "daughter. Every morning the woodcutter walked into the forest with his axe, and every evening he came back",
+    "Q: What is 12 times 12?\nA:",
+    "Translate to French: I like green apples and long walks on the beach, especially in the early morning.",
+]
+
+
+def load_reference_model(family: str, tiny_checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    if family == "smollm2":
+        model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family), dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # the engine runs with ignore_eos: so must the reference
+    return model.eval()
+
+
+def complete_ids(url: str, prompt: list[int], max_tokens: int = 32, **extra) -> list[int]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    response = requests.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]

@@ -2,8 +2,8 @@
 
 `quantize_int4` is round-to-nearest (what AWQ and GPTQ store, not how they choose it): per group of input rows, per
 output column, an asymmetric (min/max, zero point) or symmetric (zero point 8) 4-bit grid with fp16 scales.
-`write_quantized_checkpoint` turns a dense safetensors checkpoint (tests/checkpoints.py) into an AWQ, GPTQ or FP8
-one with its `quantization_config`, and also writes the dense checkpoint holding exactly the dequantized weights, so
+`write_quantized_checkpoint` turns a dense safetensors checkpoint (tests/helpers/checkpoints.py) into an AWQ, GPTQ or
+FP8 one with its `quantization_config`, and also writes the dense checkpoint holding exactly the dequantized weights, so
 an engine run on each can be compared token for token.
 """
 

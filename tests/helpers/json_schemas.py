@@ -58,8 +58,8 @@ def _value(rng: random.Random, depth: int) -> dict[str, Any]:
 
 
 def _object(rng: random.Random, depth: int) -> dict[str, Any]:
-    names = rng.sample([f"{w}_{c}" for w in ("id", "name", "value", "item", "flag", "info") for c in string.ascii_lowercase[:4]],
-                       rng.randint(1, 4))
+    words = ("id", "name", "value", "item", "flag", "info")
+    names = rng.sample([f"{w}_{c}" for w in words for c in string.ascii_lowercase[:4]], rng.randint(1, 4))
     properties = {name: _value(rng, depth) for name in names}
     required = [name for name in names if rng.random() < 0.7]
     schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}

@@ -101,7 +101,8 @@ def fuzz_requests(draw) -> FuzzRequest:
         encoded = encoded[: draw(st.integers(0, max(0, len(encoded) - 1)))]
     elif mangle == "invalid_utf8":
         at = draw(st.integers(0, len(encoded)))
-        encoded = encoded[:at] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80\x80"])) + encoded[at:]
+        bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80\x80"]))
+        encoded = encoded[:at] + bad + encoded[at:]
     elif mangle == "nan":
         encoded = encoded.replace(b"3", b"NaN", 1) if b"3" in encoded else b'{"temperature": NaN}'
     elif mangle == "nested":

@@ -1,4 +1,5 @@
-"""Model files for tests: the shipped SmolLM2 GGUF, and tiny random-weight checkpoints built from transformers configs."""
+"""Model files for tests: the shipped SmolLM2 GGUF, and tiny random-weight checkpoints built from transformers
+configs."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def smollm2_tokenizer():
 
 
 def build_tiny_checkpoint(family: str, root: Path, tokenizer=None, seed: int = 0) -> Path:
-    """Save a (2-layer unless the family says) random-weight model of `family` (llama, qwen2, qwen3, gemma3, phi3) with the
-    SmolLM2 tokenizer into root/family."""
+    """Save a (2-layer unless the family says) random-weight model of `family` (llama, qwen2, qwen3, gemma3, phi3)
+    with the SmolLM2 tokenizer into root/family."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

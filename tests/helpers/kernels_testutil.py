@@ -55,3 +55,15 @@ def make_paged_cache(
     return PagedCache(
         k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), keys, values
     )
+
+
+def poison_blocks_before_windows(cache, first_keys: list[int], block_size: int) -> None:
+    """Point each sequence's table entries for blocks wholly before its first visible key at a block of NaN."""
+    nan_block = cache.k_cache.shape[0] - 1
+    while (cache.block_tables == nan_block).any():  # a block no sequence uses
+        nan_block -= 1
+    # make_paged_cache leaves unused blocks NaN; make sure of it
+    cache.k_cache[nan_block] = float("nan")
+    cache.v_cache[nan_block] = float("nan")
+    for seq, first_key in enumerate(first_keys):
+        cache.block_tables[seq, : first_key // block_size] = nan_block

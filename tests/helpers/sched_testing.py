@@ -9,12 +9,12 @@ exactly when a real worker would.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.messages import EngineRequest, NewRequestData, RequestOutput, SamplingParams, StepPlan, StepResult
+from tokenmill.scheduler.scheduler import Scheduler
 
 EOS = 2
 _distinct_token_base = itertools.count(1000, 1000)

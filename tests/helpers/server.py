@@ -56,7 +56,7 @@ class Server:
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.startup_timeout
@@ -88,7 +88,7 @@ class Server:
                 self.proc.wait()
         return self.proc.returncode
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -97,3 +97,14 @@ class Server:
         for pid in kids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def child_by_role(server: Server, role: str) -> int:
+    """pid of the child named tm-<role> (children set their process name at start-up)."""
+    for pid in server.children():
+        try:
+            if open(f"/proc/{pid}/comm").read().strip() == f"tm-{role}":
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no tm-{role} process among {server.children()}")

@@ -2,10 +2,10 @@
 that runs a bare model over one sequence in chunks through a paged cache.
 
 The toy scheduler schedules every request every step once it has arrived: its prompt in chunks of at most
-`chunk_size` tokens, then one token per step. Blocks come from a shuffled pool and return to it when a request finishes, so block ids
-are non-contiguous and reused (with stale contents). Plans go through the msgpack codec, as on the wire. The
-driver also checks the runner's promise that exactly the requests whose scheduled tokens reach the end of their
-known tokens get a sampled token.
+`chunk_size` tokens, then one token per step. Blocks come from a shuffled pool and return to it when a request
+finishes, so block ids are non-contiguous and reused (with stale contents). Plans go through the msgpack codec, as on
+the wire. The driver also checks the runner's promise that exactly the requests whose scheduled tokens reach the end
+of their known tokens get a sampled token.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.messages import (
     NewRequestData,
     RunningRequestData,
@@ -25,9 +26,12 @@ from tokenmill.messages import (
     decoder,
     encode,
 )
-
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.worker import Worker
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
 
 _plan_decoder = decoder(WorkerCommand)
 
@@ -153,3 +157,15 @@ def run_greedy(
     if finished_ids:  # a last, empty plan so the runner forgets the requests that finished in the final step
         assert runner.execute(StepPlan(step, [], [], finished_ids)).request_ids == []
     return [seq.outputs for seq in sequences]
+
+
+def make_runner(path, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS, **cache) -> Worker:
+    config = EngineConfig(
+        model=ModelConfig(path=str(path)),
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, **cache),
+        parallel=ParallelConfig(device="cpu"),
+    )
+    runner = Worker(config)
+    runner.load_model()
+    runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
+    return runner

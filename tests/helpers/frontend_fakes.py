@@ -1,4 +1,4 @@
-"""A fake engine with AsyncEngineClient's interface, for testing the HTTP frontend without a model.
+"""A fake engine, an `EngineClient` (frontend/engine_protocol.py), for testing the HTTP frontend without a model.
 
 By default it echoes each request's prompt tokens back, one per step; `replies` scripts the output tokens of the next
 requests instead. It finishes like the scheduler does: a stop id or EOS ends with "stop" (the id is the last new
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from tokenmill.frontend.engine_client import EngineDeadError
-from tokenmill.messages import EngineRequest, RequestOutput, SchedulerStats, choice_requests
+from tokenmill.frontend.engine_protocol import ReplicaStats
+from tokenmill.messages import EngineReady, EngineRequest, RequestOutput, SchedulerStats, StepSummary, choice_requests
 from tokenmill.scheduler.scheduler import Rejection
 
 
@@ -39,6 +41,9 @@ class FakeEngine:
     def __init__(self) -> None:
         self.latest_stats: SchedulerStats | None = None
         self.dead_reason: str | None = None
+        self.ready: EngineReady | None = None
+        self.summary_listener: Callable[[StepSummary], None] | None = None
+        self.watch_intervals: list[float] = []  # every watch_steps call
         self.healthy = True
         self.requests: list[EngineRequest] = []
         self.groups: list[EngineRequest] = []  # what was sent: one request per prompt, its n choices in it
@@ -49,8 +54,18 @@ class FakeEngine:
         self.step_delay_s = 0.0
         self.aborted_event = asyncio.Event()
 
+    def start(self) -> None:
+        pass
+
+    async def wait_ready(self, timeout: float | None = None) -> EngineReady:
+        assert self.ready is not None, "set `ready` first"
+        return self.ready
+
+    def close(self) -> None:
+        self.dead_reason = self.dead_reason or "the engine was shut down"
+
     @contextlib.asynccontextmanager
-    async def generate_choices(self, request: EngineRequest):
+    async def generate_choices(self, request: EngineRequest) -> AsyncIterator[list[AsyncIterator[RequestOutput]]]:
         """As the real client: one request, a stream per choice (each recorded in `requests` as its own)."""
         self.groups.append(request)
         yield [self.generate(choice) for choice in choice_requests(request)]
@@ -94,5 +109,17 @@ class FakeEngine:
         self.aborted.extend(request_ids)
         self.aborted_event.set()
 
+    async def watch_steps(self, interval_s: float) -> None:
+        self.watch_intervals.append(interval_s)
+
     async def check_health(self) -> bool:
         return self.healthy and self.dead_reason is None
+
+    def health_detail(self) -> dict[str, Any] | None:
+        return None
+
+    def replica_stats(self) -> list[ReplicaStats] | None:
+        return None
+
+    def routing_decisions(self) -> dict[str, list[int]]:
+        return {}

@@ -3,7 +3,7 @@
 `write_first_layers_checkpoint` keeps the embeddings, the first N decoder layers, the final norm and the LM head of
 any checkpoint tokenmill loads (the default model's GGUF weights dequantized to float32), and saves them as a float32
 safetensors checkpoint with the source's tokenizer: a draft with the target's vocabulary by construction.
-    python -m tests.draft_checkpoints OUT_DIR [--layers N]   (the default model's first N layers)
+    python -m tests.helpers.draft_checkpoints OUT_DIR [--layers N]   (the default model's first N layers)
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def write_first_layers_checkpoint(model_cfg, num_layers: int, out_dir: Path, tok
 
 
 def main() -> None:
-    from tests.checkpoints import SMOLLM2_GGUF, smollm2_dir
+    from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
     from tokenmill.config import ModelConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# mypy over the modules pyproject.toml types (strict where [[tool.mypy.overrides]] says so).
+#
+# The top-level folders are the `tokenmill.*` subpackages only through pyproject's package-dir (installed) or
+# tokenmill/_source_tree.py (a checkout); mypy sees neither, so this builds the installed layout from symlinks in
+# a temporary folder and checks the modules by their package names. Extra arguments go to mypy.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+layout="$(mktemp -d)"
+trap 'rm -rf "$layout"' EXIT
+mkdir "$layout/tokenmill"
+ln -s "$root"/tokenmill/*.py "$layout/tokenmill/"
+for folder in frontend scheduler workers kernels; do
+  ln -s "$root/$folder" "$layout/tokenmill/$folder"
+done
+cd "$layout"
+mypy --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" "$@" \
+  -p tokenmill.scheduler -m tokenmill.messages -m tokenmill.stats -m tokenmill.frontend.engine_protocol
