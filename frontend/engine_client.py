@@ -21,7 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.messages import (AbortRequest, EngineReady, EngineRequest, Ping, Pong, RequestOutput, SchedulerMessage,
                                 SchedulerStats, StepOutputs, StepSummary, WatchSteps, choice_requests, decoder,
                                 encode)
-from tokenmill.processes import make_socket
+from tokenmill.processes import decode_or_drop, make_socket
 
 log = logging.getLogger("tokenmill.engine_client")
 
@@ -106,7 +106,7 @@ class AsyncEngineClient:
 
     async def _read_outputs(self) -> None:
         while True:
-            msg = self._decoder.decode(await self._from_scheduler.recv())
+            msg = decode_or_drop(self._decoder, await self._from_scheduler.recv(), log, "the scheduler")
             if isinstance(msg, StepOutputs):
                 for out in msg.outputs:
                     queue = self._queues.get(out.request_id)

@@ -35,6 +35,7 @@ from tokenmill.workers.pipeline_parallel import pipelined_forward, stage_forward
 from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.prompt_logprobs import (PromptLogprobsState, compute_prompt_logprobs, prompt_logprobs_state,
                                                prompt_rows)
+from tokenmill.workers.rendezvous import rendezvous_store
 from tokenmill.workers.rejection_sampler import verify_point_mass_drafts
 from tokenmill.workers.sampler import RequestSamplingState, sample
 from tokenmill.workers.grammar_mask import apply_grammar_bitmask
@@ -116,7 +117,7 @@ class ModelRunner:
             raise ValueError("tensor or pipeline parallelism needs parallel.dist_port")
         dist.init_process_group(
             backend="nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://{parallel.dist_host}:{parallel.dist_port}",
+            store=rendezvous_store(parallel.dist_host, parallel.dist_port, self.rank, self.world_size),
             rank=self.rank,
             world_size=self.world_size,
         )

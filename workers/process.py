@@ -15,7 +15,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import Shutdown, StepPlan, WorkerCommand, WorkerError, WorkerReady, decoder, encode
-from tokenmill.processes import become_child_process, make_socket, worker_socket_address
+from tokenmill.processes import become_child_process, decode_or_drop, worker_socket
 
 
 def run_worker_process(config_bytes: bytes, rank: int) -> None:
@@ -28,8 +28,8 @@ def serve_worker(config: EngineConfig, rank: int, log) -> None:
     """Load, report ready, then run plans until Shutdown; raises SystemExit(1) after reporting a failure."""
     replying_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
     ctx = zmq.Context()
-    plans = make_socket(ctx, zmq.SUB, worker_socket_address(config, "plans"), bind=False)
-    results = make_socket(ctx, zmq.PUSH, worker_socket_address(config, "results"), bind=False)
+    plans = worker_socket(ctx, config, "plans", zmq.SUB, bind=False)
+    results = worker_socket(ctx, config, "results", zmq.PUSH, bind=False)
     try:
         if config.model.task == "embed":
             from tokenmill.workers.embedding_runner import EmbeddingRunner as Runner
@@ -48,7 +48,9 @@ def serve_worker(config: EngineConfig, rank: int, log) -> None:
             sliding_window=getattr(runner.model, "kv_sliding_window", None))))
         commands = decoder(WorkerCommand)
         while True:
-            command = commands.decode(plans.recv())
+            command = decode_or_drop(commands, plans.recv(), log, "the scheduler")
+            if command is None:
+                continue
             if isinstance(command, Shutdown):
                 break
             assert isinstance(command, StepPlan)
