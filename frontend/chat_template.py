@@ -43,7 +43,7 @@ from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
-from jinja2.utils import Namespace, pass_context
+from jinja2.utils import Namespace, generate_lorem_ipsum, pass_context
 from markupsafe import Markup
 
 from tokenmill.config import ServerConfig
@@ -56,6 +56,8 @@ RENDERER_ARGS = frozenset({"messages", "tools", "documents", "add_generation_pro
                            "truncation", "max_length", "return_tensors", "tokenizer_kwargs",
                            "sanitize_control_tokens", "conversation"})
 MAX_INT_BITS = 4096
+LIPSUM_WORD_CHARS = 16  # the longest lorem-ipsum word with its space and punctuation
+LIPSUM_PARAGRAPH_CHARS = 16  # <p>, </p>, newlines
 TEMPLATE_FILENAME = "<template>"  # the file name Jinja gives the code it compiles from a string
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
@@ -151,8 +153,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                     raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
                 super().__setitem__(name, sandbox.checked(value))
 
+        def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 (Jinja's)
+            """Jinja's `lipsum()`, its size checked first (a paragraph is at most `max` words)."""
+            sandbox.refuse_past_limit(n * (max * LIPSUM_WORD_CHARS + LIPSUM_PARAGRAPH_CHARS), "lipsum()")
+            return generate_lorem_ipsum(n, html, min, max)
+
         self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=BoundedNamespace,
-                            dict=_TemplateDict())
+                            dict=_TemplateDict(), lipsum=lipsum)
 
     # ------------------------------------------------------------------ limits of the current render
 

@@ -48,6 +48,7 @@ HOSTILE = {
     "filter indent": "{{ ('a\\n' * 50000)|indent(1000) }}",
     "filter center": f"{{{{ 'x'|center({BIG}) }}}}",
     "filter wordwrap": CHUNK + "{{ s|wordwrap(1, true, '" + "y" * 100 + "') }}",
+    "lipsum": f"{{{{ lipsum({BIG}) }}}}",
     "filter tojson indent": "{{ [[[[[[['x']]]]]]]|tojson(indent=90000) }}",
 }
 
@@ -84,9 +85,9 @@ def test_ordinary_templates_still_render():
     source = ("{% for m in messages %}{{ '<|%s|>' % m.role }}{{ '{}: {}'.format(m.role, m.content) }}"
               "{{ (m.content ~ '!')|indent(2) }}{{ ['a', 'b']|join(', ') }}{{ 'x'.ljust(3) + '|' }}"
               "{{ {'k': [1, 2]}|tojson(indent=2) }}{{ '%05.1f'|format(2.5) }}{{ m.content.replace('h', 'H') }}"
-              "{% endfor %}")
+              "{% endfor %}{{ (lipsum(2, html=false)|length > 0)|string }}")
     text = ChatTemplate(source).render(HI, limits=LIMITS, special_tokens={})
-    assert text == ('<|user|>user: hihi!a, bx  |{\n  "k": [\n    1,\n    2\n  ]\n}002.5Hi')
+    assert text == ('<|user|>user: hihi!a, bx  |{\n  "k": [\n    1,\n    2\n  ]\n}002.5HiTrue')
 
 
 def test_the_sandbox_still_refuses_escapes_through_format():
