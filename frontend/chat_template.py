@@ -153,7 +153,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                     raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
                 super().__setitem__(name, sandbox.checked(value))
 
-        def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 (Jinja's)
+        def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
             """Jinja's `lipsum()`, its size checked first (a paragraph is at most `max` words)."""
             sandbox.refuse_past_limit(n * (max * LIPSUM_WORD_CHARS + LIPSUM_PARAGRAPH_CHARS), "lipsum()")
             return generate_lorem_ipsum(n, html, min, max)
