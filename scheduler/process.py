@@ -120,9 +120,9 @@ class SchedulerLoop:
                 raw = self.from_frontend.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = decode_or_drop(self.frontend_decoder, raw, self.log, "the frontend")
-            if msg is not None:
-                self.handle(msg)
+            message = decode_or_drop(self.frontend_decoder, raw, self.log, "the frontend")
+            if message is not None:
+                self.handle(message)
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Send this step's outputs, with stats when a request finished or STATS_INTERVAL_S has passed."""

@@ -7,13 +7,15 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.socket_security import max_message_bytes, secure_socket
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -63,8 +65,8 @@ def worker_socket(ctx: zmq.Context, config: EngineConfig, name: str, kind: int, 
     return secure_socket(ctx, kind, address, bind, keys, max_message_bytes(config))
 
 
-def decode_or_drop(decoder: msgspec.msgpack.Decoder, frame: bytes, log: logging.Logger | logging.LoggerAdapter,
-                   source: str) -> Any | None:
+def decode_or_drop(decoder: msgspec.msgpack.Decoder[T], frame: bytes,
+                   log: logging.Logger | logging.LoggerAdapter, source: str) -> T | None:
     """The message in `frame`, or None (logged, never raised) when it does not decode: one bad frame from a peer
     must not end the process that reads it."""
     try:
