@@ -358,13 +358,14 @@ class TemplateCache:
         self._chars = 0
         self._lock = threading.Lock()  # renders, and so compiles, run on several threads
 
-    def get(self, source: str) -> ChatTemplate:
+    def get(self, source: str, timeout_s: float | None = None) -> ChatTemplate:
+        """The compiled template; a miss compiles it (within `timeout_s`, when given: `compile_within`)."""
         with self._lock:
             template = self._templates.get(source)
             if template is not None:
                 self._templates.move_to_end(source)
                 return template
-        template = ChatTemplate(source)
+        template = ChatTemplate(source) if timeout_s is None else compile_within(source, timeout_s)
         if len(source) <= self.max_chars:
             with self._lock:
                 if source not in self._templates:
@@ -384,7 +385,26 @@ TEMPLATE_CACHE_CHARS = 4 << 20
 _TEMPLATES = TemplateCache(TEMPLATE_CACHE_CHARS)
 
 
-def compile_chat_template(source: str) -> ChatTemplate:
-    """The compiled template (the server's, or a request's with --trust-request-chat-template), cached by source.
-    Raises jinja2.TemplateSyntaxError for a template that does not parse."""
-    return _TEMPLATES.get(source)
+def compile_within(source: str, timeout_s: float) -> ChatTemplate:
+    """`ChatTemplate(source)`, or RenderLimitError past `timeout_s`: compiling is linear in the source but slow (tens
+    of seconds for a few MB), so a request's template is compiled under the render deadline. Every Python call made
+    while compiling checks it (call events only: no per-line tracing)."""
+    deadline = time.monotonic() + timeout_s
+
+    def check_deadline(frame: Any, event: str, arg: Any) -> None:
+        if time.monotonic() > deadline:
+            raise RenderLimitError(f"the chat template took longer than {timeout_s:g} s to compile")
+
+    previous_trace = sys.gettrace()
+    sys.settrace(check_deadline)
+    try:
+        return ChatTemplate(source)
+    finally:
+        sys.settrace(previous_trace)
+
+
+def compile_chat_template(source: str, timeout_s: float | None = None) -> ChatTemplate:
+    """The compiled template (the server's, or a request's with --trust-request-chat-template, then compiled within
+    `timeout_s`), cached by source. Raises jinja2.TemplateSyntaxError for a template that does not parse,
+    RenderLimitError when it takes longer than `timeout_s` to compile."""
+    return _TEMPLATES.get(source, timeout_s)

@@ -86,11 +86,13 @@ def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], tools: li
     param = "messages" if chat_template is None else "chat_template"
     try:
         template = server_chat_template(ctx.tokenizer, tools) if chat_template is None else \
-            compile_chat_template(chat_template)
+            compile_chat_template(chat_template, timeout_s=ctx.config.server.chat_template_timeout_s)
     except ValueError as exc:  # the model has no chat template
         raise APIError(400, str(exc), "messages") from None
     except jinja2.TemplateSyntaxError as exc:
         raise APIError(400, f"The chat template does not parse: {exc}", param) from None
+    except RenderLimitError as exc:
+        raise APIError(400, f"The chat template could not be compiled within its limits: {exc}.", param) from None
     special_tokens = ctx.tokenizer.special_tokens_map
     for key in template.refused_kwargs(template_kwargs, special_tokens):
         reads = ", ".join(sorted(template.variables)) or "none"

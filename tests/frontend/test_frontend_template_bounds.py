@@ -3,16 +3,15 @@ its operands, constant folding at compile time builds nothing large, and the tem
 
 from __future__ import annotations
 
+import time
 import tracemalloc
 
 import jinja2
 import pytest
-from tokenmill.frontend.chat_template import (
-    ChatTemplate,
-    RenderLimitError,
-    RenderLimits,
-    TemplateCache,
-)
+from test_frontend_server import MODEL, assert_error, async_test, serving
+
+from tokenmill.frontend.chat_template import (ChatTemplate, RenderLimitError, RenderLimits, TemplateCache,
+                                              compile_chat_template)
 
 LIMIT = 100_000
 LIMITS = RenderLimits(timeout_s=5.0, max_chars=LIMIT)
@@ -106,3 +105,24 @@ def test_template_cache_is_bounded_by_source_size():
     huge = "y" * 2000
     assert cache.get(huge) is not cache.get(huge)  # larger than the whole cache: never kept
     assert cache.chars <= 1000
+
+
+SLOW_TO_COMPILE = "{% for m in messages %}{{ m.content }}{% endfor %}" * 40_000  # 2 MB: about a minute to compile
+
+
+def test_a_request_template_compiles_within_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(RenderLimitError, match="compile"):
+        compile_chat_template(SLOW_TO_COMPILE, timeout_s=0.3)
+    assert time.monotonic() - start < 5
+
+
+@async_test
+async def test_a_template_too_slow_to_compile_is_a_400(smollm2_model, tokenizer):
+    async with serving(smollm2_model, tokenizer, trust_request_chat_template=True, chat_template_timeout_s=0.3) as h:
+        start = time.monotonic()
+        status, body, _ = await h.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2,
+                                                                "chat_template": SLOW_TO_COMPILE})
+        assert_error(status, body, 400, "BadRequestError", "chat_template")
+        assert "compile" in body["error"]["message"] and time.monotonic() - start < 5
+        await h.good_completion()
