@@ -16,7 +16,7 @@ template does:
   `MAX_INT_BITS`) stops the render;
 - compile time: Jinja folds constant expressions while it compiles, outside any render; those operators and every
   filter are kept from folding (they run at render time, under the limits), so `{{ "%0400000000d" % 1 }}` costs
-  nothing to compile.
+  nothing to compile; and a request's own template compiles within the render's time limit (`compile_within`).
 
 The compiled templates are cached by source, up to `TEMPLATE_CACHE_CHARS` of source in all.
 

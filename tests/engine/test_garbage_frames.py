@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from tokenmill import LLM, SamplingParams
@@ -12,6 +13,7 @@ from tokenmill.processes import make_socket
 SMALL = dict(max_model_len=256, kv_cache_memory_bytes=16 << 20)
 
 
+@pytest.mark.slow  # a real instance; tests/test_socket_security.py covers the scheduler loop in the fast set
 def test_garbage_frames_leave_the_instance_serving(tiny_checkpoints):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     with LLM(str(tiny_checkpoints("llama")), **SMALL) as llm:
