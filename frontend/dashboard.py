@@ -41,6 +41,7 @@ KEEPALIVE_S = 15.0  # an SSE comment when nothing else was sent this long
 WRITE_TIMEOUT_S = 10.0  # a client that takes longer to accept one update is gone: its connection is closed
 METRICS_PERIOD_S = 0.5  # the frontend's rates are sampled at most this often (one sparkline point each)
 COOKIE_NAME = "tokenmill_dashboard"
+COOKIE_MAX_AGE_S = 12 * 3600  # a working day: then ?token= again
 PAGE_PATH = Path(__file__).parent / "static" / "dashboard.html"
 # the page's own inline script and style only: it can reach nothing but this server
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -291,7 +292,9 @@ def add_dashboard_routes(app: web.Application, engine: EngineClient, metrics: An
         if api_key is not None and token_in_query(request, api_key):
             # the key travels once, in this URL: swap it for the cookie and drop it from the address bar
             response = web.Response(status=303, headers={"Location": "/dashboard", "Cache-Control": "no-store"})
-            response.set_cookie(COOKIE_NAME, cookie_value(api_key), httponly=True, samesite="Strict", path="/")
+            # Secure when the page came over TLS (a plain-HTTP instance must still be able to set it)
+            response.set_cookie(COOKIE_NAME, cookie_value(api_key), httponly=True, samesite="Strict", path="/",
+                                max_age=COOKIE_MAX_AGE_S, secure=request.secure)
             return response
         return web.Response(body=page_html(), content_type="text/html", charset="utf-8", headers={
             "Cache-Control": "no-store", "Content-Security-Policy": CONTENT_SECURITY_POLICY,

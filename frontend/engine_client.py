@@ -35,7 +35,7 @@ from tokenmill.messages import (
     decoder,
     encode,
 )
-from tokenmill.processes import make_socket
+from tokenmill.processes import decode_or_drop, make_socket
 from tokenmill.stats import sum_counters
 
 log = logging.getLogger("tokenmill.engine_client")
@@ -114,7 +114,7 @@ class AsyncEngineClient:
 
     async def _read_outputs(self) -> None:
         while True:
-            msg = self._decoder.decode(await self._from_scheduler.recv())
+            msg = decode_or_drop(self._decoder, await self._from_scheduler.recv(), log, "the scheduler")
             if isinstance(msg, StepOutputs):
                 for out in msg.outputs:
                     queue = self._queues.get(out.request_id)

@@ -1,4 +1,4 @@
-"""The aiohttp application: routes and middlewares (errors, API key, CORS).
+"""The aiohttp application: routes and middlewares (errors, API key (frontend/auth.py), CORS).
 
 `build_app(config, engine, tokenizer)` wires the OpenAI endpoints to an engine client; `tokenmill/serve.py` serves
 it. Handlers run with `handler_cancellation`, so a client that disconnects cancels its handler and its engine
@@ -8,7 +8,6 @@ requests are aborted.
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,6 +16,7 @@ from aiohttp import web
 
 from tokenmill.config import EngineConfig
 from tokenmill.frontend import serving_misc, serving_responses
+from tokenmill.frontend.auth import make_auth_middleware
 from tokenmill.frontend.context import ServingContext
 from tokenmill.frontend.dashboard import add_dashboard_routes
 from tokenmill.frontend.engine_protocol import EngineClient
@@ -53,22 +53,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         log.exception("error while serving %s %s", request.method, request.path)
         return error_response(500, "Internal server error.")
-
-
-def make_auth_middleware(api_key: str | None):
-    expected = api_key.encode() if api_key else None
-
-    @web.middleware
-    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Only /v1/* needs the key; /health, /metrics, /version stay open, as in vLLM."""
-        if expected is not None and request.method != "OPTIONS" and request.path.startswith("/v1"):
-            given = request.headers.get("Authorization", "")
-            token = given[len("Bearer "):].encode() if given.startswith("Bearer ") else b""
-            if not hmac.compare_digest(token, expected):
-                raise APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>`).")
-        return await handler(request)
-
-    return auth_middleware
 
 
 def make_cors_middleware(allowed_origins: list[str]):
@@ -110,7 +94,7 @@ def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any) -> web
     """The HTTP app for one instance over `engine` (frontend/engine_protocol.py); `config.model` must be resolved
     (max_model_len, served_model_name, task)."""
     ctx = ServingContext.create(config, engine, tokenizer)
-    middlewares = [error_middleware, make_auth_middleware(config.server.api_key)]
+    middlewares = [error_middleware, make_auth_middleware(config.server)]
     if config.server.allowed_origins:
         middlewares.insert(0, make_cors_middleware(config.server.allowed_origins))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_body_bytes,
@@ -134,6 +118,8 @@ def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any) -> web
     app.router.add_post("/tokenize", route(serving_misc.tokenize))
     app.router.add_post("/detokenize", route(serving_misc.detokenize))
     app.router.add_get("/health", route(serving_misc.health))
+    app.router.add_route("GET", "/ping", route(serving_misc.health))  # SageMaker's probe: GET and POST
+    app.router.add_route("POST", "/ping", route(serving_misc.health))
     app.router.add_get("/version", route(serving_misc.version))
     app.router.add_get("/metrics", route(serving_misc.metrics))
     if not config.server.disable_dashboard:  # /dashboard, /dashboard/stream, /debug/steps (behind --api-key)

@@ -65,13 +65,18 @@ async def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], *, a
                           ) -> list[int]:
     """Render the conversation and tokenize it (the template already holds the special tokens), each on its own
     thread (`ctx.offload`). `chat_template` is the request's own template: refused unless the server trusts them."""
-    if chat_template is not None and not ctx.config.server.trust_request_chat_template:
-        raise APIError(400, "This server renders only its own chat template; a request's `chat_template` needs "
-                            "--trust-request-chat-template.", "chat_template")
+    check_request_template_allowed(ctx, chat_template)
     text = await ctx.offload.render(render_prompt, ctx, message_dicts(messages), tools, template_kwargs or {},
                                     chat_template, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message)
     return await ctx.offload.tokenize(encode_text, ctx.tokenizer, text, add_special_tokens=False)
+
+
+def check_request_template_allowed(ctx: ServingContext, chat_template: str | None) -> None:
+    """A 400 for a request's own `chat_template` unless the server trusts them."""
+    if chat_template is not None and not ctx.config.server.trust_request_chat_template:
+        raise APIError(400, "This server renders only its own chat template; a request's `chat_template` needs "
+                            "--trust-request-chat-template.", "chat_template")
 
 
 def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -81,11 +86,13 @@ def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], tools: li
     param = "messages" if chat_template is None else "chat_template"
     try:
         template = server_chat_template(ctx.tokenizer, tools) if chat_template is None else \
-            compile_chat_template(chat_template)
+            compile_chat_template(chat_template, timeout_s=ctx.config.server.chat_template_timeout_s)
     except ValueError as exc:  # the model has no chat template
         raise APIError(400, str(exc), "messages") from None
     except jinja2.TemplateSyntaxError as exc:
         raise APIError(400, f"The chat template does not parse: {exc}", param) from None
+    except RenderLimitError as exc:
+        raise APIError(400, f"The chat template could not be compiled within its limits: {exc}.", param) from None
     special_tokens = ctx.tokenizer.special_tokens_map
     for key in template.refused_kwargs(template_kwargs, special_tokens):
         reads = ", ".join(sorted(template.variables)) or "none"

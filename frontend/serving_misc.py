@@ -1,4 +1,4 @@
-"""The small endpoints: /v1/models, /tokenize, /detokenize, /health, /version, /metrics."""
+"""The small endpoints: /v1/models, /tokenize, /detokenize, /health and /ping, /version, /metrics."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from tokenmill.frontend.protocol import (
     decode_request,
     encode_json,
 )
-from tokenmill.frontend.serving_chat import chat_prompt_ids
+from tokenmill.frontend.redaction import without_addresses
+from tokenmill.frontend.serving_chat import check_request_template_allowed, message_dicts, render_prompt
 from tokenmill.frontend.tokenizer import encode_text
 
 
@@ -43,34 +44,51 @@ async def tokenize(ctx: ServingContext, request: web.Request) -> web.Response:
             raise APIError(400, "add_special_tokens applies to a prompt; the chat template adds them for messages",
                            "add_special_tokens")
         check_json_depth(body, ctx.config.server.max_json_depth)
-        ids = await chat_prompt_ids(ctx, body.messages, add_generation_prompt=body.add_generation_prompt,
-                                    continue_final_message=body.continue_final_message, tools=body.tools,
-                                    template_kwargs=body.chat_template_kwargs, chat_template=body.chat_template)
+        ids = await side_chat_prompt_ids(ctx, body)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = await ctx.offload.tokenize(encode_text, ctx.tokenizer, body.prompt or "", add_special)
+        ids = await ctx.offload.side(encode_text, await ctx.offload.side_tokenizer(ctx.tokenizer), body.prompt or "",
+                                     add_special)
     response = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
     if body.return_token_strs:
-        response.token_strs = list(await ctx.offload.tokenize(ctx.tokenizer.convert_ids_to_tokens, ids))
+        tokenizer = await ctx.offload.side_tokenizer(ctx.tokenizer)
+        response.token_strs = list(await ctx.offload.side(tokenizer.convert_ids_to_tokens, ids))
     return json_response(encode_json(response))
+
+
+async def side_chat_prompt_ids(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
+    """`chat_prompt_ids` on the side endpoints' thread (frontend/offload.py), rendering and tokenizing alike."""
+    check_request_template_allowed(ctx, body.chat_template)
+    assert body.messages is not None
+    text = await ctx.offload.side(render_prompt, ctx, message_dicts(body.messages), body.tools,
+                                  body.chat_template_kwargs or {}, body.chat_template,
+                                  add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message)
+    return await ctx.offload.side(encode_text, await ctx.offload.side_tokenizer(ctx.tokenizer), text, False)
 
 
 async def detokenize(ctx: ServingContext, request: web.Request) -> web.Response:
     body: DetokenizeRequest = decode_request(await read_body(request), DetokenizeRequest)
     ctx.check_model(body.model)
     ctx.check_token_ids(body.tokens, "tokens")
-    text = await ctx.offload.tokenize(ctx.tokenizer.decode, body.tokens, skip_special_tokens=False,
-                                      clean_up_tokenization_spaces=False)
+    tokenizer = await ctx.offload.side_tokenizer(ctx.tokenizer)
+    text = await ctx.offload.side(tokenizer.decode, body.tokens, skip_special_tokens=False,
+                                  clean_up_tokenization_spaces=False)
     return json_response(encode_json(DetokenizeResponse(prompt=text)))
 
 
 async def health(ctx: ServingContext, request: web.Request) -> web.Response:
+    """/health and /ping (GET and POST, SageMaker's probe): 200 while serving, 503 with the reason once the engine is
+    gone. Open without the API key, so what it says names no address (frontend/redaction.py)."""
     if await ctx.engine.check_health():
         # data parallel with a replica down: still serving, and saying which replica is gone
         detail = ctx.engine.health_detail()
-        return web.Response(status=200) if detail is None else json_response(encode_json(detail))
+        if detail is None:
+            return web.Response(status=200)
+        return json_response(without_addresses(encode_json(detail).decode()).encode())
     reason = ctx.engine.dead_reason
-    return error_response(503, f"The engine stopped: {reason}." if reason else "The engine is not ready.")
+    return error_response(503, f"The engine stopped: {without_addresses(reason)}." if reason else
+                          "The engine is not ready.")
 
 
 async def version(ctx: ServingContext, request: web.Request) -> web.Response:

@@ -6,7 +6,8 @@ while a step runs are buffered and applied before the next step is planned; ping
 
 A watchdog bounds the wait for a step's result (`--worker-step-timeout`): a worker that does not answer in time is
 treated as dead. The scheduler logs why and exits non-zero, which the launcher's supervision turns into /health 503,
-an error for every request in flight (503 over HTTP) and an orderly stop of the instance.
+an error for every request in flight (503 over HTTP) and an orderly stop of the instance. A frame that does not
+decode, from either side, is logged and dropped.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ from tokenmill.messages import (
     decoder,
     encode,
 )
-from tokenmill.processes import become_child_process, make_socket, worker_socket_address
+from tokenmill.processes import become_child_process, decode_or_drop, make_socket, worker_socket
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.scheduler.spec_decode import SpecDecodeLogger
 from tokenmill.scheduler.step_summary import StepSummarizer
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, grammar_tokenizer
+from tokenmill.socket_security import allow_only_workers
 
 IDLE_POLL_MS = 1000
 STATS_INTERVAL_S = 0.5
@@ -62,8 +64,11 @@ class SchedulerLoop:
         self.ctx = zmq.Context()
         self.from_frontend = make_socket(self.ctx, zmq.PULL, config.ipc_address("requests"), bind=True)
         self.to_frontend = make_socket(self.ctx, zmq.PUSH, config.ipc_address("outputs"), bind=True)
-        self.to_workers = make_socket(self.ctx, zmq.PUB, worker_socket_address(config, "plans"), bind=True)
-        self.from_workers = make_socket(self.ctx, zmq.PULL, worker_socket_address(config, "results"), bind=True)
+        # tcp:// worker sockets (Ray) admit only the instance's workers: the ZAP handler starts before they bind
+        keys = config.parallel.worker_socket_keys
+        self.authenticator = allow_only_workers(self.ctx, keys) if keys is not None else None
+        self.to_workers = worker_socket(self.ctx, config, "plans", zmq.PUB, bind=True)
+        self.from_workers = worker_socket(self.ctx, config, "results", zmq.PULL, bind=True)
         self.frontend_decoder = decoder(FrontendMessage)
         self.worker_decoder = decoder(WorkerMessage)
         self.pending: list[FrontendMessage] = []  # arrived while a step was running
@@ -83,7 +88,7 @@ class SchedulerLoop:
     def wait_for_workers(self) -> list[WorkerReady]:
         readies: dict[int, WorkerReady] = {}
         while len(readies) < self.config.parallel.world_size:
-            msg = self.worker_decoder.decode(self.from_workers.recv())
+            msg = decode_or_drop(self.worker_decoder, self.from_workers.recv(), self.log, "a worker")
             if isinstance(msg, WorkerError):
                 raise WorkerFailed(f"worker {msg.rank} failed to start: {msg.message}")
             if isinstance(msg, WorkerReady):
@@ -133,7 +138,9 @@ class SchedulerLoop:
                 raw = self.from_frontend.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.handle(self.frontend_decoder.decode(raw))
+            message = decode_or_drop(self.frontend_decoder, raw, self.log, "the frontend")
+            if message is not None:
+                self.handle(message)
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Send this step's outputs, with stats when a request finished or STATS_INTERVAL_S has passed."""
@@ -174,16 +181,16 @@ class SchedulerLoop:
                                        f"(--worker-step-timeout); treating the worker as dead")
             for sock, _ in poller.poll(wait_ms):
                 if sock is self.from_workers:
-                    msg = self.worker_decoder.decode(sock.recv())
+                    msg = decode_or_drop(self.worker_decoder, sock.recv(), self.log, "a worker")
                     if isinstance(msg, WorkerError):
                         raise WorkerFailed(f"worker {msg.rank} failed: {msg.message}")
                     if isinstance(msg, StepResult) and msg.step_id == step_id:
                         return msg
                 else:
-                    msg = self.frontend_decoder.decode(sock.recv())
+                    msg = decode_or_drop(self.frontend_decoder, sock.recv(), self.log, "the frontend")
                     if isinstance(msg, Ping):
                         self.to_frontend.send(encode(Pong(msg.nonce)))
-                    else:
+                    elif msg is not None:
                         self.pending.append(msg)
 
     def run(self) -> None:
@@ -214,6 +221,8 @@ class SchedulerLoop:
         try:
             self.to_workers.send(encode(Shutdown()))
         finally:
+            if self.authenticator is not None:
+                self.authenticator.stop()
             self.ctx.destroy(linger=0)
 
 

@@ -110,7 +110,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--host", default="0.0.0.0")
     h.add_argument("--port", type=int, default=8000)
     h.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $TOKENMILL_API_KEY)")
+                   help="require `Authorization: Bearer KEY` on every path but /health and /ping "
+                        "(default: $TOKENMILL_API_KEY)")
+    h.add_argument("--disable-metrics-auth", action="store_true",
+                   help="serve /metrics without the API key (for Prometheus scrapers that carry none)")
     h.add_argument("--allowed-origins", default="[]", help='CORS origins as a JSON list, e.g. \'["*"]\'')
     h.add_argument("--max-request-body-bytes", type=parse_bytes, default=ServerConfig().max_request_body_bytes)
     h.add_argument("--enable-log-requests", action="store_true", help="log one access line per HTTP request")
@@ -173,6 +176,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     origins = json.loads(args.allowed_origins) if hasattr(args, "allowed_origins") else []
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
+                          disable_metrics_auth=args.disable_metrics_auth,
                           max_request_body_bytes=args.max_request_body_bytes,
                           enable_log_requests=args.enable_log_requests, disable_dashboard=args.disable_dashboard,
                           trust_request_chat_template=args.trust_request_chat_template,

@@ -70,6 +70,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     worker_step_timeout_s: float = 60.0  # a worker that does not answer a step this long is dead (0: never)
 
 
+class WorkerSocketKeys(msgspec.Struct, frozen=True, kw_only=True):
+    """CURVE key pairs (Z85) of one instance's tcp:// worker sockets (tokenmill/socket_security.py): the scheduler's
+    (the server) and the workers' (the clients). The workers' copy has no `server_secret`."""
+
+    server_public: str
+    server_secret: str
+    client_public: str
+    client_secret: str
+
+
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
     # the decoder layers split into this many stages (workers/pipeline_parallel.py); world = pipeline x tensor
@@ -82,6 +92,7 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # "plans"/"results" -> tcp:// address the scheduler binds and the workers connect to when they run on other
     # nodes (Ray); empty: the instance's ipc:// sockets
     worker_addresses: dict[str, str] = {}
+    worker_socket_keys: WorkerSocketKeys | None = None  # set with tcp:// worker_addresses: their CURVE keys
     # data parallelism (tokenmill/data_parallel.py): N engine replicas behind one frontend, which routes each request
     # by longest cached prefix, then load ("cache-aware", frontend/router.py), or in turn ("round-robin")
     data_parallel_size: int = 1
@@ -98,7 +109,8 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "0.0.0.0"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = None  # every path but /health and /ping needs it (frontend/auth.py); never sent to children
+    disable_metrics_auth: bool = False  # /metrics open without the key, for Prometheus scrapers
     allowed_origins: list[str] = []
     max_request_body_bytes: int = 32 << 20
     enable_log_requests: bool = False  # the HTTP access log, one line per request
@@ -151,6 +163,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def to_bytes(self) -> bytes:
         return msgspec.msgpack.encode(self)
+
+    def for_scheduler(self) -> "EngineConfig":
+        """What the scheduler process receives: everything but the API key (only the frontend checks it)."""
+        return replace(self, server=replace(self.server, api_key=None))
+
+    def for_workers(self) -> "EngineConfig":
+        """What a worker (process or Ray actor) receives: no API key, and of the CURVE keys only the workers' pair and
+        the scheduler's public key."""
+        keys = self.parallel.worker_socket_keys
+        parallel = self.parallel if keys is None else replace(self.parallel,
+                                                              worker_socket_keys=replace(keys, server_secret=""))
+        return replace(self.for_scheduler(), parallel=parallel)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "EngineConfig":

@@ -78,11 +78,14 @@ class EngineProcesses:
         local_workers = 0 if self.ray_workers is not None else self.config.parallel.world_size
         roles = ["scheduler"] + [f"worker{rank}" for rank in range(local_workers)]
         preamble = json.dumps([str(entry) for entry in sys.path]).encode() + b"\n"
+        # each child gets only what it needs: no API key, no scheduler's CURVE secret for the workers
+        config_bytes = {"scheduler": self.config.for_scheduler().to_bytes(),
+                        "worker": self.config.for_workers().to_bytes()}
         for role in roles:
             child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE, env=self.env)
             self.children.append((f"tokenmill-{role}", child))
             try:
-                child.stdin.write(preamble + self.config.to_bytes())
+                child.stdin.write(preamble + config_bytes["scheduler" if role == "scheduler" else "worker"])
                 child.stdin.close()
             except BrokenPipeError:
                 pass  # it has already exited: dead_child() reports it

@@ -7,8 +7,15 @@ import logging
 import os
 import signal
 import sys
+from typing import TypeVar
 
+import msgspec
 import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.socket_security import max_message_bytes, secure_socket
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -41,12 +48,37 @@ def become_child_process(name: str) -> logging.Logger:
     return setup_logging(name)
 
 
-def worker_socket_address(config, name: str) -> str:
+def worker_socket_address(config: EngineConfig, name: str) -> str:
     """The scheduler's `plans` or `results` socket: TCP when workers run on other nodes (Ray), else ipc://."""
     return config.parallel.worker_addresses.get(name) or config.ipc_address(name)
 
 
+def worker_socket(ctx: zmq.Context, config: EngineConfig, name: str, kind: int, bind: bool) -> zmq.Socket:
+    """The scheduler's (bind) or a worker's (connect) end of the `plans` or `results` socket: over ipc:// a plain
+    socket, over tcp:// a CURVE one with bounded queues and frames (tokenmill/socket_security.py)."""
+    address = worker_socket_address(config, name)
+    if address.startswith("ipc://"):
+        return make_socket(ctx, kind, address, bind)
+    keys = config.parallel.worker_socket_keys
+    if keys is None:
+        raise ValueError(f"the {name} socket leaves the host ({address}) but the config has no worker_socket_keys")
+    return secure_socket(ctx, kind, address, bind, keys, max_message_bytes(config))
+
+
+def decode_or_drop(decoder: msgspec.msgpack.Decoder[T], frame: bytes,
+                   log: logging.Logger | logging.LoggerAdapter, source: str) -> T | None:
+    """The message in `frame`, or None (logged, never raised) when it does not decode: one bad frame from a peer
+    must not end the process that reads it."""
+    try:
+        return decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.error("dropped an undecodable %d-byte frame from %s: %s", len(frame), source, str(exc)[:200])
+        return None
+
+
 def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    """A socket on the instance's private ipc:// directory, where only its own processes can connect: unbounded
+    queues (the scheduler bounds what it sends) and frames."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if kind in (zmq.PUSH, zmq.PUB):

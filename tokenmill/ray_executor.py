@@ -5,8 +5,9 @@ per rank, each in a bundle of a placement group (`{"GPU": 1}` on GPU, `{"CPU": 1
 $TOKENMILL_RAY_PLACEMENT_STRATEGY to change it), so the world is reserved whole or not at all. Ranks go to the
 actors sorted by node (this node first, then by IP), so a stage's tensor-parallel ranks share a node when they
 can. The torch.distributed rendezvous is rank 0's node IP and a port found free there; the scheduler binds its
-`plans` and `results` sockets on this node's IP (TCP) and the actors connect to them, with the same msgspec messages
-as over ipc://. Each actor runs the subprocess's entry point (`workers/process.py: serve_worker`) as its one
+`plans` and `results` sockets on this node's IP (TCP, CURVE-authenticated with keys made per instance and sent in the
+actors' config: tokenmill/socket_security.py) and the actors connect to them, with the same msgspec messages as over
+ipc://. Each actor runs the subprocess's entry point (`workers/process.py: serve_worker`) as its one
 long-running method; that method's result turning ready means the actor has stopped or died, which is how
 supervision notices it. Stopping kills every actor, removes the placement group and disconnects from Ray.
 
@@ -21,6 +22,7 @@ import os
 import socket
 
 from tokenmill.config import EngineConfig, ParallelConfig, replace
+from tokenmill.socket_security import new_worker_socket_keys
 
 log = logging.getLogger("tokenmill.ray")
 
@@ -119,13 +121,15 @@ class RayWorkers:
         dist_port = ray.get(self.actors[0].free_port.remote())
         self.parallel: ParallelConfig = replace(
             parallel, dist_host=self.node_ips[0], dist_port=dist_port,
-            worker_addresses={name: f"tcp://{here}:{free_port(here)}" for name in ("plans", "results")})
+            worker_addresses={name: f"tcp://{here}:{free_port(here)}" for name in ("plans", "results")},
+            worker_socket_keys=new_worker_socket_keys())  # CURVE on both sockets (tokenmill/socket_security.py)
         log.info("Ray placed %d workers on %d node(s): %s", world, len(set(self.node_ids)),
                  ", ".join(f"rank {rank} on {ip}" for rank, ip in enumerate(self.node_ips)))
 
     def start(self, config: EngineConfig) -> None:
-        """Start every actor's worker loop with the instance's config (whose parallel section is `self.parallel`)."""
-        config_bytes = config.to_bytes()
+        """Start every actor's worker loop with the instance's config (whose parallel section is `self.parallel`), less
+        what workers must not hold: the API key and the scheduler's CURVE secret key."""
+        config_bytes = config.for_workers().to_bytes()
         self.runs = [actor.run.remote(config_bytes, rank) for rank, actor in enumerate(self.actors)]
 
     def dead(self) -> list[str]:

@@ -18,6 +18,7 @@ from tokenmill.data_parallel import DataParallelEngines
 from tokenmill.frontend.data_parallel_client import DataParallelEngineClient
 from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from tokenmill.frontend.engine_protocol import EngineClient
+from tokenmill.frontend.redaction import RedactingAccessLogger
 from tokenmill.launcher import kv_capacity_error, log_capacity
 
 log = logging.getLogger("tokenmill.serve")
@@ -59,7 +60,7 @@ async def serve(config: EngineConfig) -> int:
         tokenizer = await tokenizer_task
         access_log = logging.getLogger("aiohttp.access") if config.server.enable_log_requests else None
         runner = web.AppRunner(build_app(config, client, tokenizer), handle_signals=False, access_log=access_log,
-                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                               access_log_class=RedactingAccessLogger, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         await web.TCPSite(runner, config.server.host, config.server.port).start()
         log.info("serving %s on http://%s:%d", config.model.served_model_name, config.server.host, config.server.port)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tokenmill.config import EngineConfig
 from tokenmill.workers.models.layers import TensorParallel
 from tokenmill.workers.models.pipeline import PipelineStage
+from tokenmill.workers.rendezvous import rendezvous_store
 
 
 def resolve_device(config: EngineConfig, rank: int) -> torch.device:
@@ -54,7 +55,7 @@ def join_process_group(config: EngineConfig, rank: int, backend: str) -> None:
         raise ValueError("tensor or pipeline parallelism needs parallel.dist_port")
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{parallel.dist_host}:{parallel.dist_port}",
+        store=rendezvous_store(parallel.dist_host, parallel.dist_port, rank, parallel.world_size),
         rank=rank,
         world_size=parallel.world_size,
     )

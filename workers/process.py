@@ -17,7 +17,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import Shutdown, StepPlan, WorkerCommand, WorkerError, WorkerReady, decoder, encode
-from tokenmill.processes import become_child_process, make_socket, worker_socket_address
+from tokenmill.processes import become_child_process, decode_or_drop, worker_socket
 
 if TYPE_CHECKING:  # imported where a worker starts: the launcher imports this module and must not load torch
     from tokenmill.workers.worker import Worker
@@ -33,8 +33,8 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
     """Load, report ready, then run plans until Shutdown; raises SystemExit(1) after reporting a failure."""
     replying_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
     ctx = zmq.Context()
-    plans = make_socket(ctx, zmq.SUB, worker_socket_address(config, "plans"), bind=False)
-    results = make_socket(ctx, zmq.PUSH, worker_socket_address(config, "results"), bind=False)
+    plans = worker_socket(ctx, config, "plans", zmq.SUB, bind=False)
+    results = worker_socket(ctx, config, "results", zmq.PUSH, bind=False)
     try:
         runner = make_worker(config, rank)
         runner.load_model()
@@ -48,7 +48,9 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
             sliding_window=runner.kv_sliding_window)))
         commands = decoder(WorkerCommand)
         while True:
-            command = commands.decode(plans.recv())
+            command = decode_or_drop(commands, plans.recv(), log, "the scheduler")
+            if command is None:
+                continue
             if isinstance(command, Shutdown):
                 break
             assert isinstance(command, StepPlan)

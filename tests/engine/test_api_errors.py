@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from tests.helpers.api_helpers import API_KEY, metric, strictly_valid
+from tests.helpers.api_helpers import API_KEY, auth, metric, strictly_valid
 from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
@@ -122,7 +122,7 @@ def test_unknown_model_is_404(client, model):
     assert_still_serves(client, model)
 
 
-def test_api_key_guards_v1_only(server, client, model):
+def test_api_key_guards_all_but_health_and_ping(server, client, model):
     for path in ("/v1/models", "/v1/completions"):
         response = requests.request("GET" if path == "/v1/models" else "POST", f"{server.url}{path}",
                                     json={"model": model, "prompt": PROMPT}, timeout=30)
@@ -130,8 +130,12 @@ def test_api_key_guards_v1_only(server, client, model):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).completions.create(
             model=model, prompt=PROMPT, max_tokens=1)
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping"):
         assert requests.get(f"{server.url}{path}", timeout=30).status_code == 200, path
+    for path in ("/metrics", "/version"):
+        assert requests.get(f"{server.url}{path}", timeout=30).status_code == 401, path
+        assert requests.get(f"{server.url}{path}", headers=auth(), timeout=30).status_code == 200, path
+    assert requests.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, timeout=30).status_code == 401
     assert_still_serves(client, model)
 
 
@@ -148,7 +152,8 @@ def test_body_too_large_is_413(server, client, model):
 
 def test_prompt_longer_than_the_context_is_400_with_both_numbers(server, client, model):
     long_prompt = "hello " * (MAX_MODEL_LEN + 50)
-    num_tokens = requests.post(f"{server.url}/tokenize", json={"prompt": long_prompt}, timeout=30).json()["count"]
+    num_tokens = requests.post(f"{server.url}/tokenize", json={"prompt": long_prompt}, headers=auth(),
+                               timeout=30).json()["count"]
     assert num_tokens > MAX_MODEL_LEN
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model, prompt=long_prompt, max_tokens=1)

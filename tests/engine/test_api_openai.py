@@ -17,8 +17,8 @@ import pytest
 import requests
 
 import tokenmill
-from tests.helpers.api_helpers import (API_KEY, collect_stream, metric, metric_samples, result, run_concurrently,
-                                      strictly_valid)
+from tests.helpers.api_helpers import (API_KEY, auth, collect_stream, metric, metric_samples, result,
+                                      run_concurrently, strictly_valid)
 from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
@@ -64,13 +64,13 @@ def model(client) -> str:
 
 
 def tokenize(server: Server, **body) -> list[int]:
-    response = requests.post(f"{server.url}/tokenize", json=body, timeout=30)
+    response = requests.post(f"{server.url}/tokenize", json=body, headers=auth(), timeout=30)
     assert response.status_code == 200, response.text
     return response.json()["tokens"]
 
 
 def detokenize(server: Server, tokens: list[int]) -> str:
-    response = requests.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=30)
+    response = requests.post(f"{server.url}/detokenize", json={"tokens": tokens}, headers=auth(), timeout=30)
     assert response.status_code == 200, response.text
     return response.json()["prompt"]
 
@@ -346,7 +346,8 @@ def test_min_tokens_holds_eos_back(first_round):
 
 
 def test_tokenize_and_detokenize(server, prompt_ids):
-    response = requests.post(f"{server.url}/tokenize", json={"prompt": FACT, "return_token_strs": True}, timeout=30)
+    response = requests.post(f"{server.url}/tokenize", json={"prompt": FACT, "return_token_strs": True},
+                             headers=auth(), timeout=30)
     body = response.json()
     assert body["tokens"] == prompt_ids["fact"] and body["count"] == len(body["tokens"]) == len(body["token_strs"])
     assert body["max_model_len"] == MAX_MODEL_LEN
@@ -357,7 +358,7 @@ def test_tokenize_and_detokenize(server, prompt_ids):
 
 
 def test_version_and_health(server):
-    assert requests.get(f"{server.url}/version", timeout=10).json() == {"version": tokenmill.__version__}
+    assert requests.get(f"{server.url}/version", headers=auth(), timeout=10).json() == {"version": tokenmill.__version__}
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
 
 

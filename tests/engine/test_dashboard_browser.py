@@ -126,7 +126,7 @@ def test_dashboard_in_a_browser_under_load(browser, server, tmp_path):
         while worker.is_alive() and time.monotonic() < deadline:
             state = panel_state(browser)
             seen_steps.add(int(state["stepId"]))
-            metrics = metric_samples(server.url)
+            metrics = metric_samples(server.url, KEY)
             samples.append((int(state["blocksUsed"]) / num_blocks, metrics[("vllm:kv_cache_usage_perc", ())]))
             assert int(state["blocksFree"]) + int(state["blocksCached"]) + int(state["blocksUsed"]) == num_blocks
             assert (state["shownUsed"], state["shownRunning"]) == (state["blocksUsed"], state["running"])
@@ -152,7 +152,7 @@ def test_dashboard_in_a_browser_under_load(browser, server, tmp_path):
 
     # idle: the page's grid and counters match /metrics exactly
     def metrics_now():
-        m = metric_samples(server.url)
+        m = metric_samples(server.url, KEY)
         return m, next(float(dict(labels)["num_gpu_blocks"]) for name, labels in m if name == "vllm:cache_config_info")
 
     deadline = time.monotonic() + 30

@@ -22,9 +22,14 @@ def strictly_valid(response: Model) -> Model:
     return type(response).model_validate(response.to_dict())
 
 
-def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def auth(api_key: str = API_KEY) -> dict[str, str]:
+    """The header every path but /health and /ping needs when the server has an API key (ignored without one)."""
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+def metric_samples(url: str, api_key: str = API_KEY) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of /metrics: (sample name, sorted labels without model_name) -> value."""
-    text = requests.get(f"{url}/metrics", timeout=10).text
+    text = requests.get(f"{url}/metrics", headers=auth(api_key), timeout=10).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
