@@ -13,8 +13,8 @@ import time
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer, make_mocked_request
-from frontend_fakes import FakeEngine
-from test_frontend_server import async_test
+from tests.helpers.frontend_fakes import FakeEngine
+from tests.helpers.frontend_server import async_test
 from tokenmill.frontend.dashboard import COOKIE_NAME
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.offload import Offload
