@@ -9,6 +9,7 @@ import sys
 
 from tokenmill.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, ServerConfig)
+from tokenmill.config import replace
 from tokenmill.speculative import parse_speculative_config
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -153,6 +154,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="split the model's thinking (reasoning_content) from its answer (content)")
 
 
+
+def add_operations_args(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig()
+    o = parser.add_argument_group("operations (drain, restarts)")
+    o.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s",
+                   help="on SIGTERM/SIGINT, seconds requests in flight get to finish before they end with "
+                        "finish_reason 'abort' (a second signal ends them at once)")
+
+
+def operations_settings(args: argparse.Namespace) -> dict[str, float | int | bool]:
+    return {"shutdown_timeout_s": args.shutdown_timeout_s}
+
+
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
@@ -184,6 +198,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_json_depth=args.max_json_depth, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           reasoning_parser=args.reasoning_parser) if hasattr(args, "host") else ServerConfig()
+    if hasattr(args, "shutdown_timeout_s"):
+        server = replace(server, **operations_settings(args))
     return EngineConfig(
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
@@ -217,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible)")
     add_engine_args(serve)
     add_server_args(serve)
+    add_operations_args(serve)
     return parser
 
 

@@ -121,6 +121,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    # operations (tokenmill/serve.py, README "Operations"): SIGTERM/SIGINT drain the server, letting requests in flight
+    # finish for up to shutdown_timeout_s (vLLM's --shutdown-timeout) before ending them with finish_reason "abort"
+    shutdown_timeout_s: float = 30.0
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
