@@ -25,8 +25,8 @@ def tiny_llama(tiny_checkpoints) -> str:
 
 def launch(server: Server) -> requests.Response:
     """Start the server process without waiting for it to be ready; the first answer of its /ready."""
-    server.proc = subprocess.Popen(server.args, stdout=open(server.log_path, "wb"), stderr=subprocess.STDOUT,
-                                   env=server.env)
+    with open(server.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        server.proc = subprocess.Popen(server.args, stdout=log, stderr=subprocess.STDOUT, env=server.env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.proc.poll() is None:
         try:
