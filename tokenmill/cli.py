@@ -161,10 +161,19 @@ def add_operations_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s",
                    help="on SIGTERM/SIGINT, seconds requests in flight get to finish before they end with "
                         "finish_reason 'abort' (a second signal ends them at once)")
+    o.add_argument("--restart-on-failure", action="store_true",
+                   help="when an engine process dies or hangs (--worker-step-timeout), start a fresh engine and "
+                        "resume every request in flight instead of exiting")
+    o.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                   help="with --restart-on-failure: the most restarts within --restart-window; the next failure "
+                        "ends the instance (exit code 1)")
+    o.add_argument("--restart-window", type=float, default=defaults.restart_window_s, dest="restart_window_s",
+                   help="seconds over which --max-restarts is counted")
 
 
 def operations_settings(args: argparse.Namespace) -> dict[str, float | int | bool]:
-    return {"shutdown_timeout_s": args.shutdown_timeout_s}
+    return {"shutdown_timeout_s": args.shutdown_timeout_s, "restart_on_failure": args.restart_on_failure,
+            "max_restarts": args.max_restarts, "restart_window_s": args.restart_window_s}
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}

@@ -12,6 +12,7 @@ after a short grace period.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
@@ -23,9 +24,10 @@ from aiohttp import web
 from tokenmill.frontend.data_parallel_client import DataParallelEngineClient
 from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from tokenmill.frontend.lifecycle import ServerLifecycle
+from tokenmill.frontend.restarting_client import EngineHandle, RestartingEngineClient
 from tokenmill.config import EngineConfig
 from tokenmill.data_parallel import DataParallelEngines
-from tokenmill.launcher import kv_capacity_error, log_capacity
+from tokenmill.launcher import EngineProcesses, kv_capacity_error, log_capacity
 
 log = logging.getLogger("tokenmill.serve")
 
@@ -71,10 +73,16 @@ async def serve(config: EngineConfig) -> int:
     from tokenmill.frontend.server import build_app
     from tokenmill.frontend.tokenizer import load_tokenizer
 
-    processes = DataParallelEngines(config)
-    config = processes.config
-    client = engine_client(processes)  # connect first: the scheduler's EngineReady must not be lost
+    if config.server.restart_on_failure and config.parallel.data_parallel_size > 1:
+        log.error("--restart-on-failure restarts one engine: it does not combine with --data-parallel-size > 1 "
+                  "(which already serves on when a replica dies)")
+        return 1
     lifecycle = ServerLifecycle("loading")
+    processes = DataParallelEngines(config)
+    # connect first: the scheduler's EngineReady must not be lost
+    client = (restarting_client(config, processes, lifecycle) if config.server.restart_on_failure
+              else engine_client(processes))
+    config = processes.config
     signals = ShutdownSignals(asyncio.get_running_loop(), lifecycle)
     runner: web.AppRunner | None = None
     try:
@@ -126,7 +134,10 @@ async def open_port(config: EngineConfig, app: web.Application) -> web.AppRunner
     return runner
 
 
-async def until_stopped_or_dead(client: AsyncEngineClient | DataParallelEngineClient, stop: asyncio.Event) -> None:
+AnyEngineClient = AsyncEngineClient | DataParallelEngineClient | RestartingEngineClient
+
+
+async def until_stopped_or_dead(client: AnyEngineClient, stop: asyncio.Event) -> None:
     while not stop.is_set() and client.dead_reason is None:
         try:
             await asyncio.wait_for(stop.wait(), 0.2)
@@ -134,7 +145,7 @@ async def until_stopped_or_dead(client: AsyncEngineClient | DataParallelEngineCl
             pass
 
 
-async def drain(client: AsyncEngineClient | DataParallelEngineClient, lifecycle: ServerLifecycle, timeout_s: float,
+async def drain(client: AnyEngineClient, lifecycle: ServerLifecycle, timeout_s: float,
                 hurry: asyncio.Event) -> None:
     """Admit nothing more, let the requests in flight finish for up to `timeout_s` (or until `hurry`), then end the
     rest with finish_reason "abort" and give their streams a moment to send their last chunk and [DONE]."""
@@ -149,6 +160,27 @@ async def drain(client: AsyncEngineClient | DataParallelEngineClient, lifecycle:
     while lifecycle.in_flight and time.monotonic() < deadline and client.dead_reason is None:
         await client.abort(client.request_ids_in_flight())
         await lifecycle.wait_idle(ABORT_RETRY_S)
+
+
+def restarting_client(config: EngineConfig, processes: DataParallelEngines,
+                      lifecycle: ServerLifecycle) -> RestartingEngineClient:
+    """--restart-on-failure: the first engine's client, and fresh engines from `config` (the one before start-up
+    gave the processes their socket directory) when it fails."""
+    first = EngineHandle(AsyncEngineClient(processes.config, processes.dead_child), processes.stop)
+    server = config.server
+    return RestartingEngineClient(first, functools.partial(launch_engine, config), lifecycle, server.max_restarts,
+                                  server.restart_window_s)
+
+
+def launch_engine(config: EngineConfig) -> EngineHandle:
+    """A fresh engine's processes and its client (connected and started before the processes, so its EngineReady
+    cannot be lost)."""
+    processes = EngineProcesses(config)
+    client = AsyncEngineClient(processes.config, processes.dead_child)
+    client.start()
+    processes.start()
+    log.info("restarting: a fresh engine loads (sockets in %s)", processes.config.ipc_dir)
+    return EngineHandle(client, processes.stop)
 
 
 def engine_client(processes: DataParallelEngines) -> AsyncEngineClient | DataParallelEngineClient:
