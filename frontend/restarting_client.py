@@ -180,6 +180,11 @@ class RestartingEngineClient:
                 await asyncio.gather(*(self._forward(stream, flight) for stream, flight in zip(streams, flights)))
         except EngineDeadError:
             pass
+        except Exception as exc:  # anything else is the request's own failure: its consumers must hear of it
+            for flight in flights:
+                if not flight.finished:
+                    flight.finished = True
+                    flight.queue.put_nowait(exc)
 
     @staticmethod
     async def _forward(stream: AsyncIterator[RequestOutput], flight: Flight) -> None:

@@ -17,7 +17,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 from aiohttp import web
 
@@ -134,7 +134,7 @@ async def open_port(config: EngineConfig, app: web.Application) -> web.AppRunner
     return runner
 
 
-AnyEngineClient = AsyncEngineClient | DataParallelEngineClient | RestartingEngineClient
+AnyEngineClient: TypeAlias = AsyncEngineClient | DataParallelEngineClient | RestartingEngineClient
 
 
 async def until_stopped_or_dead(client: AnyEngineClient, stop: asyncio.Event) -> None:
