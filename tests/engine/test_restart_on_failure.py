@@ -83,3 +83,20 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes(tiny_checkpoints
         print(f"restart time (SIGKILL of the worker to the first token from the fresh engine): {restart_s:.2f} s")
         assert "engine restarted in" in server.log_tail(50000)
         assert requests.get(server.url + "/ready", timeout=5).json() == {"status": "ready"}
+
+
+def test_a_hung_worker_is_replaced_after_the_step_timeout(tiny_checkpoints, tmp_path):
+    greedy = bodies()[:4]
+    with Server(str(tiny_checkpoints("llama")), *TINY_ARGS, "--restart-on-failure", "--worker-step-timeout", "1",
+                log_path=tmp_path / "log") as server:
+        threads, undisturbed = start_streams(server.url, greedy)
+        for thread in threads:
+            thread.join(120)
+        threads, records = start_streams(server.url, greedy)
+        assert all(record.first_chunk.wait(60) for record in records)
+        os.kill(worker_pid(server), signal.SIGSTOP)  # alive but silent: only the scheduler's watchdog can tell
+        for thread in threads:
+            thread.join(180)
+        for before, after in zip(undisturbed, records):
+            assert after.error is None and after.done and after.text == before.text, server.log_tail()
+        assert "no worker answered step" in server.log_tail(50000)
