@@ -234,6 +234,7 @@ class RestartingEngineClient:
         old = self.engine
         old.client.close()
         await asyncio.to_thread(old.stop)
+        stopped = time.monotonic()
         try:
             self.engine = self._launch()
             self.engine.client.summary_listener = self._summary_listener
@@ -245,7 +246,8 @@ class RestartingEngineClient:
         if self._lifecycle.phase == "degraded":
             self._lifecycle.phase = "ready"
         self._resume_flights()
-        log.warning("engine restarted in %.2f s; %d requests resumed", self.last_restart_s,
+        log.warning("engine restarted in %.2f s (old engine stopped in %.2f s, the fresh one loaded in %.2f s); %d "
+                    "requests resumed", self.last_restart_s, stopped - began, self.last_restart_s - (stopped - began),
                     len(self.request_ids_in_flight()))
 
     def _resume_flights(self) -> None:

@@ -6,7 +6,8 @@ drains: new API requests get a 503 with Retry-After, /ready says "draining", req
 `--shutdown-timeout` seconds and whatever is still running then ends with finish_reason "abort" (a clean end of the
 stream, never a cut connection); a second signal skips the wait. Then every process stops and the exit code is 0.
 A child that dies turns /health to 503, ends in-flight requests with an error, and the instance exits with code 1
-after a short grace period.
+after a short grace period; with --restart-on-failure a fresh engine takes over instead and the requests in flight
+resume (frontend/restarting_client.py).
 """
 
 from __future__ import annotations
