@@ -72,6 +72,7 @@ class RestartingEngineClient:
         self._supervisor: asyncio.Task | None = None
         self._restarting = False
         self._summary_listener: Callable[[StepSummary], None] | None = None
+        self._watch_interval_s = 0.0  # the dashboard's last WatchSteps interval (0: not watching)
         self.dead_reason: str | None = None
         self.ready: EngineReady | None = None
         self.last_restart_s: float | None = None  # how long the last restart took, death noticed to engine ready
@@ -112,6 +113,7 @@ class RestartingEngineClient:
         self.engine.client.summary_listener = listener
 
     async def watch_steps(self, interval_s: float) -> None:
+        self._watch_interval_s = interval_s  # a fresh engine is asked again
         if not self._restarting:
             await self.engine.client.watch_steps(interval_s)
 
@@ -246,6 +248,8 @@ class RestartingEngineClient:
         if self._lifecycle.phase == "degraded":
             self._lifecycle.phase = "ready"
         self._resume_flights()
+        if self._watch_interval_s:
+            await self.engine.client.watch_steps(self._watch_interval_s)
         log.warning("engine restarted in %.2f s (old engine stopped in %.2f s, the fresh one loaded in %.2f s); %d "
                     "requests resumed", self.last_restart_s, stopped - began, self.last_restart_s - (stopped - began),
                     len(self.request_ids_in_flight()))

@@ -107,7 +107,8 @@ async def serve(config: EngineConfig) -> int:
             log.error("%s", error)
             return 1
         lifecycle.phase = "ready"
-        log.info("ready: serving %s", config.model.served_model_name)
+        log.info("ready: serving %s on http://%s:%d", config.model.served_model_name, config.server.host,
+                 config.server.port)
         await until_stopped_or_dead(client, signals.stop)
         if client.dead_reason is not None:
             log.error("shutting down: %s", client.dead_reason)
