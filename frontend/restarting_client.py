@@ -52,8 +52,12 @@ class Flight:
     pump: asyncio.Task | None = None  # the task forwarding its outputs from the current engine
 
     def resumed(self) -> EngineRequest:
-        """The request to send a fresh engine: the same choice, carrying on after the tokens already delivered."""
-        return msgspec.structs.replace(self.request, resumed_output_token_ids=list(self.token_ids))
+        """The request to send a fresh engine: the same choice, carrying on after the tokens already delivered
+        (whose first output carried the prompt logprobs, if asked: they are not asked for twice)."""
+        sampling = self.request.sampling
+        if self.token_ids and sampling.prompt_logprobs is not None:
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
+        return msgspec.structs.replace(self.request, sampling=sampling, resumed_output_token_ids=list(self.token_ids))
 
 
 class RestartingEngineClient:
@@ -179,7 +183,8 @@ class RestartingEngineClient:
         resumes the flights)."""
         try:
             async with client.generate_choices(request) as streams:
-                await asyncio.gather(*(self._forward(stream, flight) for stream, flight in zip(streams, flights)))
+                await asyncio.gather(*(self._forward(stream, flight)
+                                       for stream, flight in zip(streams, flights, strict=True)))
         except EngineDeadError:
             pass
         except Exception as exc:  # anything else is the request's own failure: its consumers must hear of it

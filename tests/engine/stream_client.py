@@ -61,7 +61,7 @@ def read_event(data: bytes, record: StreamRecord) -> None:
 def start_streams(url: str, bodies: list[dict]) -> tuple[list[threading.Thread], list[StreamRecord]]:
     records = [StreamRecord() for _ in bodies]
     threads = [threading.Thread(target=read_stream, args=(url, body, record), daemon=True)
-               for body, record in zip(bodies, records)]
+               for body, record in zip(bodies, records, strict=True)]
     for thread in threads:
         thread.start()
     return threads, records

@@ -74,7 +74,7 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes(tiny_checkpoints
         seen = readiness_during(server.url, records, 120)
         for thread in threads:
             thread.join(120)
-        for before, after in zip(undisturbed, records):
+        for before, after in zip(undisturbed, records, strict=True):
             assert after.error is None and after.status == 200, server.log_tail()
             assert after.done and after.finish_reason == "length" and after.completion_tokens == MAX_TOKENS
             assert after.text == before.text
@@ -97,6 +97,6 @@ def test_a_hung_worker_is_replaced_after_the_step_timeout(tiny_checkpoints, tmp_
         os.kill(worker_pid(server), signal.SIGSTOP)  # alive but silent: only the scheduler's watchdog can tell
         for thread in threads:
             thread.join(180)
-        for before, after in zip(undisturbed, records):
+        for before, after in zip(undisturbed, records, strict=True):
             assert after.error is None and after.done and after.text == before.text, server.log_tail()
         assert "no worker answered step" in server.log_tail(50000)

@@ -130,7 +130,7 @@ def test_streams_survive_a_dead_engine_without_lost_or_repeated_tokens():
         engines.next_loaded = False  # the fresh engine loads until the test lets it
         tokens: list[list[int]] = [[], []]
         async with client.generate_choices(request()) as streams:
-            tasks = [asyncio.create_task(collect(stream, into)) for stream, into in zip(streams, tokens)]
+            tasks = [asyncio.create_task(collect(stream, into)) for stream, into in zip(streams, tokens, strict=True)]
             await wait_until(lambda: len(tokens[0]) >= 5 and len(tokens[1]) >= 5)
             engines.all[0].die()
             await wait_until(lambda: len(engines.all) == 2)
