@@ -22,7 +22,8 @@ from tokenmill.config import ServerConfig
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
-OPEN_PATHS = frozenset({"/health", "/ping"})
+# /ready too: a readiness probe (Kubernetes, a load balancer) sends no key, and it says only the phase
+OPEN_PATHS = frozenset({"/health", "/ping", "/ready"})
 METRICS_PATH = "/metrics"
 DASHBOARD_PATH_PREFIXES = ("/dashboard", "/debug/")
 

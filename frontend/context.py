@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -13,6 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import AdmissionControl
+from tokenmill.frontend.lifecycle import ServerLifecycle
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.offload import Offload
 from tokenmill.frontend.reasoning_parsers import get_reasoning_parser
@@ -36,9 +37,12 @@ class ServingContext:
     task: str
     created: int  # when the app was built: the model card's `created`
     offload: Offload  # the threads that tokenize and render chat templates, off the event loop
+    # loading / ready / degraded / draining, and the API requests in flight (tokenmill/serve.py drives it)
+    lifecycle: ServerLifecycle = field(default_factory=lambda: ServerLifecycle("ready"))
 
     @classmethod
-    def create(cls, config: EngineConfig, engine: EngineClient, tokenizer: Any) -> ServingContext:
+    def create(cls, config: EngineConfig, engine: EngineClient, tokenizer: Any,
+               lifecycle: ServerLifecycle | None = None) -> ServingContext:
         model = config.model
         if model.max_model_len <= 0:
             raise ValueError("config.model.max_model_len is unset: resolve the config (resolve_config) first")
@@ -49,7 +53,7 @@ class ServingContext:
                    admission=AdmissionControl(config.scheduler.max_waiting_requests  # per scheduler
                                               * config.parallel.data_parallel_size), model_name=name,
                    max_model_len=model.max_model_len, vocab_size=vocab_size(tokenizer), task=task,
-                   created=int(time.time()), offload=Offload())
+                   created=int(time.time()), offload=Offload(), lifecycle=lifecycle or ServerLifecycle("ready"))
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:

@@ -175,6 +175,10 @@ class DataParallelEngineClient:
         for rank, ids in by_replica.items():
             await self.replicas[rank].abort(ids)
 
+    def request_ids_in_flight(self) -> list[str]:
+        """Every replica's engine request ids (one per choice) still in flight: a drain aborts these."""
+        return list(self._owner)
+
     async def watch_steps(self, interval_s: float) -> None:
         for replica in self.replicas:
             await replica.watch_steps(interval_s)

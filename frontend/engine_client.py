@@ -185,6 +185,10 @@ class AsyncEngineClient:
         if self.dead_reason is None:
             await self._send_abort(request_ids)
 
+    def request_ids_in_flight(self) -> list[str]:
+        """The engine request ids (one per choice) whose outputs someone is waiting for: a drain aborts these."""
+        return list(self._queues)
+
     async def watch_steps(self, interval_s: float) -> None:
         """Ask the scheduler for a StepSummary at most every `interval_s` (to `summary_listener`); 0 stops them."""
         if self.dead_reason is None:

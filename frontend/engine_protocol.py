@@ -71,6 +71,10 @@ class EngineClient(Protocol):
         """Abort requests (unknown or finished ids are ignored)."""
         ...
 
+    def request_ids_in_flight(self) -> list[str]:
+        """The engine request ids of every choice still in flight (a drain aborts them)."""
+        ...
+
     async def watch_steps(self, interval_s: float) -> None:
         """Ask for a StepSummary at most every `interval_s` (to `summary_listener`); 0 stops them."""
         ...

@@ -21,6 +21,7 @@ from tokenmill.frontend.context import ServingContext
 from tokenmill.frontend.dashboard import add_dashboard_routes
 from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.errors import APIError, error_response
+from tokenmill.frontend.lifecycle import ServerLifecycle, make_lifecycle_middleware
 from tokenmill.frontend.serving_chat import create_chat_completion
 from tokenmill.frontend.serving_completions import create_completion
 from tokenmill.frontend.serving_embeddings import EmbeddingServing
@@ -90,11 +91,13 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
             response.headers["Vary"] = "Origin"
 
 
-def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any) -> web.Application:
+def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any,
+              lifecycle: ServerLifecycle | None = None) -> web.Application:
     """The HTTP app for one instance over `engine` (frontend/engine_protocol.py); `config.model` must be resolved
-    (max_model_len, served_model_name, task)."""
-    ctx = ServingContext.create(config, engine, tokenizer)
-    middlewares = [error_middleware, make_auth_middleware(config.server)]
+    (max_model_len, served_model_name, task). `lifecycle` gates the API while the engine loads, drains or restarts
+    (None: an instance that serves at once)."""
+    ctx = ServingContext.create(config, engine, tokenizer, lifecycle)
+    middlewares = [error_middleware, make_auth_middleware(config.server), make_lifecycle_middleware(ctx.lifecycle)]
     if config.server.allowed_origins:
         middlewares.insert(0, make_cors_middleware(config.server.allowed_origins))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_body_bytes,
@@ -118,8 +121,10 @@ def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any) -> web
     app.router.add_post("/tokenize", route(serving_misc.tokenize))
     app.router.add_post("/detokenize", route(serving_misc.detokenize))
     app.router.add_get("/health", route(serving_misc.health))
+    app.router.add_get("/ready", route(serving_misc.ready))
     app.router.add_route("GET", "/ping", route(serving_misc.health))  # SageMaker's probe: GET and POST
     app.router.add_route("POST", "/ping", route(serving_misc.health))
+    app.router.add_get("/load", route(serving_misc.load))
     app.router.add_get("/version", route(serving_misc.version))
     app.router.add_get("/metrics", route(serving_misc.metrics))
     if not config.server.disable_dashboard:  # /dashboard, /dashboard/stream, /debug/steps (behind --api-key)

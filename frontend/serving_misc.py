@@ -1,4 +1,9 @@
-"""The small endpoints: /v1/models, /tokenize, /detokenize, /health and /ping, /version, /metrics."""
+"""The small endpoints: /v1/models, /tokenize, /detokenize, /health, /ready, /ping, /load, /version, /metrics.
+
+/health (and SageMaker's /ping) is liveness: 200 while the engine processes are alive and the scheduler answers a
+heartbeat on its loop. /ready is readiness: 200 `{"status": "ready"}` only while the instance admits requests and the
+heartbeat answers; else 503 with the phase ("loading", "draining", "degraded"), so a load balancer sends nothing here.
+"""
 
 from __future__ import annotations
 
@@ -89,6 +94,25 @@ async def health(ctx: ServingContext, request: web.Request) -> web.Response:
     reason = ctx.engine.dead_reason
     return error_response(503, f"The engine stopped: {without_addresses(reason)}." if reason else
                           "The engine is not ready.")
+
+
+async def ready(ctx: ServingContext, request: web.Request) -> web.Response:
+    phase = ctx.lifecycle.phase
+    if phase == "ready" and not await ctx.engine.check_health():
+        phase = "degraded"  # admitted, but the engine does not answer its heartbeat (dead, hung or restarting)
+    return web.Response(status=200 if phase == "ready" else 503, body=encode_json({"status": phase}),
+                        content_type="application/json")
+
+
+async def load(ctx: ServingContext, request: web.Request) -> web.Response:
+    """vLLM's `server_load` (API requests in flight) and the scheduler's latest queues and KV cache usage."""
+    stats = ctx.engine.latest_stats
+    return json_response(encode_json({
+        "server_load": ctx.lifecycle.in_flight,
+        "num_running": stats.num_running if stats is not None else 0,
+        "num_waiting": stats.num_waiting if stats is not None else 0,
+        "kv_cache_usage": stats.kv_cache_usage if stats is not None else 0.0,
+    }))
 
 
 async def version(ctx: ServingContext, request: web.Request) -> web.Response:

@@ -42,7 +42,8 @@ class Request:
         self.arrival_seq = arrival_seq  # order of admission into the scheduler; FCFS ties break on it
         self.enqueue_time = enqueue_time  # scheduler clock at admission, for ageing
         self.max_tokens = max_tokens  # resolved: never None, never past max_model_len
-        self.all_token_ids = list(self.prompt_token_ids)  # prompt + outputs
+        # prompt + outputs (a request resumed after its engine failed brings the outputs it had already streamed)
+        self.all_token_ids = self.prompt_token_ids + list(engine_request.resumed_output_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling; -1 until then
         self.status = RequestStatus.WAITING

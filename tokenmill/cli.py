@@ -9,6 +9,7 @@ import sys
 
 from tokenmill.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, ServerConfig)
+from tokenmill.config import replace
 from tokenmill.speculative import parse_speculative_config
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -156,6 +157,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="split the model's thinking (reasoning_content) from its answer (content)")
 
 
+
+def add_operations_args(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig()
+    o = parser.add_argument_group("operations (drain, restarts)")
+    o.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s",
+                   help="on SIGTERM/SIGINT, seconds requests in flight get to finish before they end with "
+                        "finish_reason 'abort' (a second signal ends them at once)")
+    o.add_argument("--restart-on-failure", action="store_true",
+                   help="when an engine process dies or hangs (--worker-step-timeout), start a fresh engine and "
+                        "resume every request in flight instead of exiting")
+    o.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                   help="with --restart-on-failure: the most restarts within --restart-window; the next failure "
+                        "ends the instance (exit code 1)")
+    o.add_argument("--restart-window", type=float, default=defaults.restart_window_s, dest="restart_window_s",
+                   help="seconds over which --max-restarts is counted")
+
+
+def operations_settings(args: argparse.Namespace) -> dict[str, float | int | bool]:
+    return {"shutdown_timeout_s": args.shutdown_timeout_s, "restart_on_failure": args.restart_on_failure,
+            "max_restarts": args.max_restarts, "restart_window_s": args.restart_window_s}
+
+
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
@@ -188,6 +211,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_json_depth=args.max_json_depth, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           reasoning_parser=args.reasoning_parser) if hasattr(args, "host") else ServerConfig()
+    if hasattr(args, "shutdown_timeout_s"):
+        server = replace(server, **operations_settings(args))
     return EngineConfig(
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
@@ -221,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible)")
     add_engine_args(serve)
     add_server_args(serve)
+    add_operations_args(serve)
     return parser
 
 

@@ -133,6 +133,15 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    # operations (tokenmill/serve.py, README "Operations"): SIGTERM/SIGINT drain the server, letting requests in flight
+    # finish for up to shutdown_timeout_s (vLLM's --shutdown-timeout) before ending them with finish_reason "abort";
+    # with restart_on_failure a dead or hung engine is replaced and its requests resumed
+    # (frontend/restarting_client.py), at most max_restarts times within restart_window_s, after which the instance
+    # exits non-zero as without it
+    shutdown_timeout_s: float = 30.0
+    restart_on_failure: bool = False
+    max_restarts: int = 3
+    restart_window_s: float = 300.0
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):

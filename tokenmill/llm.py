@@ -7,12 +7,13 @@ blocking client, so offline results are exactly what the server would produce.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as copied
 from typing import Any
 
 import msgspec
@@ -141,6 +142,12 @@ def _engine_config(model: str, kwargs: dict) -> EngineConfig:
     return EngineConfig(**{name: sections[name](**vals) for name, vals in values.items()}, speculative=speculative)
 
 
+def stop_engine(processes: DataParallelEngines, ctx: zmq.Context) -> None:
+    """Stop an LLM's engine processes and close its sockets (its finalizer: it must not reference the LLM)."""
+    processes.stop()
+    ctx.destroy(linger=0)
+
+
 class LLM:
     def __init__(self, model: str = "", **engine_args) -> None:
         from tokenmill.frontend.tokenizer import load_tokenizer
@@ -157,7 +164,10 @@ class LLM:
         # to time individual steps
         self.step_listener: Callable[[StepOutputs], None] | None = None
         self.summary_listener: Callable[[StepSummary], None] | None = None  # see watch_steps
-        atexit.register(self.shutdown)
+        # Stops the processes when the LLM is collected (`del llm`, out of scope) or at interpreter exit. It holds the
+        # processes and the socket context, never `self`: a bound method (as atexit.register(self.shutdown) was)
+        # would keep the LLM, and so its processes and their memory, alive until the interpreter exits.
+        self._finalizer = weakref.finalize(self, stop_engine, self.processes, self._ctx)
         try:
             self.processes.start()
             self.tokenizer = load_tokenizer(self.config.model)
@@ -194,10 +204,8 @@ class LLM:
         raise TimeoutError(f"the engine did not become ready within {READY_TIMEOUT_S:.0f} s")
 
     def shutdown(self) -> None:
-        """Stop the engine processes (also done at interpreter exit)."""
-        if not self.processes.stopped:
-            self.processes.stop()
-            self._ctx.destroy(linger=0)
+        """Stop the engine processes (also done when the LLM is collected, and at interpreter exit). Idempotent."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

@@ -76,6 +76,11 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # a request resumed on a fresh engine after its engine failed (--restart-on-failure): the tokens it had already
+    # streamed. The scheduler takes them as its outputs so far, as after a recompute preemption: they are prefilled
+    # with the prompt, and max_tokens, min_tokens, penalties and a seed's per-position draws count them as outputs,
+    # so the request goes on exactly where it stopped
+    resumed_output_token_ids: list[int] = []
 
 
 def choice_requests(request: EngineRequest) -> list[EngineRequest]:
