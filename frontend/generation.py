@@ -44,8 +44,16 @@ class Choice:
     started: bool = False  # the engine has produced output for it
 
 
+def request_deadline(received_at: float, timeout: float | None, server_timeout: float) -> float:
+    """When (time.monotonic()) a request received at `received_at` ends with what it has: its own `timeout`, capped by
+    --request-timeout; 0 when neither is set. The scheduler enforces it (EngineRequest.deadline)."""
+    limits = [t for t in (timeout, server_timeout) if t]
+    return received_at + min(limits) if limits else 0.0
+
+
 def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-                  n: int, *, received_at: float, priority: int = 0, cache_salt: str | None = None) -> list[Choice]:
+                  n: int, *, received_at: float, priority: int = 0, cache_salt: str | None = None,
+                  deadline: float = 0.0) -> list[Choice]:
     """n choices per prompt, indexed prompt-major as OpenAI orders them. Each prompt is one engine request
     `{base_id}-{prompt_index}` (one message, one copy of its prompt and params, whatever n is); its choices are that
     request's `choice_requests` (ids `{request id}-{i}` when n > 1; a seeded request's choice i gets seed + i).
@@ -56,7 +64,8 @@ def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], pa
     for prompt_index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
         engine_params = msgspec.structs.replace(prompt_params, n=n, stop=[])
         group = EngineRequest(request_id=f"{base_id}-{prompt_index}", prompt_token_ids=prompt_ids,
-                              sampling=engine_params, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+                              sampling=engine_params, arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                              deadline=deadline)
         for i, request in enumerate(choice_requests(group)):
             choices.append(Choice(prompt_index * n + i, prompt_index, group, request,
                                   IncrementalDetokenizer(tokenizer, prompt_ids, prompt_params), received_at))

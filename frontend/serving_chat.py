@@ -12,7 +12,8 @@ from aiohttp import web
 
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import Choice, build_choices, run_choices, usage_info
+from tokenmill.frontend.generation import (Choice, build_choices, request_deadline, run_choices,
+                                           usage_info)
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
 from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
 from tokenmill.frontend.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -130,7 +131,9 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     ctx.admission.check(ctx.engine, request.n)
     request_id = new_request_id("chatcmpl")
     choices = build_choices(ctx.tokenizer, request_id, [prompt_ids], [params], request.n,
-                            received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
+                            received_at=received_at, priority=request.priority, cache_salt=request.cache_salt,
+                            deadline=request_deadline(received_at, request.timeout,
+                                                      ctx.config.scheduler.request_timeout_s))
     deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
     renderer = ChatRenderer(ctx, request, request_id, choices, plan)
     if request.stream:

@@ -82,6 +82,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    dest="worker_step_timeout_s",
                    help="seconds a worker may take to answer one step before the instance treats it as dead and "
                         "exits (the first steps get 5x: kernels may compile); 0 waits forever")
+    s.add_argument("--max-queue-time", type=float, default=0.0, dest="max_queue_time_s",
+                   help="seconds a request may wait to start before it is refused with 503 and Retry-After "
+                        "(0: no limit)")
+    s.add_argument("--request-timeout", type=float, default=0.0, dest="request_timeout_s",
+                   help="seconds from arrival after which a request ends with what it has (finish_reason "
+                        "\"length\", stop_reason \"timeout\"); a request's own `timeout` may only shorten it "
+                        "(0: no limit)")
 
     s.add_argument("--speculative-config", default=None,
                    help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
@@ -199,7 +206,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   scheduling_policy=args.scheduling_policy,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  worker_step_timeout_s=args.worker_step_timeout_s),
+                                  worker_step_timeout_s=args.worker_step_timeout_s,
+                                  max_queue_time_s=args.max_queue_time_s, request_timeout_s=args.request_timeout_s),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, device=args.device,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend,
