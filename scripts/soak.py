@@ -35,7 +35,6 @@ PROMPTS = ["Once upon a time, in a land far away,", "The capital of France is", 
            "List three prime numbers:", "Explain how a bicycle works in one paragraph."]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
-args_verbose = True
 KINDS = ("completion", "completion_stream", "chat_stream", "n2", "structured", "abort", "deadline")
 DRAIN_TIMEOUT_S = 60.0
 
@@ -86,7 +85,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, kind: str, body: di
 
 
 async def client_loop(session: aiohttp.ClientSession, base_url: str, model: str, end: float, seed: int,
-                      max_tokens: int, results: SoakResults) -> None:
+                      max_tokens: int, results: SoakResults, progress: bool = False) -> None:
     rng = random.Random(seed)
     while time.monotonic() < end:
         kind = rng.choice(KINDS)
@@ -97,8 +96,8 @@ async def client_loop(session: aiohttp.ClientSession, base_url: str, model: str,
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             status = f"client_error:{type(exc).__name__}"
         results.statuses[(kind, status)] += 1
-        if args_verbose:
-            print(f"{time.monotonic() - start:6.2f}s {kind} {status}", file=sys.stderr, flush=True)
+        if progress:
+            print(f"{time.monotonic() - start:7.2f} s  {kind} {status}", file=sys.stderr, flush=True)
         if status == "200":
             results.latencies.append(time.monotonic() - start)
 
@@ -156,7 +155,7 @@ async def soak(args: argparse.Namespace, base_url: str) -> dict:
                                            SoakResults()) for i in range(args.concurrency)))
         rss_start = process_rss(pid) if pid else {}
         end = time.monotonic() + args.duration
-        await asyncio.gather(*(client_loop(session, base_url, model, end, i, args.max_tokens, results)
+        await asyncio.gather(*(client_loop(session, base_url, model, end, i, args.max_tokens, results, args.progress)
                                for i in range(args.concurrency)))
         gauges = await drained_gauges(session, base_url)
         rss_end = process_rss(pid) if pid else {}
@@ -192,6 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--request-timeout", type=float, default=600.0, help="client-side limit per request")
+    parser.add_argument("--progress", action="store_true", help="print every request's latency, kind and status")
     parser.add_argument("--output", type=Path, default=None, help="also write the report here as JSON")
     parser.add_argument("--log", type=Path, default=Path("soak-server.log"), help="the launched server's log")
     return parser.parse_args(argv)
