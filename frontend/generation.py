@@ -24,6 +24,7 @@ from tokenmill.frontend.errors import APIError, engine_rejection
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.outputs import ChoiceDelta, next_delta
 from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo
+from tokenmill.frontend.tracing import current_trace
 from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams, choice_requests
 
@@ -73,7 +74,8 @@ def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], pa
 
 
 def usage_info(choices: Sequence[Choice]) -> UsageInfo:
-    """Token counts of a response: each prompt counted once however many choices it has."""
+    """Token counts of a response: each prompt counted once however many choices it has; prefix-cache hits always
+    reported (`prompt_tokens_details.cached_tokens`, OpenAI's shape), 0 included, as billing reads them."""
     prompt_tokens: dict[int, int] = {}
     cached_tokens: dict[int, int] = {}
     for choice in choices:
@@ -84,7 +86,7 @@ def usage_info(choices: Sequence[Choice]) -> UsageInfo:
     num_cached = sum(cached_tokens.values())
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                      total_tokens=num_prompt + num_completion,
-                     prompt_tokens_details=PromptTokensDetails(num_cached) if num_cached else None)
+                     prompt_tokens_details=PromptTokensDetails(num_cached))
 
 
 class AdmissionControl:
@@ -119,6 +121,9 @@ async def run_choices(engine: Any, choices: Sequence[Choice], metrics: FrontendM
                 outputs.update(zip((c.request_id for c in choice_requests(group)), streams))
         except EngineDeadError as exc:
             raise APIError(503, str(exc)) from exc
+        trace = current_trace.get()
+        if trace is not None:
+            trace.engine_started(list(choices))
         streams = [stream_choice(engine, c, outputs[c.request.request_id], metrics, admission) for c in choices]
         async with aclosing(merge_choice_streams(streams)) as deltas:
             async for delta in deltas:
@@ -132,6 +137,7 @@ async def stream_choice(engine: Any, choice: Choice, engine_outputs: AsyncIterat
     request = choice.request
     arrival = choice.received_at
     last_output_time = arrival
+    trace = current_trace.get()  # the request's span, when tracing is on (frontend/tracing.py)
     engine_done = False
     admission.num_pending += 1
     try:
@@ -145,6 +151,8 @@ async def stream_choice(engine: Any, choice: Choice, engine_outputs: AsyncIterat
                     choice.started = True
                     admission.num_pending -= 1
                     metrics.time_to_first_token.observe(now - arrival)
+                    if trace is not None:
+                        trace.first_token(now)
                     metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                     metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
                 else:
@@ -161,6 +169,8 @@ async def stream_choice(engine: Any, choice: Choice, engine_outputs: AsyncIterat
                 if finish_reason is not None:
                     metrics.e2e_request_latency.observe(now - arrival)
                     metrics.record_finished(finish_reason)
+                    if trace is not None:
+                        trace.choice_finished(finish_reason, out.queue_time_s)
                 yield delta
                 if finish_reason is not None:
                     return

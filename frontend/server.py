@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenmill.frontend.tracing import RequestTracer, otlp_tracer
 from tokenmill.frontend import serving_misc, serving_responses
 from tokenmill.frontend.context import ServingContext
 from tokenmill.frontend.dashboard import add_dashboard_routes
@@ -105,11 +106,16 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
             response.headers["Vary"] = "Origin"
 
 
-def build_app(config: EngineConfig, engine: Any, tokenizer: Any) -> web.Application:
+def build_app(config: EngineConfig, engine: Any, tokenizer: Any, tracer: Any = None) -> web.Application:
     """The HTTP app for one instance. `engine` has AsyncEngineClient's interface (generate, abort, check_health,
-    latest_stats, dead_reason); `config.model` must be resolved (max_model_len, served_model_name, task)."""
+    latest_stats, dead_reason); `config.model` must be resolved (max_model_len, served_model_name, task). `tracer`: an
+    OpenTelemetry tracer for the request spans (default: an OTLP exporter when --otlp-traces-endpoint is set)."""
     ctx = ServingContext.create(config, engine, tokenizer)
     middlewares = [error_middleware, make_auth_middleware(config.server.api_key)]
+    if tracer is None and config.server.otlp_traces_endpoint:
+        tracer = otlp_tracer(config.server.otlp_traces_endpoint)
+    if tracer is not None:
+        middlewares.append(RequestTracer(tracer, ctx.model_name).middleware())
     if config.server.allowed_origins:
         middlewares.insert(0, make_cors_middleware(config.server.allowed_origins))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_body_bytes,

@@ -171,9 +171,15 @@ class ChatRenderer:
 
     def role_chunks(self) -> list[bytes]:
         """The first chunk of every choice carries the role (and empty content), as OpenAI and vLLM send it."""
-        return [encode_json(self._chunk([ChatStreamChoice(index=c.index,
-                                                          delta=DeltaMessage(role="assistant", content=""))]))
-                for c in self.choices]
+        return [encode_json(self._with_continuous_usage(self._chunk([ChatStreamChoice(
+            index=c.index, delta=DeltaMessage(role="assistant", content=""))]))) for c in self.choices]
+
+    def _with_continuous_usage(self, chunk: ChatCompletionChunk) -> ChatCompletionChunk:
+        """The chunk with the usage so far when the request asked for it on every chunk (continuous_usage_stats)."""
+        options = self.request.stream_options
+        if options is not None and options.include_usage and options.continuous_usage_stats:
+            chunk.usage = usage_info(self.choices)
+        return chunk
 
     def chunk(self, delta: ChoiceDelta) -> bytes | None:
         logprobs = self._logprobs(delta.token_ids, delta.logprobs)
@@ -182,10 +188,7 @@ class ChatRenderer:
             return None
         chunk = self._chunk([ChatStreamChoice(index=delta.index, delta=message, logprobs=logprobs,
                                               finish_reason=finish_reason, stop_reason=delta.stop_reason)])
-        options = self.request.stream_options
-        if options is not None and options.include_usage and options.continuous_usage_stats:
-            chunk.usage = usage_info(self.choices)
-        return encode_json(chunk)
+        return encode_json(self._with_continuous_usage(chunk))
 
     def usage_chunk(self) -> bytes | None:
         options = self.request.stream_options

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenmill.logs import request_id_var
 from tokenmill.frontend.context import ServingContext, read_body
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import (Choice, build_choices, request_deadline, run_choices,
@@ -91,6 +92,7 @@ async def create_response(ctx: ServingContext, http_request: web.Request) -> web
     plan = await apply_tool_plan(ctx, plan, params, prompt_ids)
     ctx.admission.check(ctx.engine, 1)
     response_id = new_id("resp")
+    request_id_var.set(response_id)  # this handler's log lines carry it (tokenmill/logs.py)
     choices = build_choices(ctx.tokenizer, response_id, [prompt_ids], [params], 1, received_at=received_at,
                             priority=request.priority, cache_salt=request.cache_salt,
                             deadline=request_deadline(received_at, request.timeout,

@@ -26,6 +26,7 @@ class Request:
         "enqueue_time", "max_tokens", "all_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
         "finish_reason", "block_hashes", "num_preemptions", "on_worker", "num_tokens_on_worker",
         "num_blocks_on_worker", "grammar", "spec", "deadline",
+        "first_scheduled_time",
     )
 
     def __init__(self, engine_request: EngineRequest, arrival_seq: int, enqueue_time: float, max_tokens: int) -> None:
@@ -39,6 +40,7 @@ class Request:
         self.enqueue_time = enqueue_time  # scheduler clock at admission, for ageing
         self.max_tokens = max_tokens  # resolved: never None, never past max_model_len
         self.deadline = engine_request.deadline  # time.monotonic() when it ends with what it has; 0: none
+        self.first_scheduled_time = 0.0  # scheduler clock when it was first scheduled (0: not yet): its queue time
         self.all_token_ids = list(self.prompt_token_ids)  # prompt + outputs
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling; -1 until then

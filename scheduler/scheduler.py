@@ -158,7 +158,8 @@ class Scheduler:
                 continue
             self._finish(req, "abort")
             outputs.append(RequestOutput(request_id, [], "abort", num_prompt_tokens=req.num_prompt_tokens,
-                                         num_cached_tokens=max(req.num_cached_tokens, 0)))
+                                         num_cached_tokens=max(req.num_cached_tokens, 0),
+                                         queue_time_s=self._queue_time(req)))
         if outputs:
             self._drop_finished_from_queues()
         return outputs
@@ -229,7 +230,8 @@ class Scheduler:
                 self._finish(req, "length")
                 self._pending_outputs.append(RequestOutput(
                     req.request_id, [], "length", num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=max(req.num_cached_tokens, 0), stop_reason="timeout"))
+                    num_cached_tokens=max(req.num_cached_tokens, 0), stop_reason="timeout",
+                    queue_time_s=self._queue_time(req)))
                 ended = True
         if self.max_queue_time > 0:
             for req in self.waiting:
@@ -243,6 +245,10 @@ class Scheduler:
                     ended = True
         if ended:
             self._drop_finished_from_queues()
+
+    def _queue_time(self, req: Request) -> float:
+        """Seconds the request waited before it was first scheduled (until now when it never was)."""
+        return max((req.first_scheduled_time or self.clock()) - req.enqueue_time, 0.0)
 
     def _propose_drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens to verify after a decoding request's next token: none when speculation is off or the request
@@ -298,6 +304,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.first_scheduled_time = now
             self.running.append(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
@@ -456,7 +463,8 @@ class Scheduler:
             outputs.append(RequestOutput(
                 request_id, new_token_ids, finish_reason, stop_token_id, req.num_prompt_tokens,
                 max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs and len(new_token_ids) == 1 else None,
-                error=error, stop_reason=stop_reason, prompt_logprobs=prompt_logprobs.get(request_id)))
+                error=error, stop_reason=stop_reason, prompt_logprobs=prompt_logprobs.get(request_id),
+                queue_time_s=self._queue_time(req) if finish_reason is not None else 0.0))
             if finish_reason is not None:
                 self._finish(req, finish_reason)
 

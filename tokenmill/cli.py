@@ -123,6 +123,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--enable-log-requests", action="store_true", help="log one access line per HTTP request")
     h.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
                    help="no access log (the default; accepted for vLLM's command lines)")
+    h.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines of every process as text or as one JSON object a line (with the request id on "
+                        "request lines)")
+    h.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export OpenTelemetry traces (one span per request) over OTLP/HTTP to this URL, e.g. "
+                        "http://collector:4318/v1/traces (pip install 'tokenmill[tracing]')")
     h.add_argument("--disable-dashboard", action="store_true",
                    help="serve no /dashboard (the live view of the KV blocks, queues and steps) and no /debug/steps")
 
@@ -190,7 +196,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
                           max_json_depth=args.max_json_depth, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          reasoning_parser=args.reasoning_parser) if hasattr(args, "host") else ServerConfig()
+                          reasoning_parser=args.reasoning_parser, log_format=args.log_format,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint) if hasattr(args, "host") else ServerConfig()
     return EngineConfig(
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
@@ -238,12 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.model_source import ModelSourceError, resolve_config
     from tokenmill.processes import setup_logging
 
-    setup_logging("frontend")
+    setup_logging("frontend", log_format=getattr(args, "log_format", None))
     try:
         config = resolve_config(config_from_args(args))
     except ModelSourceError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 1
+    if config.server.otlp_traces_endpoint:
+        from tokenmill.frontend.tracing import missing_tracing_extra
+
+        if (missing := missing_tracing_extra()) is not None:
+            print(f"tokenmill: error: {missing}", file=sys.stderr)
+            return 1
     from tokenmill.serve import serve_forever
 
     return serve_forever(config)

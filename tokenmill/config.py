@@ -125,6 +125,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    # operations: every process's log lines as text or JSON objects (tokenmill/logs.py); OpenTelemetry traces,
+    # one span per request, exported over OTLP/HTTP to this URL (frontend/tracing.py; None: no tracing)
+    log_format: Literal["text", "json"] = "text"
+    otlp_traces_endpoint: str | None = None
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -141,6 +141,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error_kind: ErrorKind | None = None  # with `error`: why it was refused; None reads as "invalid"
     # with a request's first output when it asked for prompt_logprobs: one entry per prompt token after the first
     prompt_logprobs: list[PromptLogprobsEntry] | None = None
+    # with its last output: seconds it waited in the scheduler's queue before it was first scheduled (for traces)
+    queue_time_s: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -48,6 +48,7 @@ def test_a_waiting_request_past_its_deadline_ends_empty_and_frees_nothing_it_nev
     _, outputs = step(sched, worker)
     ended = [o for o in outputs if o.request_id == "late"]
     assert [(o.finish_reason, o.stop_reason, o.new_token_ids) for o in ended] == [("length", "timeout", [])]
+    assert ended[0].queue_time_s == 1.5  # it never left the queue
     assert sched.waiting == [] and sched.kv.usage == used_before
 
 
