@@ -112,8 +112,9 @@ def test_a_responses_timeout_ends_it_incomplete(server):
 
 def test_a_request_that_cannot_start_within_max_queue_time_gets_503_and_leaks_nothing(server):
     # both sequences taken for longer than the queue limit (their own deadline ends them)
-    blockers = [threading.Thread(target=post, args=(server, "/v1/completions", {
-        "prompt": f"{PROMPT} {i}", "max_tokens": LONG, "ignore_eos": True, "timeout": 3 * MAX_QUEUE_TIME_S}))
+    blocked: list[dict] = []
+    blockers = [threading.Thread(target=lambda i=i: blocked.append(post(server, "/v1/completions", {
+        "prompt": f"{PROMPT} {i}", "max_tokens": LONG, "ignore_eos": True, "timeout": 4 * MAX_QUEUE_TIME_S}).json()))
         for i in range(2)]
     for thread in blockers:
         thread.start()
@@ -124,6 +125,7 @@ def test_a_request_that_cannot_start_within_max_queue_time_gets_503_and_leaks_no
     response = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
     for thread in blockers:
         thread.join()
+    assert [b["choices"][0]["stop_reason"] for b in blocked] == ["timeout"] * 2, blocked
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
     error = response.json()["error"]
     assert error["code"] == 503 and "--max-queue-time" in error["message"]
