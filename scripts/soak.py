@@ -26,10 +26,9 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
-
 from benchlib.launch import launched_server
 from benchlib.stats import summarize
+from prometheus_client.parser import text_string_to_metric_families
 
 PROMPTS = ["Once upon a time, in a land far away,", "The capital of France is", "Write a haiku about the sea.",
            "List three prime numbers:", "Explain how a bicycle works in one paragraph."]
@@ -41,7 +40,7 @@ DRAIN_TIMEOUT_S = 60.0
 
 @dataclass
 class SoakResults:
-    statuses: Counter = field(default_factory=Counter)  # (kind, status) -> requests
+    statuses: Counter[tuple[str, str]] = field(default_factory=Counter)  # (kind, status) -> requests
     latencies: list[float] = field(default_factory=list)  # seconds, requests that ended 200
 
 
@@ -164,7 +163,7 @@ async def soak(args: argparse.Namespace, base_url: str) -> dict:
 
 def report(args: argparse.Namespace, results: SoakResults, rss_start: dict[str, int], rss_end: dict[str, int],
            gauges: dict[str, float]) -> dict:
-    by_status = Counter()
+    by_status: Counter[str] = Counter()
     for (_, status), count in results.statuses.items():
         by_status[status] += count
     latency = summarize(results.latencies)

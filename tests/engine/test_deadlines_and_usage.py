@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("deadlines") / "server.log"
     with Server("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "64MiB", "--max-num-seqs", "2",
                 "--max-queue-time", str(MAX_QUEUE_TIME_S), "--request-timeout", str(REQUEST_TIMEOUT_S),
-                log_path=log_path) as server:
+                log_path=log_path, startup_timeout=600) as server:
         yield server
 
 

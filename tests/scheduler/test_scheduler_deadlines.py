@@ -3,9 +3,9 @@ running or waiting, within one step; --max-queue-time refuses a request that nev
 
 import msgspec
 from sched_testing import EOS, FakeClock, FakeWorker, make_config, make_request, step
+from tokenmill.scheduler.scheduler import Scheduler
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.scheduler.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks: int = 64, max_queue_time_s: float = 0.0, **config) -> tuple[Scheduler, FakeWorker,
@@ -72,7 +72,7 @@ def test_max_queue_time_spares_a_request_that_started_however_long_it_runs():
     sched.add_request(make_request("a", 5, max_tokens=20))
     step(sched, worker)
     clock.advance(10.0)
-    plan, outputs = step(sched, worker)
+    _, outputs = step(sched, worker)
     assert [o.request_id for o in outputs] == ["a"] and outputs[0].error is None
     assert SchedulerConfig().max_queue_time_s == 0.0  # off unless asked
 
