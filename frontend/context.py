@@ -19,6 +19,7 @@ from tokenmill.frontend.offload import Offload
 from tokenmill.frontend.reasoning_parsers import get_reasoning_parser
 from tokenmill.frontend.tokenizer import vocab_size
 from tokenmill.frontend.tool_parsers import get_tool_parser
+from tokenmill.logs import request_id_var
 
 TASK_ENDPOINTS = {"generate": "/v1/completions, /v1/chat/completions and /v1/responses",
                   "embed": "/v1/embeddings"}
@@ -74,7 +75,10 @@ class ServingContext:
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A fresh request id, also made the current one for this handler's log lines (tokenmill/logs.py)."""
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_id_var.set(request_id)
+    return request_id
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -46,9 +46,11 @@ RETRY_AFTER_S = 1
 
 def engine_rejection(message: str, kind: str | None, param: str | None = None) -> APIError:
     """The error for a request the engine refused, its message verbatim: 429 with Retry-After when the engine is
-    overloaded (kind "overloaded"), else 400."""
+    overloaded (kind "overloaded"), 503 with Retry-After when it waited past --max-queue-time, else 400."""
     if kind == "overloaded":
         return APIError(429, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if kind == "queue_timeout":
+        return APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
     return APIError(400, message, param)
 
 

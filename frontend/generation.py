@@ -26,6 +26,7 @@ from tokenmill.frontend.errors import APIError, engine_rejection
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.outputs import ChoiceDelta, next_delta
 from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo
+from tokenmill.frontend.tracing import current_trace
 from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams, choice_requests
 
 log = logging.getLogger("tokenmill.frontend")
@@ -45,8 +46,16 @@ class Choice:
     started: bool = False  # the engine has produced output for it
 
 
+def request_deadline(received_at: float, timeout: float | None, server_timeout: float) -> float:
+    """When (time.monotonic()) a request received at `received_at` ends with what it has: its own `timeout`, capped by
+    --request-timeout; 0 when neither is set. The scheduler enforces it (EngineRequest.deadline)."""
+    limits = [t for t in (timeout, server_timeout) if t]
+    return received_at + min(limits) if limits else 0.0
+
+
 def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-                  n: int, *, received_at: float, priority: int = 0, cache_salt: str | None = None) -> list[Choice]:
+                  n: int, *, received_at: float, priority: int = 0, cache_salt: str | None = None,
+                  deadline: float = 0.0) -> list[Choice]:
     """n choices per prompt, indexed prompt-major as OpenAI orders them. Each prompt is one engine request
     `{base_id}-{prompt_index}` (one message, one copy of its prompt and params, whatever n is); its choices are that
     request's `choice_requests` (ids `{request id}-{i}` when n > 1; a seeded request's choice i gets seed + i).
@@ -57,7 +66,8 @@ def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], pa
     for prompt_index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
         engine_params = msgspec.structs.replace(prompt_params, n=n, stop=[])
         group = EngineRequest(request_id=f"{base_id}-{prompt_index}", prompt_token_ids=prompt_ids,
-                              sampling=engine_params, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+                              sampling=engine_params, arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                              deadline=deadline)
         for i, request in enumerate(choice_requests(group)):
             choices.append(Choice(prompt_index * n + i, prompt_index, group, request,
                                   IncrementalDetokenizer(tokenizer, prompt_ids, prompt_params), received_at))
@@ -65,7 +75,8 @@ def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], pa
 
 
 def usage_info(choices: Sequence[Choice]) -> UsageInfo:
-    """Token counts of a response: each prompt counted once however many choices it has."""
+    """Token counts of a response: each prompt counted once however many choices it has; prefix-cache hits always
+    reported (`prompt_tokens_details.cached_tokens`, OpenAI's shape), 0 included, as billing reads them."""
     prompt_tokens: dict[int, int] = {}
     cached_tokens: dict[int, int] = {}
     for choice in choices:
@@ -76,7 +87,7 @@ def usage_info(choices: Sequence[Choice]) -> UsageInfo:
     num_cached = sum(cached_tokens.values())
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                      total_tokens=num_prompt + num_completion,
-                     prompt_tokens_details=PromptTokensDetails(num_cached) if num_cached else None)
+                     prompt_tokens_details=PromptTokensDetails(num_cached))
 
 
 class AdmissionControl:
@@ -111,6 +122,9 @@ async def run_choices(engine: EngineClient, choices: Sequence[Choice], metrics: 
                 outputs.update(zip((c.request_id for c in choice_requests(group)), streams))
         except EngineDeadError as exc:
             raise APIError(503, str(exc)) from exc
+        trace = current_trace.get()
+        if trace is not None:
+            trace.engine_started(list(choices))
         streams = [stream_choice(engine, c, outputs[c.request.request_id], metrics, admission) for c in choices]
         async with aclosing(merge_choice_streams(streams)) as deltas:
             async for delta in deltas:
@@ -124,6 +138,7 @@ async def stream_choice(engine: EngineClient, choice: Choice, engine_outputs: As
     request = choice.request
     arrival = choice.received_at
     last_output_time = arrival
+    trace = current_trace.get()  # the request's span, when tracing is on (frontend/tracing.py)
     engine_done = False
     admission.num_pending += 1
     try:
@@ -137,6 +152,8 @@ async def stream_choice(engine: EngineClient, choice: Choice, engine_outputs: As
                     choice.started = True
                     admission.num_pending -= 1
                     metrics.time_to_first_token.observe(now - arrival)
+                    if trace is not None:
+                        trace.first_token(now)
                     metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                     metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
                 else:
@@ -153,6 +170,8 @@ async def stream_choice(engine: EngineClient, choice: Choice, engine_outputs: As
                 if finish_reason is not None:
                     metrics.e2e_request_latency.observe(now - arrival)
                     metrics.record_finished(finish_reason)
+                    if trace is not None:
+                        trace.choice_finished(finish_reason, out.queue_time_s)
                 yield delta
                 if finish_reason is not None:
                     return

@@ -25,6 +25,7 @@ Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 NonNegativeInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Timeout = Annotated[float, Meta(gt=0.0, le=1e7)]  # a request's deadline, in seconds (finite: JSON may say 1e999)
 
 
 def decode_request(body: bytes, request_type: type) -> Any:
@@ -78,6 +79,7 @@ class SamplingRequest(Struct, kw_only=True):
     priority: Int64 = 0
     cache_salt: str | None = None
     prompt_logprobs: NonNegativeInt | None = None  # top logprobs per prompt token (frontend/prompt_logprobs.py)
+    timeout: Timeout | None = None  # seconds from arrival: then it ends with what it has (generation.request_deadline)
     # structured outputs: at most one of these, read and checked by frontend/structured_outputs.py
     response_format: Any = None
     structured_outputs: Any = None

@@ -22,7 +22,7 @@ from msgspec import Meta, Struct
 from tokenmill.frontend.errors import APIError, validation_error
 from tokenmill.frontend.limits import json_depth_exceeds
 from tokenmill.frontend.protocol import (INT64_MAX, ChatLogprobEntry, ChatMessage, Int64, NonNegativeInt, Penalty,
-                                         PositiveInt, SamplingRequest, TextPart)
+                                         PositiveInt, SamplingRequest, TextPart, Timeout)
 from tokenmill.messages import StructuredOutputsParams
 
 # what OpenAI allows in `metadata`
@@ -89,6 +89,7 @@ class ResponsesRequest(Struct, kw_only=True):
     skip_special_tokens: bool = True
     priority: Int64 = 0
     cache_salt: str | None = None
+    timeout: Timeout | None = None  # seconds from arrival: then it ends with what it has (as chat's `timeout`)
     chat_template_kwargs: dict[str, Any] | None = None  # only the variables the template reads
     structured_outputs: Any = None  # vLLM's constraint object (frontend/structured_outputs.py); not with text.format
     # not implemented: refused when set (RESPONSES_RULES)

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenmill.config import EngineConfig
+from tokenmill.frontend.tracing import RequestTracer, otlp_tracer
 from tokenmill.frontend import serving_misc, serving_responses
 from tokenmill.frontend.auth import make_auth_middleware
 from tokenmill.frontend.context import ServingContext
@@ -92,12 +93,17 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
 
 
 def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any,
-              lifecycle: ServerLifecycle | None = None) -> web.Application:
+              lifecycle: ServerLifecycle | None = None, tracer: Any = None) -> web.Application:
     """The HTTP app for one instance over `engine` (frontend/engine_protocol.py); `config.model` must be resolved
     (max_model_len, served_model_name, task). `lifecycle` gates the API while the engine loads, drains or restarts
-    (None: an instance that serves at once)."""
+    (None: an instance that serves at once). `tracer`: an OpenTelemetry tracer for the request spans (default: an
+    OTLP exporter when --otlp-traces-endpoint is set)."""
     ctx = ServingContext.create(config, engine, tokenizer, lifecycle)
     middlewares = [error_middleware, make_auth_middleware(config.server), make_lifecycle_middleware(ctx.lifecycle)]
+    if tracer is None and config.server.otlp_traces_endpoint:
+        tracer = otlp_tracer(config.server.otlp_traces_endpoint)
+    if tracer is not None:
+        middlewares.append(RequestTracer(tracer, ctx.model_name).middleware())
     if config.server.allowed_origins:
         middlewares.insert(0, make_cors_middleware(config.server.allowed_origins))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_body_bytes,

@@ -12,7 +12,8 @@ from aiohttp import web
 
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import Choice, build_choices, run_choices, usage_info
+from tokenmill.frontend.generation import (Choice, build_choices, request_deadline, run_choices,
+                                           usage_info)
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
 from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
 from tokenmill.frontend.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -137,7 +138,9 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     ctx.admission.check(ctx.engine, request.n)
     request_id = new_request_id("chatcmpl")
     choices = build_choices(ctx.tokenizer, request_id, [prompt_ids], [params], request.n,
-                            received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
+                            received_at=received_at, priority=request.priority, cache_salt=request.cache_salt,
+                            deadline=request_deadline(received_at, request.timeout,
+                                                      ctx.config.scheduler.request_timeout_s))
     deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
     renderer = ChatRenderer(ctx, request, request_id, choices, plan)
     if request.stream:
@@ -175,9 +178,15 @@ class ChatRenderer:
 
     def role_chunks(self) -> list[bytes]:
         """The first chunk of every choice carries the role (and empty content), as OpenAI and vLLM send it."""
-        return [encode_json(self._chunk([ChatStreamChoice(index=c.index,
-                                                          delta=DeltaMessage(role="assistant", content=""))]))
-                for c in self.choices]
+        return [encode_json(self._with_continuous_usage(self._chunk([ChatStreamChoice(
+            index=c.index, delta=DeltaMessage(role="assistant", content=""))]))) for c in self.choices]
+
+    def _with_continuous_usage(self, chunk: ChatCompletionChunk) -> ChatCompletionChunk:
+        """The chunk with the usage so far when the request asked for it on every chunk (continuous_usage_stats)."""
+        options = self.request.stream_options
+        if options is not None and options.include_usage and options.continuous_usage_stats:
+            chunk.usage = usage_info(self.choices)
+        return chunk
 
     def chunk(self, delta: ChoiceDelta) -> bytes | None:
         logprobs = self._logprobs(delta.token_ids, delta.logprobs)
@@ -186,10 +195,7 @@ class ChatRenderer:
             return None
         chunk = self._chunk([ChatStreamChoice(index=delta.index, delta=message, logprobs=logprobs,
                                               finish_reason=finish_reason, stop_reason=delta.stop_reason)])
-        options = self.request.stream_options
-        if options is not None and options.include_usage and options.continuous_usage_stats:
-            chunk.usage = usage_info(self.choices)
-        return encode_json(chunk)
+        return encode_json(self._with_continuous_usage(chunk))
 
     def usage_chunk(self) -> bytes | None:
         options = self.request.stream_options

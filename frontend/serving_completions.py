@@ -9,7 +9,8 @@ from aiohttp import web
 
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import Choice, build_choices, run_choices, usage_info
+from tokenmill.frontend.generation import (Choice, build_choices, request_deadline, run_choices,
+                                           usage_info)
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
 from tokenmill.frontend.logprobs import TokenTexts, completion_logprobs
 from tokenmill.frontend.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, decode_request, encode_json,
@@ -74,7 +75,9 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     ctx.admission.check(ctx.engine, len(inputs) * request.n)
     request_id = new_request_id("cmpl")
     choices = build_choices(ctx.tokenizer, request_id, [ids for _, ids in inputs], params, request.n,
-                            received_at=received_at, priority=request.priority, cache_salt=request.cache_salt)
+                            received_at=received_at, priority=request.priority, cache_salt=request.cache_salt,
+                            deadline=request_deadline(received_at, request.timeout,
+                                                      ctx.config.scheduler.request_timeout_s))
     prompt_echoes = [await _echo_text(ctx, prompt) for prompt in inputs] if request.echo else [""] * len(inputs)
     echoes = [prompt_echoes[c.prompt_index] for c in choices]
     deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)

@@ -22,9 +22,11 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenmill.logs import request_id_var
 from tokenmill.frontend.context import ServingContext, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import Choice, build_choices, run_choices, usage_info
+from tokenmill.frontend.generation import (Choice, build_choices, request_deadline, run_choices,
+                                           usage_info)
 from tokenmill.frontend.limits import check_sampling_limits, json_depth_exceeds
 from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
 from tokenmill.frontend.outputs import ChoiceDelta
@@ -90,8 +92,11 @@ async def create_response(ctx: ServingContext, http_request: web.Request) -> web
     plan = await apply_tool_plan(ctx, plan, params, prompt_ids)
     ctx.admission.check(ctx.engine, 1)
     response_id = new_id("resp")
+    request_id_var.set(response_id)  # this handler's log lines carry it (tokenmill/logs.py)
     choices = build_choices(ctx.tokenizer, response_id, [prompt_ids], [params], 1, received_at=received_at,
-                            priority=request.priority, cache_salt=request.cache_salt)
+                            priority=request.priority, cache_salt=request.cache_salt,
+                            deadline=request_deadline(received_at, request.timeout,
+                                                      ctx.config.scheduler.request_timeout_s))
     deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
     builder = ResponseBuilder(ctx, request, response_id, choices, params, tools, emit=request.stream,
                               reasoning_parser=plan.new_reasoning_parser(), tool_parser=plan.new_tool_parser(),

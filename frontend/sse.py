@@ -36,7 +36,8 @@ async def stream_deltas(request: web.Request, deltas: AsyncIterator[ChoiceDelta]
                         render: Callable[[ChoiceDelta], bytes | None],
                         preamble: Callable[[], list[bytes]] = list,
                         epilogue: Callable[[], bytes | None] = lambda: None) -> web.StreamResponse:
-    """Send `preamble()`, then `render(delta)` for each delta (None: nothing to send), then `epilogue()`."""
+    """Send `preamble()`, then `render(delta)` for each delta (None: nothing to send), then `epilogue()` (also after
+    an error event)."""
     async with aclosing(deltas):
         first = await anext(deltas)
         response = await open_event_stream(request)
@@ -50,11 +51,11 @@ async def stream_deltas(request: web.Request, deltas: AsyncIterator[ChoiceDelta]
                     if payload is not None:
                         await send_event(response, payload)
                     delta = await anext(deltas, None)
-                tail = epilogue()
-                if tail is not None:
-                    await send_event(response, tail)
             except APIError as error:
                 await send_event(response, msgspec.json.encode(error.body()))
+            tail = epilogue()  # usage: sent after an error too, so what was generated is billed
+            if tail is not None:
+                await send_event(response, tail)
             await response.write(DONE)
             await response.write_eof()
         except ConnectionResetError:

@@ -29,7 +29,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling", "task", "priority", "cache_salt", "arrival_seq",
         "enqueue_time", "max_tokens", "all_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
         "finish_reason", "block_hashes", "num_preemptions", "on_worker", "num_tokens_on_worker",
-        "num_blocks_on_worker", "grammar", "spec",
+        "num_blocks_on_worker", "grammar", "spec", "deadline",
+        "first_scheduled_time",
     )
 
     def __init__(self, engine_request: EngineRequest, arrival_seq: int, enqueue_time: float, max_tokens: int) -> None:
@@ -44,6 +45,8 @@ class Request:
         self.max_tokens = max_tokens  # resolved: never None, never past max_model_len
         # prompt + outputs (a request resumed after its engine failed brings the outputs it had already streamed)
         self.all_token_ids = self.prompt_token_ids + list(engine_request.resumed_output_token_ids)
+        self.deadline = engine_request.deadline  # time.monotonic() when it ends with what it has; 0: none
+        self.first_scheduled_time = 0.0  # scheduler clock when it was first scheduled (0: not yet): its queue time
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling; -1 until then
         self.status = RequestStatus.WAITING

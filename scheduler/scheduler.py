@@ -17,6 +17,7 @@ This class does no I/O; `scheduler/process.py` drives it: `add_request`/`abort_r
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -104,6 +105,9 @@ class Scheduler:
         # speculative decoding (scheduler/spec_decode.py): None when off; the drafts scheduled by the step being planned
         self.speculator = make_speculator(config.speculative)
         self._step_drafts: dict[str, list[int]] = {}
+        # deadlines: the requests that have one, soonest first (deadline, request id); 0 turns the queue limit off
+        self._deadlines: list[tuple[float, str]] = []
+        self.max_queue_time = config.scheduler.max_queue_time_s
 
     # ------------------------------------------------------------------ admission and aborts
 
@@ -132,6 +136,8 @@ class Scheduler:
                 req.grammar = RequestGrammar(compiled, constraint.begin_after_token_ids)
             self.requests[req.request_id] = req
             self.waiting.append(req)
+            if req.deadline:
+                heapq.heappush(self._deadlines, (req.deadline, req.request_id))
         return None
 
     def _admission_error(self, request: EngineRequest) -> str | None:
@@ -175,7 +181,8 @@ class Scheduler:
                 continue
             self._finish(req, "abort")
             outputs.append(RequestOutput(request_id, [], "abort", num_prompt_tokens=req.num_prompt_tokens,
-                                         num_cached_tokens=max(req.num_cached_tokens, 0)))
+                                         num_cached_tokens=max(req.num_cached_tokens, 0),
+                                         queue_time_s=self._queue_time(req)))
         if outputs:
             self._drop_finished_from_queues()
         return outputs
@@ -188,6 +195,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Pick every request's tokens for the next step. None when nothing can run."""
         now = self.clock()
+        self._end_expired(now)
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
         self._step_drafts = {}
@@ -237,6 +245,38 @@ class Scheduler:
         if not scheduled:
             return None
         return self._build_plan(scheduled)
+
+    def _end_expired(self, now: float) -> None:
+        """Deadlines, checked once per step (a running request's tokens of the step in flight are already out):
+        a request past its deadline ends with what it has ("length", stop_reason "timeout"); one that has waited
+        longer than max_queue_time without ever starting is refused (it holds no blocks). Their outputs go out with
+        the step's (`take_pending_outputs`)."""
+        ended = False
+        while self._deadlines and self._deadlines[0][0] <= now:
+            req = self.requests.get(heapq.heappop(self._deadlines)[1])
+            if req is not None and 0 < req.deadline <= now:  # not a later request that reused a finished one's id
+                self._finish(req, "length")
+                self._pending_outputs.append(RequestOutput(
+                    req.request_id, [], "length", num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=max(req.num_cached_tokens, 0), stop_reason="timeout",
+                    queue_time_s=self._queue_time(req)))
+                ended = True
+        if self.max_queue_time > 0:
+            for req in self.waiting:
+                waited = now - req.enqueue_time
+                if req.num_cached_tokens < 0 and waited > self.max_queue_time and req.status is RequestStatus.WAITING:
+                    self._finish(req, "error")
+                    self._pending_outputs.append(RequestOutput(
+                        req.request_id, [], "error", num_prompt_tokens=req.num_prompt_tokens, error_kind="queue_timeout",
+                        error=f"The request waited {waited:.1f} s to start, longer than the server's "
+                              f"--max-queue-time of {self.max_queue_time:g} s; retry later."))
+                    ended = True
+        if ended:
+            self._drop_finished_from_queues()
+
+    def _queue_time(self, req: Request) -> float:
+        """Seconds the request waited before it was first scheduled (until now when it never was)."""
+        return max((req.first_scheduled_time or self.clock()) - req.enqueue_time, 0.0)
 
     def _propose_drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens to verify after a decoding request's next token: none when speculation is off or the request
@@ -293,6 +333,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.first_scheduled_time = now
             self.running.append(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
@@ -455,7 +496,8 @@ class Scheduler:
             outputs.append(RequestOutput(
                 request_id, new_token_ids, finish_reason, stop_token_id, req.num_prompt_tokens,
                 max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs and len(new_token_ids) == 1 else None,
-                error=error, stop_reason=stop_reason, prompt_logprobs=prompt_logprobs.get(request_id)))
+                error=error, stop_reason=stop_reason, prompt_logprobs=prompt_logprobs.get(request_id),
+                queue_time_s=self._queue_time(req) if finish_reason is not None else 0.0))
             if finish_reason is not None:
                 self._finish(req, finish_reason)
 

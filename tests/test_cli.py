@@ -34,7 +34,8 @@ def other_value(action: argparse.Action) -> list[str]:
         return [flag, str(next(c for c in action.choices if c != action.default and c not in ("half", "float")))]
     special = {"--allowed-origins": '["*"]', "--api-key": "secret", "--tokenizer": "some/tokenizer",
                "--chat-template": "{{ messages }}", "--host": "127.0.0.2",
-               "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}'}
+               "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}',
+               "--max-queue-time": "30", "--request-timeout": "60"}
     if flag in special:
         return [flag, special[flag]]
     if isinstance(action.default, float):

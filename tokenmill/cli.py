@@ -83,6 +83,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    dest="worker_step_timeout_s",
                    help="seconds a worker may take to answer one step before the instance treats it as dead and "
                         "exits (the first steps get 5x: kernels may compile); 0 waits forever")
+    s.add_argument("--max-queue-time", type=float, default=0.0, dest="max_queue_time_s",
+                   help="seconds a request may wait to start before it is refused with 503 and Retry-After "
+                        "(0: no limit)")
+    s.add_argument("--request-timeout", type=float, default=0.0, dest="request_timeout_s",
+                   help="seconds from arrival after which a request ends with what it has (finish_reason "
+                        "\"length\", stop_reason \"timeout\"); a request's own `timeout` may only shorten it "
+                        "(0: no limit)")
 
     s.add_argument("--speculative-config", default=None,
                    help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
@@ -120,6 +127,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--enable-log-requests", action="store_true", help="log one access line per HTTP request")
     h.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
                    help="no access log (the default; accepted for vLLM's command lines)")
+    h.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines of every process as text or as one JSON object a line (with the request id on "
+                        "request lines)")
+    h.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export OpenTelemetry traces (one span per request) over OTLP/HTTP to this URL, e.g. "
+                        "http://collector:4318/v1/traces (pip install 'tokenmill[tracing]')")
     h.add_argument("--disable-dashboard", action="store_true",
                    help="serve no /dashboard (the live view of the KV blocks, queues and steps) and no /debug/steps")
 
@@ -210,7 +223,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
                           max_json_depth=args.max_json_depth, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          reasoning_parser=args.reasoning_parser) if hasattr(args, "host") else ServerConfig()
+                          reasoning_parser=args.reasoning_parser, log_format=args.log_format,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint) if hasattr(args, "host") else ServerConfig()
     if hasattr(args, "shutdown_timeout_s"):
         server = replace(server, **operations_settings(args))
     return EngineConfig(
@@ -228,7 +242,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   scheduling_policy=args.scheduling_policy,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  worker_step_timeout_s=args.worker_step_timeout_s),
+                                  worker_step_timeout_s=args.worker_step_timeout_s,
+                                  max_queue_time_s=args.max_queue_time_s, request_timeout_s=args.request_timeout_s),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, device=args.device,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend,
@@ -260,12 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.model_source import ModelSourceError, resolve_config
     from tokenmill.processes import setup_logging
 
-    setup_logging("frontend")
+    setup_logging("frontend", log_format=getattr(args, "log_format", None))
     try:
         config = resolve_config(config_from_args(args))
     except ModelSourceError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 1
+    if config.server.otlp_traces_endpoint:
+        from tokenmill.frontend.tracing import missing_tracing_extra
+
+        if (missing := missing_tracing_extra()) is not None:
+            print(f"tokenmill: error: {missing}", file=sys.stderr)
+            return 1
     from tokenmill.serve import serve_forever
 
     return serve_forever(config)

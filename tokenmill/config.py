@@ -68,6 +68,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     scheduling_policy: Literal["fcfs", "priority", "sjf"] = "fcfs"
     max_waiting_requests: int = 4096
     worker_step_timeout_s: float = 60.0  # a worker that does not answer a step this long is dead (0: never)
+    # deadlines (0: none): a request still waiting to start after max_queue_time_s is refused (503); one running
+    # longer than request_timeout_s (or its own `timeout`, whichever is shorter) ends with what it has
+    max_queue_time_s: float = 0.0
+    request_timeout_s: float = 0.0
 
 
 class WorkerSocketKeys(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,6 +146,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     restart_on_failure: bool = False
     max_restarts: int = 3
     restart_window_s: float = 300.0
+    # operations: every process's log lines as text or JSON objects (tokenmill/logs.py); OpenTelemetry traces,
+    # one span per request, exported over OTLP/HTTP to this URL (frontend/tracing.py; None: no tracing)
+    log_format: Literal["text", "json"] = "text"
+    otlp_traces_endpoint: str | None = None
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):

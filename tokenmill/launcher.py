@@ -31,6 +31,7 @@ import time
 from tokenmill.scheduler.process import run_scheduler_process
 from tokenmill.config import EngineConfig, replace
 from tokenmill.messages import EngineReady
+from tokenmill.logs import LOG_FORMAT_ENV
 from tokenmill.workers.process import run_worker_process
 
 log = logging.getLogger("tokenmill.launcher")
@@ -81,8 +82,10 @@ class EngineProcesses:
         # each child gets only what it needs: no API key, no scheduler's CURVE secret for the workers
         config_bytes = {"scheduler": self.config.for_scheduler().to_bytes(),
                         "worker": self.config.for_workers().to_bytes()}
+        # every child logs in the instance's format: it sets up logging before it has read the config
+        env = {**(self.env if self.env is not None else os.environ), LOG_FORMAT_ENV: self.config.server.log_format}
         for role in roles:
-            child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE, env=self.env)
+            child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE, env=env)
             self.children.append((f"tokenmill-{role}", child))
             try:
                 child.stdin.write(preamble + config_bytes["scheduler" if role == "scheduler" else "worker"])

@@ -81,6 +81,9 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     # with the prompt, and max_tokens, min_tokens, penalties and a seed's per-position draws count them as outputs,
     # so the request goes on exactly where it stopped
     resumed_output_token_ids: list[int] = []
+    # time.monotonic() after which the request ends with what it has ("length", stop_reason "timeout"); 0: none.
+    # Monotonic time is one clock for every process of a host (Linux CLOCK_MONOTONIC), where frontend and scheduler run
+    deadline: float = 0.0
 
 
 def choice_requests(request: EngineRequest) -> list[EngineRequest]:
@@ -120,8 +123,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # a prompt token's logprob (from the position before it): (its logprob, its rank in the vocabulary (1 = most likely),
 # top ids, top logprobs); the raw model distribution, as vLLM's prompt_logprobs
 PromptLogprobsEntry = tuple[float, int, list[int], list[float]]
-# why a request was refused: "overloaded" (retry later; the frontend answers 429 with Retry-After) or "invalid"
-ErrorKind = Literal["overloaded", "invalid"]
+# why a request was refused: "overloaded" (retry later; the frontend answers 429 with Retry-After), "queue_timeout"
+# (it waited longer than --max-queue-time to start: 503 with Retry-After) or "invalid"
+ErrorKind = Literal["overloaded", "queue_timeout", "invalid"]
 
 
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -137,10 +141,13 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
     embedding: bytes | None = None  # float32, raw
     error: str | None = None
-    stop_reason: int | None = None  # the `stop_token_ids` entry that finished it; None for EOS (as vLLM)
+    # the `stop_token_ids` entry that finished it; None for EOS (as vLLM); "timeout" when its deadline ended it
+    stop_reason: int | str | None = None
     error_kind: ErrorKind | None = None  # with `error`: why it was refused; None reads as "invalid"
     # with a request's first output when it asked for prompt_logprobs: one entry per prompt token after the first
     prompt_logprobs: list[PromptLogprobsEntry] | None = None
+    # with its last output: seconds it waited in the scheduler's queue before it was first scheduled (for traces)
+    queue_time_s: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -13,6 +13,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.logs import LOG_FORMAT_ENV, log_formatter
 from tokenmill.socket_security import max_message_bytes, secure_socket
 
 T = TypeVar("T")
@@ -21,10 +22,15 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def setup_logging(name: str, level: int = logging.INFO) -> logging.Logger:
-    logging.basicConfig(
-        level=level, stream=sys.stderr, force=True,
-        format=f"%(levelname)s %(asctime)s [{name}] %(message)s", datefmt="%m-%d %H:%M:%S")
+def setup_logging(name: str, level: int = logging.INFO, log_format: str | None = None) -> logging.Logger:
+    """Log to stderr as text or JSON lines (tokenmill/logs.py). `log_format` None: the one this process inherited
+    (LOG_FORMAT_ENV, text by default); a format given is exported there, so processes started later log alike."""
+    if log_format is None:
+        log_format = os.environ.get(LOG_FORMAT_ENV, "text")
+    os.environ[LOG_FORMAT_ENV] = log_format
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(log_formatter(name, log_format))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     return logging.getLogger(f"tokenmill.{name}")
 
 

@@ -42,9 +42,10 @@ def kv_block_bytes(model: PagedModel, block_size: int, dtype: torch.dtype) -> in
 
 def allocate_kv_caches(model: PagedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[KVCache]:
-    """Per layer of `model` a K and a V cache of `model.kv_cache_shape`, left uninitialised (see `zero_kv_blocks`)."""
+    """Per layer of `model` a K and a V cache of `model.kv_cache_shape`, zero-filled: writing every page now makes
+    the whole pool resident at start (an overcommitted host fails here, not hours later as blocks are first used)."""
     shape = model.kv_cache_shape(num_blocks, block_size)
-    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)]
 
 

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from tests.engine.stream_client import start_streams
-from tests.server import Server, alive
+from tests.helpers.server import Server, alive
 
 pytestmark = pytest.mark.slow
 

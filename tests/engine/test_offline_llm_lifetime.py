@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.server import alive
+from tests.helpers.server import alive
 from tokenmill import LLM, SamplingParams
 
 SMALL = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from tests.engine.stream_client import StreamRecord, start_streams
-from tests.server import Server
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
 

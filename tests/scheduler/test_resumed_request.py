@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tests.scheduler.sched_testing import EOS, FakeWorker, make_config, make_request, run_to_completion
+from tests.helpers.sched_testing import EOS, FakeWorker, make_config, make_request, run_to_completion
 from tokenmill.scheduler.scheduler import Scheduler
 
 
