@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from tests.engine.stream_client import start_streams
+from tests.helpers.stream_client import start_streams
 from tests.helpers.server import Server, alive
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.engine.stream_client import StreamRecord, start_streams
+from tests.helpers.stream_client import StreamRecord, start_streams
 from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
