@@ -10,7 +10,7 @@ import logging
 
 import aiohttp
 from aiohttp.test_utils import TestServer
-from frontend_fakes import FakeEngine
+from tests.helpers.frontend_fakes import FakeEngine
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
