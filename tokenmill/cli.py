@@ -141,6 +141,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-logit-bias", type=int, default=defaults.max_logit_bias, help="entries of `logit_bias`")
     r.add_argument("--max-json-depth", type=int, default=defaults.max_json_depth,
                    help="nesting depth of free-form JSON fields (tools, chat_template_kwargs, ...)")
+    r.add_argument("--max-cache-salt-bytes", type=int, default=defaults.max_cache_salt_bytes,
+                   help="bytes of `cache_salt` (UTF-8)")
+    r.add_argument("--max-prompt-logprobs-elements", type=int, default=defaults.max_prompt_logprobs_elements,
+                   help="prompt tokens x (`prompt_logprobs` + 1) x `n`, summed over a request's prompts")
 
     tools = parser.add_argument_group("tool calling and reasoning")
     tools.add_argument("--tool-call-parser", default=None, choices=_tool_call_parsers(),
@@ -181,7 +185,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
                           max_stop_string_chars=args.max_stop_string_chars,
                           max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
-                          max_json_depth=args.max_json_depth, tool_call_parser=args.tool_call_parser,
+                          max_json_depth=args.max_json_depth, max_cache_salt_bytes=args.max_cache_salt_bytes,
+                          max_prompt_logprobs_elements=args.max_prompt_logprobs_elements,
+                          tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           reasoning_parser=args.reasoning_parser) if hasattr(args, "host") else ServerConfig()
     return EngineConfig(

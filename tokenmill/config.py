@@ -116,6 +116,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_stop_token_ids: int = 256
     max_logit_bias: int = 1024  # entries
     max_json_depth: int = 64  # nesting of free-form JSON (tools, chat_template_kwargs, ...)
+    max_cache_salt_bytes: int = 256  # `cache_salt`, UTF-8 (vLLM has no limit; a salt is a tenant id or a secret)
+    # prompt tokens x (prompt_logprobs + 1) x n over a request's prompts: the values its prompt logprobs carry
+    max_prompt_logprobs_elements: int = 1 << 23
     # tool calling and reasoning (vLLM's flags): which parser reads tool calls from the output, whether
     # tool_choice "auto" is served, and which parser splits reasoning from the answer (frontend/tool_choice.py)
     tool_call_parser: str | None = None
