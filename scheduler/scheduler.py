@@ -366,7 +366,7 @@ class Scheduler:
         constrained = [r for r in constrained if r.grammar is not None and r.grammar.active
                        and r.num_computed_tokens == r.num_tokens]
         if constrained:
-            bitmask = self.grammars.fill_bitmask([r.grammar.matcher for r in constrained])
+            bitmask = self.grammars.fill_bitmask([r.grammar for r in constrained])
             plan.grammar_request_ids = [r.request_id for r in constrained]
             plan.grammar_bitmask = bitmask.tobytes()
 

@@ -78,6 +78,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"])
     s.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig().max_waiting_requests,
                    help="beyond this many waiting requests new ones get 429")
+    s.add_argument("--structured-outputs-cache-bytes", type=int,
+                   default=SchedulerConfig().structured_outputs_cache_bytes,
+                   help="bytes of compiled structured-output grammars the scheduler keeps (each charged its "
+                        "constraint's size plus an estimate of the compiled grammar)")
     s.add_argument("--worker-step-timeout", type=float, default=SchedulerConfig().worker_step_timeout_s,
                    dest="worker_step_timeout_s",
                    help="seconds a worker may take to answer one step before the instance treats it as dead and "
@@ -205,7 +209,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   scheduling_policy=args.scheduling_policy,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  worker_step_timeout_s=args.worker_step_timeout_s),
+                                  worker_step_timeout_s=args.worker_step_timeout_s,
+                                  structured_outputs_cache_bytes=args.structured_outputs_cache_bytes),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, device=args.device,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend,

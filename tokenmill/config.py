@@ -68,6 +68,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     scheduling_policy: Literal["fcfs", "priority", "sjf"] = "fcfs"
     max_waiting_requests: int = 4096
     worker_step_timeout_s: float = 60.0  # a worker that does not answer a step this long is dead (0: never)
+    structured_outputs_cache_bytes: int = 512 << 20  # compiled grammars kept (scheduler/structured_outputs.py)
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
