@@ -4,7 +4,7 @@ output only."""
 
 from sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
 
-from tokenmill.messages import StepResult
+from tokenmill.messages import PromptLogprobs, StepResult
 from tokenmill.scheduler.scheduler import Scheduler
 
 PROMPT = list(range(300, 318))  # 18 tokens: 4 full blocks of 4
@@ -79,7 +79,7 @@ def test_prompt_logprobs_ride_on_the_first_output_of_their_request_only():
     sched.add_request(make_request("scored", 5, max_tokens=2, prompt_logprobs=1))
     sched.add_request(make_request("plain", 5, max_tokens=2))
     plan = sched.schedule()
-    entries = [(-1.5, 3, [9], [-0.25])] * 4
+    entries = PromptLogprobs.from_entries([(-1.5, 3, [9], [-0.25])] * 4, 1)
     result = worker.execute(plan)
     outputs = sched.update(plan, StepResult(result.step_id, result.request_ids, result.sampled_token_ids,
                                             prompt_logprobs={"scored": entries}))
