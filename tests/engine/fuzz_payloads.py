@@ -137,7 +137,8 @@ def hostile_body(draw) -> tuple[str, dict]:
     if kind == "salt":
         body["cache_salt"] = draw(st.sampled_from(SALT_CHARS)) * draw(st.sampled_from(SALT_LENGTHS))
     elif kind == "prompt_logprobs" and path != "/v1/responses":
-        text = " ".join(WORDS[i % len(WORDS)] for i in range(draw(st.sampled_from([1, 10, 200, 400]))))
+        # about 120 words x (20 + 1) x 8 is past the fuzz server's budget; the rest is admitted and kept light
+        text = " ".join(WORDS[i % len(WORDS)] for i in range(draw(st.sampled_from([1, 10, 120]))))
         body.update(prompt_logprobs=draw(st.sampled_from([0, 1, 5, 20, 21])), n=draw(st.sampled_from([1, 2, 8])))
         if path == "/v1/completions":
             body.update(prompt=text, echo=draw(st.booleans()), logprobs=draw(st.sampled_from([None, 0, 5])))
@@ -156,7 +157,7 @@ def hostile_body(draw) -> tuple[str, dict]:
     else:
         body.update(stop_token_ids=list(range(draw(st.sampled_from([256, 257])))),
                     logit_bias={str(i): 1.0 for i in range(draw(st.sampled_from([1024, 1025])))},
-                    n=draw(st.sampled_from([1, 128, 129])))
+                    n=draw(st.sampled_from([1, 2, 129])))  # 128 choices would only queue the others
     return path, body
 
 
