@@ -106,7 +106,7 @@ class GrammarCompiler:
         bitmask = llguidance.numpy.allocate_token_bitmask(len(grammars), self.vocab_size)
         try:
             llguidance.numpy.fill_next_token_bitmask_par(
-                self._executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
+                self._executor, [(g.started_matcher, i) for i, g in enumerate(grammars)], bitmask)
         except Exception:
             log.exception("filling the structured-output bitmask failed; filling it row by row")
             for i, grammar in enumerate(grammars):
@@ -154,11 +154,18 @@ class RequestGrammar:
             except Exception as exc:
                 raise GrammarError(f"the grammar engine failed: {exc}") from None
 
+    @property
+    def started_matcher(self) -> llguidance.LLMatcher:
+        """The request's matcher; only a started grammar (`start`) is masked or advanced."""
+        if self.matcher is None:
+            raise RuntimeError("the grammar is used before start()")
+        return self.matcher
+
     def fill_row(self, bitmask: np.ndarray, row: int) -> None:
         """Row `row` of the bitmask from this matcher alone; if the engine raises, every token for this step, and
         the request ends with the error when its token comes back."""
         try:
-            llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+            llguidance.numpy.fill_next_token_bitmask(self.started_matcher, bitmask, row)
         except Exception as exc:
             self.error = f"the grammar engine failed: {exc}"
             bitmask[row] = ALL_TOKENS
@@ -173,9 +180,9 @@ class RequestGrammar:
             self.active = len(output_token_ids) >= n and list(output_token_ids[-n:]) == self._begin_after
             return None
         try:
-            if not self.matcher.consume_token(token_id):
+            if not self.started_matcher.consume_token(token_id):
                 return f"the sampled token {token_id} does not fit the structured-output grammar"
-            self._stopped = self.matcher.is_stopped()
+            self._stopped = self.started_matcher.is_stopped()
         except Exception as exc:
             self.error = f"the grammar engine failed: {exc}"
             return self.error
