@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.messages import PromptLogprobsEntry, RequestOutput
+from tokenmill.messages import PromptLogprobs, RequestOutput
 
 TokenLogprobs = tuple[float, list[int], list[float]]  # (logprob of the token, top ids, top logprobs)
 
@@ -27,7 +27,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: list[PromptLogprobsEntry] | None = None  # with the choice's first delta, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # with the choice's first delta, when asked for
 
 
 def next_delta(index: int, detokenizer: IncrementalDetokenizer, out: RequestOutput) -> ChoiceDelta:
@@ -54,7 +54,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None  # None unless the engine returned logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: list[PromptLogprobsEntry] | None = None  # engine entries, when the request asked for them
+    prompt_logprobs: PromptLogprobs | None = None  # engine entries, when the request asked for them
 
     @property
     def finished(self) -> bool:

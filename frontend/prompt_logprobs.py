@@ -1,5 +1,6 @@
-"""Prompt logprobs in vLLM's shapes, from the engine's compact entries (`PromptLogprobsEntry`, one per prompt token
-after the first: its logprob, its rank, the top ids and their logprobs).
+"""Prompt logprobs in vLLM's shapes, from the engine's packed arrays (`PromptLogprobs`, a row per prompt token after
+the first: its logprob, its rank, the top ids and their logprobs), read into Python objects only here, as they are
+formatted.
 
 - `prompt_logprobs` (completions choices, the chat response, the offline API): a list with None for the first prompt
   token, then per token {token id: Logprob(logprob, rank, decoded_token)}: the prompt token first, then the top k
@@ -22,7 +23,7 @@ from msgspec import UNSET, UnsetType
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.logprobs import TokenTexts
 from tokenmill.frontend.protocol import CompletionLogProbs, CompletionRequest, Logprob, PromptLogprobs
-from tokenmill.messages import PromptLogprobsEntry
+from tokenmill.messages import PromptLogprobs as EnginePromptLogprobs, PromptLogprobsEntry
 
 MIN_LOGPROB = -9999.0
 
@@ -39,9 +40,10 @@ def _position_dict(token_id: int, entry: PromptLogprobsEntry, texts: TokenTexts)
     return position
 
 
-def vllm_prompt_logprobs(prompt_ids: Sequence[int], entries: Sequence[PromptLogprobsEntry],
+def vllm_prompt_logprobs(prompt_ids: Sequence[int], engine_logprobs: EnginePromptLogprobs,
                          texts: TokenTexts) -> PromptLogprobs:
-    """vLLM's `prompt_logprobs` list for a prompt and its engine entries."""
+    """vLLM's `prompt_logprobs` list for a prompt and the engine's arrays."""
+    entries = engine_logprobs.entries()
     return [None] + [_position_dict(token_id, entry, texts) for token_id, entry in zip(prompt_ids[1:], entries)]
 
 
@@ -65,13 +67,13 @@ def engine_max_tokens(request: CompletionRequest) -> int | None:
     return request.max_tokens
 
 
-def echo_logprobs(prompt_ids: Sequence[int], entries: Sequence[PromptLogprobsEntry] | None, num_top: int,
+def echo_logprobs(prompt_ids: Sequence[int], engine_logprobs: EnginePromptLogprobs | None, num_top: int,
                   texts: TokenTexts) -> tuple[CompletionLogProbs, int]:
     """The prompt tokens' part of an echoed choice's completions logprobs, and the text offset after them. Each
     position's top_logprobs holds the prompt token and the first `num_top` of its top list (vLLM keeps the first
     num_top + 1 entries of the position's dict), by decoded text."""
     result = CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
-    entries = list(entries or [])
+    entries = engine_logprobs.entries() if engine_logprobs is not None else []
     offset = 0
     for i, token_id in enumerate(prompt_ids):
         token = texts[token_id]

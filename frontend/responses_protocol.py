@@ -258,7 +258,7 @@ def conversation(request: ResponsesRequest) -> tuple[list[ChatMessage], bool]:
             if item.arguments.strip():
                 try:
                     json.loads(item.arguments)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
                     raise APIError(400, f"A function call's arguments must be JSON: {exc}",
                                    f"{param}.arguments") from None
             call = {"id": item.call_id, "type": "function",

@@ -22,7 +22,7 @@ from tokenmill.frontend.protocol import (ChatChoice, ChatCompletionChunk, ChatCo
 from tokenmill.frontend.protocol import chat_logprobs as requested_chat_logprobs
 from tokenmill.frontend.sse import stream_deltas
 from tokenmill.frontend.chat_template import RENDERER_ARGS, RenderLimitError, RenderLimits, compile_chat_template
-from tokenmill.frontend.limits import check_sampling_limits
+from tokenmill.frontend.limits import check_prompt_logprobs_budget, check_sampling_limits
 from tokenmill.frontend.tokenizer import encode_text, render_chat, server_chat_template
 from tokenmill.frontend.structured_outputs import structured_outputs_params
 from tokenmill.frontend.chat_parsing import ChatOutputs, is_empty
@@ -135,6 +135,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
                                 defaults=ctx.config.model.generation_defaults)
     params.structured_outputs = await structured_outputs_params(ctx, request)
     plan = await apply_tool_plan(ctx, plan, params, prompt_ids)
+    check_prompt_logprobs_budget([prompt_ids], [params], request.n, ctx.config.server)
     ctx.admission.check(ctx.engine, request.n)
     request_id = new_request_id("chatcmpl")
     choices = build_choices(ctx.tokenizer, request_id, [prompt_ids], [params], request.n,

@@ -16,7 +16,7 @@ from tokenmill.frontend.logprobs import TokenTexts, completion_logprobs
 from tokenmill.frontend.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, decode_request, encode_json,
                                now, resolve_max_tokens, to_sampling_params)
 from tokenmill.frontend.sse import stream_deltas
-from tokenmill.frontend.limits import check_sampling_limits
+from tokenmill.frontend.limits import check_prompt_logprobs_budget, check_sampling_limits
 from tokenmill.frontend.tokenizer import encode_texts
 from tokenmill.frontend.structured_outputs import structured_outputs_params
 from tokenmill.frontend.unsupported import refuse_unsupported
@@ -72,6 +72,7 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     for prompt_params in params:
         prompt_params.structured_outputs = structured_outputs
         prompt_params.prompt_logprobs = engine_prompt_logprobs(request)
+    check_prompt_logprobs_budget([ids for _, ids in inputs], params, request.n, ctx.config.server)
     ctx.admission.check(ctx.engine, len(inputs) * request.n)
     request_id = new_request_id("cmpl")
     choices = build_choices(ctx.tokenizer, request_id, [ids for _, ids in inputs], params, request.n,

@@ -16,7 +16,7 @@ import msgspec
 
 from tokenmill.frontend.errors import APIError
 from tokenmill.grammars import GrammarError, validate
-from tokenmill.messages import StructuredOutputsParams
+from tokenmill.messages import StructuredOutputsParams, encode
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -108,8 +108,13 @@ def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
 
 
 def check_structured_outputs(params: StructuredOutputsParams, param: str) -> None:
-    """400 naming `param` when the constraint does not compile (run it on a worker thread: compiling takes up to
-    milliseconds for large schemas)."""
+    """400 naming `param` when the constraint does not compile, or cannot travel to the engine (msgpack holds
+    integers from -2**63 to 2**64 - 1; a schema may hold any). Run it on a worker thread: compiling takes up to
+    milliseconds for large schemas."""
+    try:
+        encode(params)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise APIError(400, f"Invalid {param}: {exc}", param) from None
     try:
         validate(params)
     except GrammarError as exc:

@@ -1,10 +1,12 @@
 """Maps requests to KV-cache blocks: prefix-cache lookup, slot allocation for the next tokens, caching, freeing.
 
 A request's block table is a list of physical blocks covering its tokens in order. Full blocks get a hash that
-chains the parent block's hash with the block's token ids and the request's cache salt; once their KV is computed
-they are indexed in the pool so a later request with the same prefix reuses them instead of recomputing. A hit must
-also match the block's recorded content (tokens, salt, and the very parent block matched before it), so the hash only
-finds candidates and never decides what KV a request reads.
+chains the parent block's hash with the block's token ids; the request's cache salt is folded in once, into the first
+block's key and content (vLLM's rule: every later block carries it through its parent), so the work per block never
+grows with the salt. Once their KV is computed they are indexed in the pool so a later request with the same prefix
+reuses them instead of recomputing. A hit must also match the block's recorded content (tokens, the salt for the
+first block, and the very parent block matched before it), so the hash only finds candidates and never decides what
+KV a request reads.
 
 Sliding window (a model whose every layer attends to at most `window` keys): `free_leading_blocks` returns the blocks
 at the front of a running request's table that no later query can see. They leave `req_blocks` (which holds the live
@@ -152,10 +154,12 @@ class KVCacheManager:
         size = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // size):
-            parent = hashes[i - 1] if i else self.pool.root_hash
-            hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt))
+            parent, salt = (hashes[i - 1], None) if i else (self.pool.root_hash, request.cache_salt)
+            hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], salt))
 
     def _content(self, request: Request, index: int, parent_id: int) -> BlockContent:
-        """What block `index` of the request holds, after the indexed block `parent_id` holding its prefix."""
+        """What block `index` of the request holds, after the indexed block `parent_id` holding its prefix (the salt
+        is the first block's alone: a later block's parent, unique per indexing, carries it)."""
         size = self.block_size
-        return parent_id, tuple(request.all_token_ids[index * size:(index + 1) * size]), request.cache_salt
+        salt = request.cache_salt if index == 0 else None
+        return parent_id, tuple(request.all_token_ids[index * size:(index + 1) * size]), salt

@@ -102,7 +102,8 @@ class SchedulerLoop:
         grammars = None
         if first.vocab_size:  # a language model: structured outputs can constrain it
             grammars = GrammarCompiler(lambda: grammar_tokenizer(self.config.model, first.vocab_size,
-                                                                 first.eos_token_ids))
+                                                                 first.eos_token_ids),
+                                       cache_bytes=self.config.scheduler.structured_outputs_cache_bytes)
         self.scheduler = Scheduler(self.config, num_blocks, first.eos_token_ids, grammars=grammars,
                                    sliding_window=first.sliding_window)
         self.to_frontend.send(encode(EngineReady(

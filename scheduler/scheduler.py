@@ -56,6 +56,8 @@ def make_speculator(config: SpeculativeConfig) -> Speculator | None:
         return DraftModelSpeculator(config)
     return None
 
+# a prompt that asks for prompt logprobs is computed at most max_num_batched_tokens / this per step (at least 16)
+PROMPT_LOGPROBS_CHUNK_DIVISOR = 8
 
 class Rejection(NamedTuple):
     """Why a request was refused: one sentence for the client, and whether retrying later can help."""
@@ -76,6 +78,9 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        # a prompt token that asks for its logprob also runs the LM head over the whole vocabulary and a top-k: such
+        # a prompt is computed in chunks of this many tokens, so no step grows much longer for the other requests
+        self.prompt_logprobs_chunk = max(16, self.max_num_batched_tokens // PROMPT_LOGPROBS_CHUNK_DIVISOR)
         # 0 means "not resolved from a model" (unit tests): then the pool's capacity is the only limit
         self.max_model_len = config.model.max_model_len or num_kv_blocks * self.block_size
         # the most tokens one request can ever hold; below max_model_len only with an explicit block count
@@ -210,7 +215,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.is_embedding:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if num_new <= 0:
                 continue
             self._free_slid_out_blocks(req)
@@ -316,6 +321,7 @@ class Scheduler:
                     if not self.chunked_prefill and req.num_preemptions == 0:
                         break
                     num_new = budget
+                num_new = self._chunk(req, num_new)
                 lookahead = self._lookahead_slots(req, num_cached + num_new)  # it has computed none yet
                 while (new_block_ids := self.kv.allocate_slots(req, num_new, hits, lookahead)) is None:
                     if lookahead:  # best effort, as for running requests
@@ -341,6 +347,14 @@ class Scheduler:
         if admitted_any:
             self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
         return budget
+
+    def _chunk(self, req: Request, num_new: int) -> int:
+        """`num_new`, capped at `prompt_logprobs_chunk` while a request that asks for prompt logprobs is in its
+        prompt (with chunked prefill on)."""
+        if (self.chunked_prefill and req.sampling.prompt_logprobs is not None
+                and req.num_computed_tokens < req.num_prompt_tokens):
+            return min(num_new, self.prompt_logprobs_chunk)
+        return num_new
 
     def _grammar_ready(self, req: Request, grammar: RequestGrammar) -> bool:
         """Whether a waiting request's grammar is compiled; a grammar that failed finishes the request with why."""
@@ -432,16 +446,12 @@ class Scheduler:
 
     def _add_grammar_bitmask(self, plan: StepPlan, scheduled: dict[str, int]) -> None:
         """The allowed-token bitmask of every constrained request that samples this step, one row each."""
-        rows: list[tuple[str, LLMatcher]] = []  # (request id, its matcher)
-        for request_id in scheduled:
-            req = self.requests[request_id]
-            grammar = req.grammar
-            if (grammar is not None and grammar.active and grammar.matcher is not None
-                    and req.num_computed_tokens == req.num_tokens):
-                rows.append((request_id, grammar.matcher))
-        if rows and self.grammars is not None:
-            bitmask = self.grammars.fill_bitmask([matcher for _, matcher in rows])
-            plan.grammar_request_ids = [request_id for request_id, _ in rows]
+        constrained = [self.requests[request_id] for request_id in scheduled]
+        grammars = [(r.request_id, r.grammar) for r in constrained if r.grammar is not None and r.grammar.active
+                    and r.num_computed_tokens == r.num_tokens]
+        if grammars and self.grammars is not None:
+            bitmask = self.grammars.fill_bitmask([grammar for _, grammar in grammars])
+            plan.grammar_request_ids = [request_id for request_id, _ in grammars]
             plan.grammar_bitmask = bitmask.tobytes()
 
     # ------------------------------------------------------------------ applying a step's result

@@ -4,7 +4,13 @@ for the whole batch per step.
 `GrammarCompiler` builds llguidance matchers on a small thread pool (llguidance drops the GIL while it compiles), so
 a request whose grammar is still compiling waits in the queue without holding up the others; compiled grammars are
 cached by their text (n choices of a prompt, or many requests with one schema, compile once) and each request gets
-its own deep copy. The tokenizer it needs is loaded on the same pool as soon as the compiler is made.
+its own deep copy. The cache is bounded in bytes (--structured-outputs-cache-bytes): an entry is charged its key (the
+constraint as the client sent it, descriptions and all) plus a fixed estimate of the compiled matcher, whose size
+the parser limits bound. The tokenizer it needs is loaded on the same pool as soon as the compiler is made.
+
+Nothing the grammar engine raises may end the scheduler: a failed compile or copy is a GrammarError for that request
+alone, a matcher that raises while stepping finishes its request with an error, and a bitmask fill that raises is
+redone row by row, a failing row allowing every token for that one step (its request then finishes with the error).
 
 `RequestGrammar` is one request's matcher. It advances with every token the request samples; preemption keeps it
 as it is (recompute preemption keeps the sampled tokens, so the matcher's state stays true), and the worker applies
@@ -31,7 +37,11 @@ from tokenmill.messages import StructuredOutputsParams
 log = logging.getLogger("tokenmill.scheduler")
 
 COMPILE_THREADS = 2
-CACHE_SIZE = 256  # compiled grammars kept (a few hundred kB each at most)
+CACHE_BYTES = 512 << 20  # vLLM's default for its grammar cache
+# what a compiled matcher is charged beyond its key: its grammar is bounded by PARSER_LIMITS' max_grammar_size, and
+# a few hundred kB covers the largest measured
+COMPILED_ENTRY_BYTES = 256 << 10
+ALL_TOKENS = -1  # an int32 bitmask word with every bit set
 
 
 def grammar_tokenizer(model: ModelConfig, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
@@ -48,11 +58,12 @@ def grammar_tokenizer(model: ModelConfig, vocab_size: int, eos_token_ids: list[i
 
 class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], llguidance.LLTokenizer], *, threads: int = COMPILE_THREADS,
-                 cache_size: int = CACHE_SIZE) -> None:
+                 cache_bytes: int = CACHE_BYTES) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._tokenizer: Future[llguidance.LLTokenizer] = self._pool.submit(load_tokenizer)
         self._cache: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
-        self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self.cached_bytes = 0  # what the entries in the cache are charged
         self._executor = llguidance.LLExecutor(threads)
         self.mask_time_s = 0.0  # spent filling bitmasks since the last `take_mask_time`
 
@@ -70,23 +81,37 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return future
         future = self._pool.submit(self._build, params)
-        self._cache[key] = future
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        if entry_bytes(key) <= self._cache_bytes:  # one larger than the whole cache is compiled, never kept
+            self._cache[key] = future
+            self.cached_bytes += entry_bytes(key)
+            while self.cached_bytes > self._cache_bytes:
+                evicted, _ = self._cache.popitem(last=False)
+                self.cached_bytes -= entry_bytes(evicted)
         return future
 
     def _build(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        grammar = grammar_text(params)
-        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0, limits=parser_limits())
+        try:
+            grammar = grammar_text(params)
+            matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0, limits=parser_limits())
+        except GrammarError:
+            raise
+        except Exception as exc:  # whatever the engine raises is this constraint's failure, not the scheduler's
+            raise GrammarError(f"the grammar engine failed: {exc}") from None
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return matcher
 
-    def fill_bitmask(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
-        """[len(matchers), ceil(vocab / 32)] int32: bit t of row i set when matcher i allows token t next."""
+    def fill_bitmask(self, grammars: Sequence[RequestGrammar]) -> np.ndarray:
+        """[len(grammars), ceil(vocab / 32)] int32: bit t of row i set when grammar i allows token t next."""
         started = time.perf_counter()
-        bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(grammars), self.vocab_size)
+        try:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self._executor, [(g.started_matcher, i) for i, g in enumerate(grammars)], bitmask)
+        except Exception:
+            log.exception("filling the structured-output bitmask failed; filling it row by row")
+            for i, grammar in enumerate(grammars):
+                grammar.fill_row(bitmask, i)
         self.mask_time_s += time.perf_counter() - started
         return bitmask
 
@@ -98,16 +123,23 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def entry_bytes(key: bytes) -> int:
+    """What one cached grammar is charged: its key and the compiled matcher's estimate."""
+    return len(key) + COMPILED_ENTRY_BYTES
+
+
 class RequestGrammar:
     """One request's constraint: waiting for its compiled grammar, then a matcher that follows its output."""
 
-    __slots__ = ("_compiled", "matcher", "_begin_after", "active")
+    __slots__ = ("_compiled", "matcher", "_begin_after", "active", "error", "_stopped")
 
     def __init__(self, compiled: Future[llguidance.LLMatcher], begin_after_token_ids: list[int] | None) -> None:
         self._compiled = compiled
         self.matcher: llguidance.LLMatcher | None = None
         self._begin_after = list(begin_after_token_ids or [])
         self.active = not self._begin_after  # constraining now (else: once the output holds `begin_after`)
+        self.error: str | None = None  # the grammar engine raised while masking: the request ends with this
+        self._stopped = False  # the matcher allowed nothing more after the last accepted token
 
     @property
     def compiled(self) -> bool:
@@ -116,20 +148,48 @@ class RequestGrammar:
     def start(self) -> None:
         """Take a private copy of the compiled matcher (once it is compiled). Raises GrammarError."""
         if self.matcher is None:
-            self.matcher = self._compiled.result().deep_copy()
+            try:
+                self.matcher = self._compiled.result().deep_copy()
+            except GrammarError:
+                raise
+            except Exception as exc:
+                raise GrammarError(f"the grammar engine failed: {exc}") from None
+
+    @property
+    def started_matcher(self) -> llguidance.LLMatcher:
+        """The request's matcher; only a started grammar (`start`) is masked or advanced."""
+        if self.matcher is None:
+            raise RuntimeError("the grammar is used before start()")
+        return self.matcher
+
+    def fill_row(self, bitmask: np.ndarray, row: int) -> None:
+        """Row `row` of the bitmask from this matcher alone; if the engine raises, every token for this step, and
+        the request ends with the error when its token comes back."""
+        try:
+            llguidance.numpy.fill_next_token_bitmask(self.started_matcher, bitmask, row)
+        except Exception as exc:
+            self.error = f"the grammar engine failed: {exc}"
+            bitmask[row] = ALL_TOKENS
 
     def accept(self, token_id: int, output_token_ids: Sequence[int]) -> str | None:
-        """Advance past a sampled token (already appended to `output_token_ids`); the error, if it does not fit."""
+        """Advance past a sampled token (already appended to `output_token_ids`); the error, if it does not fit or
+        the grammar engine failed."""
+        if self.error is not None:
+            return self.error
         if not self.active:
             n = len(self._begin_after)
             self.active = len(output_token_ids) >= n and list(output_token_ids[-n:]) == self._begin_after
             return None
-        assert self.matcher is not None, "start() first"
-        if not self.matcher.consume_token(token_id):
-            return f"the sampled token {token_id} does not fit the structured-output grammar"
+        try:
+            if not self.started_matcher.consume_token(token_id):
+                return f"the sampled token {token_id} does not fit the structured-output grammar"
+            self._stopped = self.started_matcher.is_stopped()
+        except Exception as exc:
+            self.error = f"the grammar engine failed: {exc}"
+            return self.error
         return None
 
     @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more (only end of sequence)."""
-        return self.active and self.matcher is not None and self.matcher.is_stopped()
+        return self.active and self._stopped

@@ -79,6 +79,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"])
     s.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig().max_waiting_requests,
                    help="beyond this many waiting requests new ones get 429")
+    s.add_argument("--structured-outputs-cache-bytes", type=int,
+                   default=SchedulerConfig().structured_outputs_cache_bytes,
+                   help="bytes of compiled structured-output grammars the scheduler keeps (each charged its "
+                        "constraint's size plus an estimate of the compiled grammar)")
     s.add_argument("--worker-step-timeout", type=float, default=SchedulerConfig().worker_step_timeout_s,
                    dest="worker_step_timeout_s",
                    help="seconds a worker may take to answer one step before the instance treats it as dead and "
@@ -158,6 +162,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-logit-bias", type=int, default=defaults.max_logit_bias, help="entries of `logit_bias`")
     r.add_argument("--max-json-depth", type=int, default=defaults.max_json_depth,
                    help="nesting depth of free-form JSON fields (tools, chat_template_kwargs, ...)")
+    r.add_argument("--max-cache-salt-bytes", type=int, default=defaults.max_cache_salt_bytes,
+                   help="bytes of `cache_salt` (UTF-8)")
+    r.add_argument("--max-prompt-logprobs-elements", type=int, default=defaults.max_prompt_logprobs_elements,
+                   help="prompt tokens x (`prompt_logprobs` + 1) x `n`, summed over a request's prompts")
 
     tools = parser.add_argument_group("tool calling and reasoning")
     tools.add_argument("--tool-call-parser", default=None, choices=_tool_call_parsers(),
@@ -221,7 +229,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
                           max_stop_string_chars=args.max_stop_string_chars,
                           max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
-                          max_json_depth=args.max_json_depth, tool_call_parser=args.tool_call_parser,
+                          max_json_depth=args.max_json_depth, max_cache_salt_bytes=args.max_cache_salt_bytes,
+                          max_prompt_logprobs_elements=args.max_prompt_logprobs_elements,
+                          tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           reasoning_parser=args.reasoning_parser, log_format=args.log_format,
                           otlp_traces_endpoint=args.otlp_traces_endpoint) if hasattr(args, "host") else ServerConfig()
@@ -243,7 +253,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   scheduling_policy=args.scheduling_policy,
                                   max_waiting_requests=args.max_waiting_requests,
                                   worker_step_timeout_s=args.worker_step_timeout_s,
-                                  max_queue_time_s=args.max_queue_time_s, request_timeout_s=args.request_timeout_s),
+                                  max_queue_time_s=args.max_queue_time_s, request_timeout_s=args.request_timeout_s,
+                                  structured_outputs_cache_bytes=args.structured_outputs_cache_bytes),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, device=args.device,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend,

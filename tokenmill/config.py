@@ -72,6 +72,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # longer than request_timeout_s (or its own `timeout`, whichever is shorter) ends with what it has
     max_queue_time_s: float = 0.0
     request_timeout_s: float = 0.0
+    structured_outputs_cache_bytes: int = 512 << 20  # compiled grammars kept (scheduler/structured_outputs.py)
 
 
 class WorkerSocketKeys(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,6 +133,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_stop_token_ids: int = 256
     max_logit_bias: int = 1024  # entries
     max_json_depth: int = 64  # nesting of free-form JSON (tools, chat_template_kwargs, ...)
+    max_cache_salt_bytes: int = 256  # `cache_salt`, UTF-8 (vLLM has no limit; a salt is a tenant id or a secret)
+    # prompt tokens x (prompt_logprobs + 1) x n over a request's prompts: the values its prompt logprobs carry
+    max_prompt_logprobs_elements: int = 1 << 23
     # tool calling and reasoning (vLLM's flags): which parser reads tool calls from the output, whether
     # tool_choice "auto" is served, and which parser splits reasoning from the answer (frontend/tool_choice.py)
     tool_call_parser: str | None = None

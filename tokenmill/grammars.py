@@ -92,6 +92,8 @@ def _structural_tag_grammar(spec: str | dict) -> str:
     for structure in tag["structures"]:
         if not isinstance(structure, dict) or not all(k in structure for k in ("begin", "schema", "end")):
             raise GrammarError("every structural_tag structure needs `begin`, `schema` and `end`")
+        if not isinstance(structure["begin"], str) or not isinstance(structure["end"], str):
+            raise GrammarError("a structural_tag structure's `begin` and `end` must be strings")
         begin = structure["begin"]
         trigger = next((t for t in tag["triggers"] if isinstance(t, str) and t and begin.startswith(t)), None)
         if trigger is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
@@ -121,8 +122,55 @@ FrontendMessage = EngineRequest | AbortRequest | Ping | WatchSteps
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 # a prompt token's logprob (from the position before it): (its logprob, its rank in the vocabulary (1 = most likely),
-# top ids, top logprobs); the raw model distribution, as vLLM's prompt_logprobs
+# top ids, top logprobs); the raw model distribution, as vLLM's prompt_logprobs. What `PromptLogprobs.entries` gives
+# the frontend when it formats them; between processes they travel packed.
 PromptLogprobsEntry = tuple[float, int, list[int], list[float]]
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """A request's prompt logprobs as packed little-endian arrays, one row per prompt token after the first: the
+    token's logprob (float32 [P]), its rank (int32 [P]), the top `num_top` ids (int32 [P, num_top]) and their
+    logprobs (float32 [P, num_top]). A few bytes per value from the worker to the frontend, where they become
+    Python objects only as they are formatted (a prompt of 100k tokens with k = 20 is 17 MB, not ~200 MB of tuples)."""
+
+    num_top: int
+    logprobs: bytes = b""
+    ranks: bytes = b""
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.logprobs) // 4
+
+    @classmethod
+    def from_arrays(cls, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
+                    top_logprobs: np.ndarray) -> PromptLogprobs:
+        """From [P] logprobs and ranks and [P, k] top ids and logprobs (any numeric dtypes)."""
+        return cls(int(top_ids.shape[1]), logprobs.astype("<f4").tobytes(), ranks.astype("<i4").tobytes(),
+                   top_ids.astype("<i4").tobytes(), top_logprobs.astype("<f4").tobytes())
+
+    @classmethod
+    def from_entries(cls, entries: list[PromptLogprobsEntry], num_top: int) -> PromptLogprobs:
+        """From one tuple per prompt token, each with `num_top` top entries (fakes and tests)."""
+        columns = list(zip(*entries)) or [(), (), (), ()]
+        return cls.from_arrays(np.array(columns[0]), np.array(columns[1]),
+                               np.array(columns[2]).reshape(len(entries), num_top),
+                               np.array(columns[3]).reshape(len(entries), num_top))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(logprobs [P], ranks [P], top ids [P, k], top logprobs [P, k]), read-only views of the bytes."""
+        rows = self.num_positions
+        return (np.frombuffer(self.logprobs, "<f4"), np.frombuffer(self.ranks, "<i4"),
+                np.frombuffer(self.top_ids, "<i4").reshape(rows, self.num_top),
+                np.frombuffer(self.top_logprobs, "<f4").reshape(rows, self.num_top))
+
+    def entries(self) -> list[PromptLogprobsEntry]:
+        """One Python tuple per prompt token: for formatting (the frontend) and tests."""
+        logprobs, ranks, top_ids, top_logprobs = (a.tolist() for a in self.arrays())
+        return list(zip(logprobs, ranks, top_ids, top_logprobs))
+
+
 # why a request was refused: "overloaded" (retry later; the frontend answers 429 with Retry-After), "queue_timeout"
 # (it waited longer than --max-queue-time to start: 503 with Retry-After) or "invalid"
 ErrorKind = Literal["overloaded", "queue_timeout", "invalid"]
@@ -144,8 +192,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # the `stop_token_ids` entry that finished it; None for EOS (as vLLM); "timeout" when its deadline ended it
     stop_reason: int | str | None = None
     error_kind: ErrorKind | None = None  # with `error`: why it was refused; None reads as "invalid"
-    # with a request's first output when it asked for prompt_logprobs: one entry per prompt token after the first
-    prompt_logprobs: list[PromptLogprobsEntry] | None = None
+    # with a request's first output when it asked for prompt_logprobs: one row per prompt token after the first
+    prompt_logprobs: PromptLogprobs | None = None
     # with its last output: seconds it waited in the scheduler's queue before it was first scheduled (for traces)
     queue_time_s: float = 0.0
 
@@ -313,7 +361,7 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     embeddings: dict[str, bytes] | None = None  # finished embedding requests: float32 raw
     model_time_s: float = 0.0
     # requests whose prompt (asking for prompt_logprobs) completed this step: every prompt position's entry
-    prompt_logprobs: dict[str, list[PromptLogprobsEntry]] | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
     # speculative decoding, when some request verified drafts this step: aligned with request_ids, every request's
     # tokens in order (1 + its accepted drafts; sampled_token_ids holds each list's first token)
     accepted_token_ids: list[list[int]] | None = None

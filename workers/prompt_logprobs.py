@@ -7,8 +7,9 @@ chunk predicts the first token of the next one, which is known already (the work
 nothing but the entries so far is carried from chunk to chunk. The prompt's last position predicts the first output
 token, sampled as usual: the first prompt token has no logprob.
 
-The logprobs are those of the raw model distribution (float32 log_softmax of the logits), as vLLM's default. When the
-prompt completes, rank 0 hands every entry over at once, with the request's first sampled token.
+The logprobs are those of the raw model distribution (float32 log_softmax of the logits), as vLLM's default. Each
+chunk's rows are kept as numpy arrays (never a Python object per token); when the prompt completes, rank 0 hands
+them over at once, packed (`PromptLogprobs`), with the request's first sampled token.
 
 A prefix-cache hit would leave the cached positions without hidden states, so the scheduler never lets such a request
 read the prefix cache (as vLLM V1); a request that resumes after preemption with outputs already generated has had its
@@ -21,9 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from tokenmill.messages import NewRequestData, PromptLogprobsEntry
+from tokenmill.messages import NewRequestData, PromptLogprobs
+
+# one chunk's rows of a request: logprobs [R], ranks [R], top ids [R, k], top logprobs [R, k]
+ScoredRows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass
@@ -32,7 +37,14 @@ class PromptLogprobsState:
 
     num_top: int  # top alternatives per position (vLLM's k; -1: the whole vocabulary)
     num_prompt_tokens: int
-    entries: list[PromptLogprobsEntry] = field(default_factory=list)  # positions 1 .. so far
+    chunks: list[ScoredRows] = field(default_factory=list)  # positions 1 .. so far, in order
+
+    def take(self) -> PromptLogprobs:
+        """Every position scored so far, packed, and the state emptied."""
+        chunks, self.chunks = self.chunks, []
+        if not chunks:  # a one-token prompt: nothing to score
+            return PromptLogprobs(max(self.num_top, 0))
+        return PromptLogprobs.from_arrays(*(np.concatenate(column) for column in zip(*chunks)))
 
 
 def prompt_logprobs_state(new: NewRequestData) -> PromptLogprobsState | None:
@@ -78,11 +90,11 @@ def prompt_rows(scheduled: Sequence[tuple[Any, int, int]]) -> PromptRows | None:
 
 
 def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                            rows: PromptRows, rank: int, max_rows: int) -> dict[str, list[PromptLogprobsEntry]] | None:
+                            rows: PromptRows, rank: int, max_rows: int) -> dict[str, PromptLogprobs] | None:
     """Run the LM head over `rows` of `hidden` (at most `max_rows` at a time, bounding the [rows, vocab] tensors) and
     add each row's entry to its request's state. Every tensor-parallel rank must call this (the vocab-parallel LM head
-    gathers across them); rank 0 alone scores the rows, and returns the entries of the prompts completed this step
-    (an empty list for a one-token prompt). Other ranks return None."""
+    gathers across them); rank 0 alone scores the rows, and returns the packed rows of the prompts completed this
+    step (none for a one-token prompt). Other ranks return None."""
     device = hidden.device
     for begin in range(0, len(rows.rows), max_rows):
         end = min(begin + max_rows, len(rows.rows))
@@ -95,14 +107,11 @@ def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tenso
         _score(logits, targets, owners)
     if rank != 0:
         return None
-    completed: dict[str, list[PromptLogprobsEntry]] = {}
-    for request_id, state in rows.completed:
-        completed[request_id], state.entries = state.entries, []
-    return completed
+    return {request_id: state.take() for request_id, state in rows.completed}
 
 
 def _score(logits: torch.Tensor, targets: torch.Tensor, owners: Sequence[PromptLogprobsState]) -> None:
-    """Each row's target logprob, its rank and the row owner's top-k, appended to the owner's entries."""
+    """Each row's target logprob, its rank and the row owner's top-k, appended to the owner's chunks as arrays."""
     logprobs = logits.float().log_softmax(dim=-1)
     vocab_size = logprobs.shape[1]
     target_logprobs = logprobs.gather(1, targets.unsqueeze(1))  # [R, 1]
@@ -114,6 +123,14 @@ def _score(logits: torch.Tensor, targets: torch.Tensor, owners: Sequence[PromptL
         top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
         columns += [top_ids.double(), top_logprobs.double()]
     # one device-to-host copy for everything: ids and ranks are exact in float64
-    for row, state, k in zip(torch.cat(columns, dim=1).tolist(), owners, ks):
-        state.entries.append((row[0], int(row[1]), [int(i) for i in row[2:2 + k]],
-                              row[2 + num_top:2 + num_top + k]))
+    table = torch.cat(columns, dim=1).cpu().numpy()
+    start = 0
+    while start < len(owners):  # a request's rows are consecutive: one slice per request
+        state, k = owners[start], ks[start]
+        end = start + 1
+        while end < len(owners) and owners[end] is state:
+            end += 1
+        rows = table[start:end]
+        state.chunks.append((rows[:, 0].astype(np.float32), rows[:, 1].astype(np.int32),
+                             rows[:, 2:2 + k].astype(np.int32), rows[:, 2 + num_top:2 + num_top + k].astype(np.float32)))
+        start = end

@@ -57,6 +57,17 @@ class RequestSamplingState:
         self._prompt_mask: torch.Tensor | None = None
         self._output_counts: torch.Tensor | None = None
         self._num_counted_outputs = 0
+        self._logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values), made on first use
+
+    def logit_bias_tensors(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's logit_bias within the vocabulary as (ids, values) on its device, built once: a request may
+        carry --max-logit-bias entries, and every step of it applies them."""
+        if self._logit_bias is None:
+            items = [(t, b) for t, b in (self.params.logit_bias or {}).items() if 0 <= t < vocab_size]
+            ids = torch.tensor([t for t, _ in items], dtype=torch.long)
+            values = torch.tensor([b for _, b in items], dtype=torch.float32)
+            self._logit_bias = (_host_to_device(ids, self.device), _host_to_device(values, self.device))
+        return self._logit_bias
 
     def _ensure_penalty_tensors(self, vocab_size: int, device: torch.device) -> None:
         if self._prompt_mask is not None:
@@ -104,34 +115,27 @@ def process_logits(logits: torch.Tensor, states: Sequence[RequestSamplingState])
     """logit_bias, min_tokens and penalties applied to a copy of `logits` (returned as is when no row needs any)."""
     vocab_size = logits.shape[1]
     bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_values: list[float] = []
     blocked_rows: list[int] = []
     blocked_ids: list[int] = []
     penalty_rows: list[int] = []
     for row, state in enumerate(states):
         params = state.params
         if params.logit_bias:
-            for token_id, bias in params.logit_bias.items():
-                if 0 <= token_id < vocab_size:
-                    bias_rows.append(row)
-                    bias_ids.append(token_id)
-                    bias_values.append(bias)
+            bias_rows.append(row)
         if len(state.output_token_ids) < params.min_tokens:
             ids = [token_id for token_id in state.min_tokens_blocked_ids if 0 <= token_id < vocab_size]
             blocked_rows.extend([row] * len(ids))
             blocked_ids.extend(ids)
         if state.needs_penalties:
             penalty_rows.append(row)
-    if not (bias_ids or blocked_ids or penalty_rows):
+    if not (bias_rows or blocked_ids or penalty_rows):
         return logits
 
     logits = logits.clone()
     device = logits.device
-    if bias_ids:
-        index = _host_to_device(torch.tensor([bias_rows, bias_ids], dtype=torch.long), device)
-        values = _host_to_device(torch.tensor(bias_values, dtype=torch.float32), device)
-        logits.index_put_((index[0], index[1]), values, accumulate=True)
+    for row in bias_rows:  # each request's bias tensors are built once, not per step
+        ids, values = states[row].logit_bias_tensors(vocab_size)
+        logits[row].index_add_(0, ids, values.to(logits.dtype))
     if blocked_ids:
         index = _host_to_device(torch.tensor([blocked_rows, blocked_ids], dtype=torch.long), device)
         logits.index_put_((index[0], index[1]), torch.full((), float("-inf"), device=device))

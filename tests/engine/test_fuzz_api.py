@@ -35,8 +35,9 @@ sent = {"requests": 0, "4xx": 0, "2xx": 0}
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz")
+    # a prompt logprobs budget the generated requests land on both sides of (fuzz_payloads.hostile_body)
     with Server("--max-model-len", "512", "--kv-cache-memory-bytes", "64MiB", "--max-num-seqs", "8",
-                log_path=logs / "chat.log") as chat, \
+                "--max-prompt-logprobs-elements", "20000", log_path=logs / "chat.log") as chat, \
             Server("--task", "embed", "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
                    log_path=logs / "embed.log") as embed:
         yield {"chat": chat, "embed": embed}
@@ -66,7 +67,19 @@ def check_answer(request: FuzzRequest, status: int, body: bytes) -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
                                  HealthCheck.function_scoped_fixture])
 @given(batch=st.lists(st.tuples(st.sampled_from(["chat", "embed"]), fuzz_requests()), min_size=1, max_size=4))
-# failures the generated runs found once, kept so every run tries them
+# failures the generated runs found once, kept so every run tries them (issue 28's: Responses function-call arguments
+# nested past the interpreter's stack, a structural tag's non-string begin, a schema integer msgpack cannot carry)
+@example(batch=[("chat", FuzzRequest("POST", "/v1/responses", json.dumps({"input": [
+    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}]}).encode(),
+    "application/json"))])
+@example(batch=[("chat", FuzzRequest("POST", "/v1/chat/completions", json.dumps({
+    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "response_format": {
+        "type": "structural_tag", "triggers": ["<f"], "structures": [{"begin": 5, "schema": {}, "end": "</f>"}]}}).encode(),
+    "application/json"))])
+@example(batch=[("chat", FuzzRequest("POST", "/v1/chat/completions", json.dumps({
+    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "structured_outputs": {"structural_tag": {
+        "triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"default": 2**65}, "end": "</f>"}]}}}).encode(),
+    "application/json"))])
 @example(batch=[("chat", FuzzRequest("POST", "/tokenize", b'{"prompt": "Hi", "messages": [{"content": "\xc7x"}]}', None))])
 @example(batch=[("chat", FuzzRequest("POST", "/v1/chat/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000
                                      + b"}", "application/json"))])

@@ -14,7 +14,7 @@ from tokenmill.frontend.protocol import ChatCompletionRequest, decode_request
 from tokenmill.frontend.unsupported import refuse_unsupported
 
 SMALL = dict(max_n=4, max_logprobs=3, max_stop_strings=2, max_stop_string_chars=8, max_stop_token_ids=2,
-             max_logit_bias=2, max_json_depth=4)
+             max_logit_bias=2, max_json_depth=4, max_cache_salt_bytes=8, max_prompt_logprobs_elements=24)
 HI = [{"role": "user", "content": "Hi"}]
 
 OVER_LIMITS = [
@@ -31,6 +31,14 @@ OVER_LIMITS = [
     ("/v1/chat/completions", {"chat_template_kwargs": {"x": [[[[1]]]]}}, "chat_template_kwargs", "--max-json-depth"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"f": {"a": [[1]]}}]}]},
      "messages[0].tool_calls", "--max-json-depth"),
+    ("/v1/completions", {"cache_salt": "x" * 9}, "cache_salt", "--max-cache-salt-bytes"),
+    ("/v1/chat/completions", {"cache_salt": "é" * 5}, "cache_salt", "--max-cache-salt-bytes"),  # 10 bytes
+    # prompt tokens x (k + 1) x n: 8 tokens x 4 > 24, and the chat template's tokens x 4
+    ("/v1/completions", {"prompt": "one two three four five six seven eight", "prompt_logprobs": 3},
+     "prompt_logprobs", "--max-prompt-logprobs-elements"),
+    ("/v1/completions", {"prompt": "one two three four", "echo": True, "logprobs": 2, "n": 3, "max_tokens": 1},
+     "prompt_logprobs", "--max-prompt-logprobs-elements"),
+    ("/v1/chat/completions", {"prompt_logprobs": 3}, "prompt_logprobs", "--max-prompt-logprobs-elements"),
 ]
 
 
@@ -49,6 +57,9 @@ async def test_limits_are_400s_naming_the_field_and_the_limit(smollm2_model, tok
         assert h.engine.requests == []
         status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", {
             "n": 4, "logprobs": 3, "stop": ["12345678", "b"], "stop_token_ids": [5, 6], "logit_bias": {"5": 1}}))
+        assert status == 200, body
+        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", {
+            "prompt": "one two three four five six", "prompt_logprobs": 3, "cache_salt": "é" * 4}))
         assert status == 200, body
 
 

@@ -10,6 +10,7 @@ from tests.helpers.frontend_server import MODEL, assert_error, async_test, servi
 
 from tokenmill.frontend.logprobs import TokenTexts
 from tokenmill.frontend.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
+from tokenmill.messages import PromptLogprobs
 
 PROMPT = "The quick brown fox jumps"
 
@@ -157,7 +158,8 @@ def test_echo_top_logprobs_keep_the_token_and_the_first_k_of_a_longer_list(token
     then the most likely other token (the token's own top entry folds into its first place)."""
     texts = TokenTexts(tokenizer)
     ids = [100, 200, 300]
-    entries = [(-1.0, 1, [200, 7, 8], [-1.0, -2.0, -3.0]), (-2.5, 3, [9, 10, 300], [-0.5, -1.5, -2.5])]
+    entries = PromptLogprobs.from_entries([(-1.0, 1, [200, 7, 8], [-1.0, -2.0, -3.0]),
+                                           (-2.5, 3, [9, 10, 300], [-0.5, -1.5, -2.5])], 3)
     logprobs, end = echo_logprobs(ids, entries, 1, texts)
     assert logprobs.top_logprobs == [None, {texts[200]: -1.0, texts[7]: -2.0}, {texts[300]: -2.5, texts[9]: -0.5}]
     assert logprobs.token_logprobs == [None, -1.0, -2.5] and end == sum(len(texts[t]) for t in ids)

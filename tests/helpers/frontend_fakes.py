@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.frontend.engine_protocol import ReplicaStats
-from tokenmill.messages import EngineReady, EngineRequest, RequestOutput, SchedulerStats, StepSummary, choice_requests
+from tokenmill.messages import EngineReady, EngineRequest, PromptLogprobs, RequestOutput, SchedulerStats, StepSummary, choice_requests
 from tokenmill.scheduler.scheduler import Rejection
 
 
@@ -28,13 +28,14 @@ def rejected(request_id: str, reason: str | Rejection) -> RequestOutput:
 EOS_ID = 2
 
 
-def fake_prompt_logprobs(request: EngineRequest) -> list | None:
+def fake_prompt_logprobs(request: EngineRequest) -> PromptLogprobs | None:
     """What the fake engine reports when a request asks for prompt logprobs: for prompt token t at position p >= 1,
     logprob -0.5 at rank 2, behind t + 1 (-0.25), then t (-0.5) and t + 2 (-3.0) in its top list."""
     k = request.sampling.prompt_logprobs
     if k is None:
         return None
-    return [(-0.5, 2, [t + 1, t, t + 2][:k], [-0.25, -0.5, -3.0][:k]) for t in request.prompt_token_ids[1:]]
+    return PromptLogprobs.from_entries([(-0.5, 2, [t + 1, t, t + 2][:k], [-0.25, -0.5, -3.0][:k])
+                                        for t in request.prompt_token_ids[1:]], min(k, 3))
 
 
 class FakeEngine:

@@ -86,6 +86,26 @@ def test_salt_separates_identical_prompts():
     assert len(kv.find_cached_prefix(new_request("c", list(range(10)), salt="alice"))) == 2
 
 
+def test_salt_is_hashed_once_into_the_first_block_only(monkeypatch):
+    """The salt enters the chain at its root (vLLM's rule), so a long salt costs one block's hash, not every one's."""
+    seen: list[str | None] = []
+    real = kv_cache_manager.hash_block
+
+    def recording_hash(parent: bytes, token_ids: list[int], extra_key: str | None) -> bytes:
+        seen.append(extra_key)
+        return real(parent, token_ids, extra_key)
+
+    monkeypatch.setattr(kv_cache_manager, "hash_block", recording_hash)
+    kv = KVCacheManager(16, BLOCK)
+    salted = new_request("a", list(range(4 * BLOCK)), salt="s" * 256)
+    compute_all(kv, salted)
+    assert seen == ["s" * 256, None, None, None]
+    assert [content[2] for content in (b.content for b in kv.req_blocks["a"])] == ["s" * 256, None, None, None]
+    # the salt still separates every block of the chain: another salt hits nothing, the same salt all but the last
+    assert kv.find_cached_prefix(new_request("b", list(range(4 * BLOCK)), salt="t" * 256)) == []
+    assert len(kv.find_cached_prefix(new_request("c", list(range(4 * BLOCK)), salt="s" * 256))) == 3
+
+
 def test_freed_blocks_stay_cached_until_reallocated_and_tail_goes_first():
     kv = KVCacheManager(4, BLOCK)
     first = new_request("a", list(range(12)))

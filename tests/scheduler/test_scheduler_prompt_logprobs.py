@@ -4,7 +4,7 @@ output only."""
 
 from tests.helpers.sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
 
-from tokenmill.messages import StepResult
+from tokenmill.messages import PromptLogprobs, StepResult
 from tokenmill.scheduler.scheduler import Scheduler
 
 PROMPT = list(range(300, 318))  # 18 tokens: 4 full blocks of 4
@@ -20,7 +20,7 @@ def new_request_data(worker: FakeWorker, request_id: str):
 
 
 def test_a_prompt_logprobs_request_never_reads_the_prefix_cache_but_feeds_it():
-    sched, worker = make_scheduler()
+    sched, worker = make_scheduler(max_num_batched_tokens=256)  # the prompt in one prompt-logprobs chunk
     sched.add_request(make_request("warm", PROMPT, max_tokens=1))
     run_to_completion(sched, worker)
     sched.stats()
@@ -79,7 +79,7 @@ def test_prompt_logprobs_ride_on_the_first_output_of_their_request_only():
     sched.add_request(make_request("scored", 5, max_tokens=2, prompt_logprobs=1))
     sched.add_request(make_request("plain", 5, max_tokens=2))
     plan = sched.schedule()
-    entries = [(-1.5, 3, [9], [-0.25])] * 4
+    entries = PromptLogprobs.from_entries([(-1.5, 3, [9], [-0.25])] * 4, 1)
     result = worker.execute(plan)
     outputs = sched.update(plan, StepResult(result.step_id, result.request_ids, result.sampled_token_ids,
                                             prompt_logprobs={"scored": entries}))
@@ -87,3 +87,20 @@ def test_prompt_logprobs_ride_on_the_first_output_of_their_request_only():
     assert by_id["scored"].prompt_logprobs == entries and by_id["plain"].prompt_logprobs is None
     _, outputs = step(sched, worker)
     assert [o.prompt_logprobs for o in outputs] == [None, None]
+
+
+def test_a_prompt_logprobs_prompt_is_computed_in_bounded_chunks_next_to_others():
+    """Each of its prompt tokens also costs an LM head over the vocabulary: at most max_num_batched_tokens / 8 (at
+    least 16) of them per step, while a plain prompt takes the rest of the budget."""
+    sched, worker = make_scheduler()
+    chunk = sched.prompt_logprobs_chunk
+    assert chunk == max(16, sched.max_num_batched_tokens // 8)
+    sched.add_request(make_request("scored", 3 * chunk + 5, max_tokens=1, prompt_logprobs=2))
+    sched.add_request(make_request("plain", 8, max_tokens=1))
+    scheduled: list[dict[str, int]] = []
+    while sched.has_unfinished_requests():
+        plan, _ = step(sched, worker)
+        scheduled.append({n.request_id: n.num_scheduled_tokens for n in plan.new_requests}
+                         | {r.request_id: r.num_scheduled_tokens for r in plan.running})
+    assert [s.get("scored") for s in scheduled] == [chunk, chunk, chunk, 5]
+    assert scheduled[0]["plain"] == 8

@@ -8,14 +8,17 @@ import random
 import threading
 
 import jsonschema
+import llguidance
+import llguidance.numpy
 import numpy as np
 import pytest
 from llguidance.hf import from_tokenizer
 
 from tests.helpers.sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
 from tokenmill.messages import StepPlan, StepResult, StructuredOutputsParams
+from tokenmill.scheduler import structured_outputs
 from tokenmill.scheduler.scheduler import Scheduler
-from tokenmill.scheduler.structured_outputs import GrammarCompiler
+from tokenmill.scheduler.structured_outputs import COMPILED_ENTRY_BYTES, GrammarCompiler, entry_bytes
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
@@ -164,3 +167,68 @@ def test_the_constraint_begins_after_the_end_of_thinking(tokenizer, ll_tokenizer
     assert tokens[:len(thinking)] == thinking
     jsonschema.validate(json.loads(tokenizer.decode(tokens[len(thinking):])), SCHEMA)
     assert worker.constrained_steps["r"] == len(tokens) - len(thinking)
+
+
+def padded_schema(description_chars: int, index: int) -> StructuredOutputsParams:
+    """A small schema padded with a long description: cheap to compile, large to keep."""
+    return StructuredOutputsParams(json={"type": "integer", "description": f"{index}" + "x" * description_chars})
+
+
+def test_the_grammar_cache_is_bounded_in_bytes(ll_tokenizer):
+    limit = 4 * COMPILED_ENTRY_BYTES + (1 << 20)
+    compiler = GrammarCompiler(lambda: ll_tokenizer, cache_bytes=limit)
+    futures = [compiler.compile(padded_schema(400_000, i)) for i in range(12)]
+    assert compiler.cached_bytes <= limit and 1 <= len(compiler._cache) <= 3
+    assert compiler.cached_bytes == sum(entry_bytes(key) for key in compiler._cache)
+    assert all(future.result(timeout=60) is not None for future in futures)  # evicted ones still compile
+    huge = compiler.compile(padded_schema(limit, 99))  # larger than the whole cache: compiled, never kept
+    assert huge.result(timeout=60) is not None and compiler.cached_bytes <= limit
+    assert compiler.compile(padded_schema(400_000, 11)) is futures[-1]  # the newest entries stay
+
+
+def test_any_exception_from_the_grammar_engine_fails_its_request_alone(tokenizer, ll_tokenizer, monkeypatch):
+    real_matcher = llguidance.LLMatcher
+
+    class FailingMatcher:  # LLMatcher (its static grammar builders included) that raises on one grammar
+        grammar_from_regex = staticmethod(real_matcher.grammar_from_regex)
+        grammar_from_json_schema = staticmethod(real_matcher.grammar_from_json_schema)
+
+        def __new__(cls, ll_tok: object, grammar: str, **kwargs: object) -> llguidance.LLMatcher:
+            if "unlucky" in grammar:
+                raise RuntimeError("engine bug")
+            return real_matcher(ll_tok, grammar, **kwargs)
+
+    monkeypatch.setattr(structured_outputs.llguidance, "LLMatcher", FailingMatcher)
+    scheduler = make_scheduler(tokenizer, GrammarCompiler(lambda: ll_tokenizer))
+    scheduler.add_request(constrained("bad", 8, regex="(unlucky)"))
+    scheduler.add_request(constrained("good", 8))
+    outputs = run_to_completion(compiled(scheduler), MaskingWorker(4, tokenizer.eos_token_id))
+    [failure] = outputs["bad"]
+    assert failure.finish_reason == "error" and failure.error_kind == "invalid" and "engine bug" in failure.error
+    jsonschema.validate(json.loads(texts(tokenizer, outputs)["good"]), SCHEMA)
+    assert scheduler.kv.usage == 0 and not scheduler.requests
+
+
+def test_a_mask_the_grammar_engine_fails_to_fill_ends_that_request_alone(tokenizer, ll_tokenizer, monkeypatch):
+    scheduler = make_scheduler(tokenizer, GrammarCompiler(lambda: ll_tokenizer))
+    scheduler.add_request(constrained("bad", 8))
+    scheduler.add_request(constrained("good", 8))
+    real_fill_row = llguidance.numpy.fill_next_token_bitmask
+
+    def fail_the_batch(*args):
+        raise RuntimeError("batch fill bug")
+
+    bad = scheduler.requests["bad"]
+
+    def fail_bad_row(matcher, bitmask, row):
+        if bad.grammar is not None and matcher is bad.grammar.matcher:
+            raise RuntimeError("row fill bug")
+        real_fill_row(matcher, bitmask, row)
+
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", fail_the_batch)
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask", fail_bad_row)
+    outputs = run_to_completion(compiled(scheduler), MaskingWorker(4, tokenizer.eos_token_id))
+    assert outputs["bad"][-1].finish_reason == "error" and "row fill bug" in outputs["bad"][-1].error
+    assert len(outputs["bad"]) == 1  # ended on the token sampled from the failed mask
+    jsonschema.validate(json.loads(texts(tokenizer, outputs)["good"]), SCHEMA)
+    assert scheduler.kv.usage == 0 and not scheduler.requests

@@ -4,13 +4,14 @@ other requests, and they come back once, with the request's first token."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenmill.messages import (EngineRequest, NewRequestData, RequestOutput, RunningRequestData, SamplingParams,
-                                StepPlan, WorkerCommand, decoder, encode)
+from tokenmill.messages import (EngineRequest, NewRequestData, PromptLogprobs, RequestOutput, RunningRequestData,
+                                SamplingParams, StepPlan, WorkerCommand, decoder, encode)
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.workers.worker import Worker
 
@@ -64,9 +65,11 @@ def reference_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
     return logits.float().log_softmax(dim=-1)
 
 
-def assert_prompt_logprobs_match(entries, prompt: list[int], reference: torch.Tensor, k: int) -> None:
+def assert_prompt_logprobs_match(packed: PromptLogprobs, prompt: list[int], reference: torch.Tensor, k: int) -> None:
     """Entry p - 1 scores prompt token p from position p - 1: its logprob, rank and top k as transformers has them
     (ids compared through their reference logprobs, so near ties may come in either order)."""
+    assert packed.num_top == k
+    entries = packed.entries()
     assert len(entries) == len(prompt) - 1
     for position, (logprob, rank, top_ids, top_logprobs) in enumerate(entries, start=1):
         row = reference[position - 1]
@@ -111,7 +114,7 @@ def test_prompt_logprobs_equal_transformers(tiny_llama, max_num_batched_tokens):
         assert_prompt_logprobs_match(first.prompt_logprobs, prompt, reference_logprobs(hf_model, prompt), k)
         assert all(out.prompt_logprobs is None for out in rest)  # delivered once, with the first token
         assert sum(len(out.new_token_ids) for out in outputs[request_id]) == 3
-    assert outputs["one-token"][0].prompt_logprobs == []  # nothing before the first token to score it from
+    assert outputs["one-token"][0].prompt_logprobs.num_positions == 0  # nothing before the first token to score it from
     assert all(out.prompt_logprobs is None for out in outputs["plain"])
     assert engine.scheduler.kv.pool.num_free_blocks == engine.num_blocks
 
@@ -150,7 +153,7 @@ def test_resumed_request_with_outputs_computes_no_prompt_logprobs_again(tiny_lla
     params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
     first = engine.runner.execute(StepPlan(0, [NewRequestData("r", prompt, len(prompt), params, list(range(1, 4)), 0,
                                                               len(prompt))], [], []))
-    assert len(first.prompt_logprobs["r"]) == len(prompt) - 1
+    assert first.prompt_logprobs["r"].num_positions == len(prompt) - 1
     # preempted after its first token, then sent again in full (prompt + output) and recomputed
     resumed = engine.runner.execute(StepPlan(1, [NewRequestData(
         "r", prompt + first.sampled_token_ids, len(prompt), params, list(range(1, 4)), 0, len(prompt) + 1)], [],
@@ -165,6 +168,11 @@ def test_a_cached_prefix_with_prompt_logprobs_is_refused_by_the_worker(tiny_llam
     with pytest.raises(ValueError, match="prefix cache"):
         engine.runner.execute(StepPlan(0, [NewRequestData("r", list(range(3, 15)), 12, params, [1, 2, 3], 8, 4)],
                                        [], []))
+
+
+def packed(prompt_logprobs: dict[str, PromptLogprobs] | None) -> dict[str, bytes] | None:
+    """A step's prompt logprobs as torch.load takes them back (plain bytes)."""
+    return None if prompt_logprobs is None else {rid: encode(p) for rid, p in prompt_logprobs.items()}
 
 
 def run_tp_rank(rank: int, path: str, port: int, prompt: list[int], out_dir: str) -> None:
@@ -185,7 +193,7 @@ def run_tp_rank(rank: int, path: str, port: int, prompt: list[int], out_dir: str
         second = runner.execute(StepPlan(1, [], [
             RunningRequestData("scored", [], [4, 5], 10, len(prompt) - 10),
             RunningRequestData("plain", [5], [], 6, 1)], []))  # the same token on both ranks, as the scheduler sends
-        torch.save({"first": first.prompt_logprobs, "second": second.prompt_logprobs,
+        torch.save({"first": packed(first.prompt_logprobs), "second": packed(second.prompt_logprobs),
                     "sampled": second.request_ids}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -202,7 +210,8 @@ def test_tensor_parallel_rank_0_returns_the_prompt_logprobs(tiny_checkpoint, tmp
                        start_method="spawn")
     rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2))
     assert rank0["first"] is None and rank0["sampled"] == ["scored", "plain"]
-    assert_prompt_logprobs_match(rank0["second"]["scored"], prompt, reference_logprobs(hf_model, prompt), 3)
+    scored = msgspec.msgpack.decode(rank0["second"]["scored"], type=PromptLogprobs)
+    assert_prompt_logprobs_match(scored, prompt, reference_logprobs(hf_model, prompt), 3)
     assert set(rank0["second"]) == {"scored"}
     assert rank1["first"] is None and rank1["second"] is None  # the other rank only joins the LM head's gather
 
