@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels import kv_write, paged_attention, rms_norm, rotary
+from tokenmill.kernels import kv_write, paged_attention, rms_norm, rotary, split_kv_decode
 
 TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "fp8e4nv": "*fp8e4nv", "fp8e5": "*fp8e5"}
 FP8_CAPABILITY = 89  # Triton converts to and from fp8 from sm_89 (Ada, Hopper) on
@@ -51,6 +51,18 @@ def attention_pointers(dtype: str, cache_dtype: str | None = None) -> dict[str, 
     }
 
 
+def split_kv_configs(dtype: str, cache_dtype: str | None, common: dict, cache_label: str):
+    """The split-KV decode kernels (partials and reduce) at 4 splits, on the broadcast or the tl.dot row path."""
+    block_group, use_dot, tile_keys = split_kv_decode.decode_tile_shape(common["GROUP"], common["HEAD_DIM"])
+    partial = dict(common, BLOCK_GROUP=block_group, TILE_KEYS=tile_keys, NUM_SPLITS=4, USE_DOT=use_dot, SLIDING=True)
+    pointers = dict(attention_pointers(dtype, cache_dtype), partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
+    label = f"{dtype}{cache_label} G{common['GROUP']} D{common['HEAD_DIM']}"
+    yield f"split_kv partial {label} BS{common['BLOCK_SIZE']} dot={use_dot}", split_kv_decode._split_kv_partial_kernel, pointers, partial, ("scale_log2", "v_scale")
+    reduce = dict(NUM_SPLITS=4, BLOCK_SPLITS=4, HEAD_DIM=common["HEAD_DIM"], BLOCK_DIM=common["BLOCK_DIM"])
+    pointers = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "out_ptr": TYPES[dtype]}
+    yield f"split_kv reduce {label}", split_kv_decode._split_kv_reduce_kernel, pointers, reduce, ()
+
+
 def kernel_configs(capability: int):
     """(label, kernel, pointers, constexprs, float args) for each config worth compiling on `capability`: fp8 KV
     caches only where Triton has fp8 conversions."""
@@ -75,6 +87,7 @@ def kernel_configs(capability: int):
             common, TOKENS_PER_TILE=tokens_per_tile, BLOCK_ROWS=block_rows, TILE_KEYS=paged_attention.PREFILL_TILE_KEYS
         )
         yield f"prefill {dtype}{cache_label} G{group} D{head_dim} BS{block_size}", paged_attention._prefill_kernel, attention_pointers(dtype, cache_dtype), prefill, ("scale_log2", "v_scale")
+        yield from split_kv_configs(dtype, cache_dtype, common, cache_label)
     write_configs = [("fp16", 128, None), ("bf16", 80, None)]
     if capability >= FP8_CAPABILITY:
         write_configs += [("bf16", 64, "fp8e4nv"), ("fp32", 64, "fp8e5")]
