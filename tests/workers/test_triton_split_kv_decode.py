@@ -13,6 +13,7 @@ from tokenmill.workers import triton_backend
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.triton_backend import TritonAttentionBackend, paged_attention_triton
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # real Triton on a GPU, else interpreted
 BLOCK_SIZE = 16
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 4, 32
 
@@ -23,11 +24,11 @@ def decode_step(seq_lens: list[int]):
     num_blocks = blocks_per_seq * len(seq_lens)
     tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).view(len(seq_lens), -1)
     metadata = build_attention_metadata(np.ones(len(seq_lens), dtype=np.int64), np.array(seq_lens),
-                                        tables.numpy().astype(np.int32), BLOCK_SIZE, torch.device("cpu"),
+                                        tables.numpy().astype(np.int32), BLOCK_SIZE, DEVICE,
                                         TritonAttentionBackend())
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
-    query = torch.randn(len(seq_lens), NUM_KV_HEADS * GROUP, HEAD_DIM)
+    k_cache, v_cache = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
+    query = torch.randn(len(seq_lens), NUM_KV_HEADS * GROUP, HEAD_DIM, device=DEVICE)
     return query, k_cache, v_cache, metadata
 
 
