@@ -1,14 +1,14 @@
 """The prepared run on a lent GPU (issue 26 item 8, run by issue 27): one command, about 8 minutes on an H100,
 writing gpu_check.json and gpu_check.md (and gpu_check.log) under $OUT (or --out DIR), the report printed last.
 
-The `device` tool call, as it is (wheels first: `bash scripts/gpu_wheels.sh` here, once, fills the ignored .whl/):
+The `device` tool call, to copy as it is (first, here, once: `bash scripts/gpu_wheels.sh` fills the ignored .whl/
+with the four wheels the GPU machine lacks). kind: left out (an H100); carry: [".whl"]; timeout_s: 540; command:
 
-    run(command="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
-                 --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
-                 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1; python3 scripts/gpu_check.py --out $OUT",
-        carry=[".whl"], timeout_s=540)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1; python3 scripts/gpu_check.py --out $OUT
 
-(the command on one line). To rerun only some sections: `... scripts/gpu_check.py --out $OUT --only correctness,memory`.
+The sections share 470 s, so with the machine's start the call ends in about 9 minutes and leaves some of the 15
+device-minutes for a rerun of what failed: the same command with `--only correctness,memory` (say) appended. Call
+`give_back` unless rerunning at once.
 
 Sections, each in its own process with its own time budget (a crash, hang or CUDA error in one never loses the
 others; each records pass / fail / error / timeout with its traceback and log tail):
@@ -48,10 +48,10 @@ from gpucheck.report import environment, markdown_report  # noqa: E402
 
 # name -> (module under gpucheck/, seconds on the GPU); in order: the kernel tests warm Triton's cache for the rest
 SECTIONS = {
-    "kernel_tests": ("kernel_tests", 120),
-    "correctness": ("correctness", 130),
-    "memory": ("memory", 50),
-    "attention_bandwidth": ("attention_bandwidth", 50),
+    "kernel_tests": ("kernel_tests", 110),
+    "correctness": ("correctness", 150),
+    "memory": ("memory", 45),
+    "attention_bandwidth": ("attention_bandwidth", 45),
     "throughput": ("throughput", 110),
 }
 TOTAL_BUDGET_S = 470  # inside the run's 540 s timeout, with the wheel install and the start
@@ -62,7 +62,8 @@ MIN_SECTION_S = 15
 def run_section_here(name: str, result_file: Path, work_dir: Path, budget_s: float, dry_run: bool) -> int:
     """Child mode: run one section in this process and write its result (or its error and traceback) as JSON."""
     started = time.perf_counter()
-    ctx = CheckContext(dry_run=dry_run, work_dir=work_dir, budget_s=budget_s)
+    ctx = CheckContext(dry_run=dry_run, work_dir=work_dir, budget_s=budget_s,
+                       partial_file=result_file.with_suffix(".partial.json"))
     try:
         module = importlib.import_module(f"gpucheck.{SECTIONS[name][0]}")
         result = module.run(ctx)
@@ -93,6 +94,9 @@ def launch_section(name: str, budget_s: float, work_dir: Path, dry_run: bool, en
         record = json.loads(result_file.read_text())
     elif seconds >= budget_s:
         record = {"status": "timeout", "error": f"stopped at its {budget_s:.0f} s budget"}
+        partial = result_file.with_suffix(".partial.json")
+        if partial.exists():
+            record["details"] = json.loads(partial.read_text())
     else:
         record = {"status": "error", "error": f"the section's process exited {child.returncode} with no result"}
     log_tail = log_file.read_text(errors="replace")[-6000:]

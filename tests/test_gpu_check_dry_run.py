@@ -70,7 +70,20 @@ def test_a_failing_section_is_recorded_with_its_traceback(gpu_check, tmp_path, m
     assert "## memory: ERROR" in markdown and "illegal memory access" in markdown
 
 
-def test_a_section_past_its_budget_is_stopped_and_recorded(gpu_check, tmp_path):
-    env = gpu_check.child_env(dry_run=True)
-    record = gpu_check.launch_section("throughput", 0.5, tmp_path, True, env)
+def test_a_section_past_its_budget_is_stopped_and_keeps_its_partial_figures(gpu_check, tmp_path):
+    # what the section saved before its budget ran out (here, before it even started) is reported
+    (tmp_path / "throughput.partial.json").write_text(json.dumps({"throughput": [{"model": "smollm2-135m"}]}))
+    record = gpu_check.launch_section("throughput", 0.5, tmp_path, True, gpu_check.child_env(dry_run=True))
     assert record["status"] == "timeout" and record["wall_s"] < 30
+    assert record["details"] == {"throughput": [{"model": "smollm2-135m"}]}
+
+
+def test_pytest_counts_survive_a_run_stopped_at_the_cap(gpu_check):
+    from gpucheck.kernel_tests import counts_from_output
+
+    output = ("tests/kernels/test_a.py::test_x[1] PASSED    [  1%]\n"
+              "tests/kernels/test_a.py::test_y FAILED    [  2%]\n"
+              "tests/kernels/test_b.py::test_z SKIPPED (no fp8 tensor cores)    [  3%]\n")
+    counts = counts_from_output(output)
+    assert (counts["tests"], counts["failures"], counts["skipped"]) == (3, 1, 1)
+    assert counts["failed_tests"] == ["tests/kernels/test_a.py::test_y FAILED    [  2%]"]

@@ -69,8 +69,11 @@ def measure_size(ctx: CheckContext, batch: int, context: int, copy_gbps: float, 
 def run(ctx: CheckContext) -> SectionResult:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if ctx.device == "cuda" else 132
     copy_gbps = copy_bandwidth_gbps(ctx.device, ctx.pick(2 << 30, 1 << 20))
-    rows = [measure_size(ctx, batch, context, copy_gbps, num_sms)
-            for context in ctx.pick((1024, 8192), (40, 300)) for batch in ctx.pick((1, 32, 256), (1, 2))]
+    rows = []
+    for context in ctx.pick((1024, 8192), (40, 300)):
+        for batch in ctx.pick((1, 32, 256), (1, 2)):
+            rows.append(measure_size(ctx, batch, context, copy_gbps, num_sms))
+            ctx.save_partial({"copy_gbps": copy_gbps, "num_sms": num_sms, "sizes": rows})
     errors = [value for row in rows for key, value in row.items() if key.endswith("relative_error")]
     passed = all(error < MAX_RELATIVE_ERROR for error in errors)
     summary = [f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write); {num_sms} SMs", "",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,12 @@ class CheckContext:
     dry_run: bool
     work_dir: Path  # scratch: checkpoints, pytest output (never under $OUT, which returns only a few files)
     budget_s: float
+    partial_file: Path | None = None  # where `save_partial` leaves what a section has so far
+
+    def save_partial(self, details: dict[str, Any]) -> None:
+        """Record the figures so far: a section stopped at its budget is reported with them."""
+        if self.partial_file is not None:
+            self.partial_file.write_text(json.dumps(details, default=str))
 
     @property
     def device(self) -> str:

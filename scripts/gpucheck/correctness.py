@@ -62,7 +62,8 @@ def hf_references(path: str, dtype: str, device: str, prompts: list[list[int]], 
     return references
 
 
-def check_model(ctx: CheckContext, name: str, max_tokens: int) -> list[dict]:
+def check_model(ctx: CheckContext, name: str, max_tokens: int, done: list[dict]) -> list[dict]:
+    """Every (dtype, CUDA graphs) configuration of one model; `done` are earlier models' rows (for partials)."""
     path = str(build_checkpoint(name, ctx.work_dir / "checkpoints", "float32", ctx.dry_run))
     from transformers import AutoConfig
 
@@ -80,13 +81,15 @@ def check_model(ctx: CheckContext, name: str, max_tokens: int) -> list[dict]:
             except Exception as error:  # one configuration's failure is recorded; the others still run
                 row.update(passed=False, error=f"{type(error).__name__}: {error}"[:2000])
             rows.append(row)
+            ctx.save_partial({"runs": done + rows})
     return rows
 
 
 def run(ctx: CheckContext) -> SectionResult:
     max_tokens = ctx.pick(24, 6)
-    rows = [row for name in ctx.pick(("smollm2-135m", "tiny-llama"), ("tiny-llama",))
-            for row in check_model(ctx, name, max_tokens)]
+    rows: list[dict] = []
+    for name in ctx.pick(("smollm2-135m", "tiny-llama"), ("tiny-llama",)):
+        rows += check_model(ctx, name, max_tokens, rows)
     summary = ["| model | dtype | CUDA graphs | tokens compared (round 1, 2) | prefix-cache hits | result |",
                "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:

@@ -16,17 +16,21 @@ from pathlib import Path
 from gpucheck.common import CheckContext, SectionResult
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GPU_TESTS = ["tests/kernels", "tests/workers/test_sampler.py", "tests/workers/test_triton_split_kv_decode.py"]
-# the CPU C++ kernels and GGUF repacking are CPU-only: they need a compiler run, not the GPU
+# the split-KV and paged-attention tests first, so they run before any time cap; pytest drops the duplicates
+GPU_TESTS = ["tests/kernels/test_kernel_split_kv_decode.py", "tests/workers/test_triton_split_kv_decode.py",
+             "tests/kernels/test_kernel_paged_attention.py", "tests/kernels/test_kernel_sliding_window.py",
+             "tests/kernels", "tests/workers/test_sampler.py"]
+# CPU-only: the C++ kernels, GGUF repacking, and the no-GPU cubin compile check (the GPU compiles them for real)
 GPU_DESELECT = ["tests/kernels/test_cpu_ops.py", "tests/kernels/test_cpu_short_query_attention.py",
-                "tests/kernels/test_gguf_cpu_kernels.py", "tests/kernels/test_gguf_repacked.py"]
+                "tests/kernels/test_gguf_cpu_kernels.py", "tests/kernels/test_gguf_repacked.py",
+                "tests/kernels/test_kernel_cuda_compile.py"]
 DRY_RUN_TESTS = ["tests/kernels/test_kernel_split_kv_decode.py::test_split_count_rule",
                  "tests/kernels/test_kernel_split_kv_decode.py::test_one_split_writes_the_output_without_a_reduce"]
 MAX_LISTED_FAILURES = 40
 
 
 def pytest_command(ctx: CheckContext, junit: Path) -> list[str]:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}",
                "--timeout=300", "-W", "ignore::DeprecationWarning"]
     if ctx.dry_run:
         return command + DRY_RUN_TESTS
@@ -49,6 +53,20 @@ def junit_counts(junit: Path) -> dict:
     return counts
 
 
+def counts_from_output(output: str) -> dict:
+    """Outcome counts from `pytest -v` lines, for a run stopped at the cap (it wrote no JUnit XML)."""
+    outcomes = {"PASSED": 0, "FAILED": 0, "ERROR": 0, "SKIPPED": 0}
+    failed = []
+    for line in output.splitlines():
+        for outcome in outcomes:
+            if f" {outcome}" in line and "::" in line:
+                outcomes[outcome] += 1
+                if outcome in ("FAILED", "ERROR"):
+                    failed.append(line.strip()[:200])
+    return {"tests": sum(outcomes.values()), "failures": outcomes["FAILED"], "errors": outcomes["ERROR"],
+            "skipped": outcomes["SKIPPED"], "failed_tests": failed[:MAX_LISTED_FAILURES]}
+
+
 def run(ctx: CheckContext) -> SectionResult:
     junit = ctx.work_dir / "kernel_tests.xml"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
@@ -59,8 +77,10 @@ def run(ctx: CheckContext) -> SectionResult:
                                    text=True, timeout=max(ctx.budget_s - 15, 10))
         output, returncode, timed_out = completed.stdout + completed.stderr, completed.returncode, False
     except subprocess.TimeoutExpired as expired:
-        output, returncode, timed_out = str(expired.stdout or "") + str(expired.stderr or ""), None, True
-    details = junit_counts(junit) if junit.exists() else {}
+        # the captured output comes back as bytes here, whatever `text` said
+        output = b"".join(part or b"" for part in (expired.stdout, expired.stderr)).decode(errors="replace")
+        returncode, timed_out = None, True
+    details = junit_counts(junit) if junit.exists() else counts_from_output(output)
     details.update(returncode=returncode, timed_out=timed_out, output_tail=output[-3000:])
     passed = returncode == 0
     summary = [f"pytest: {details.get('tests', '?')} tests, {details.get('failures', '?')} failures, "
