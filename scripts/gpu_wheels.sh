@@ -26,3 +26,11 @@ if [ "$count" -ne "${#WHEELS[@]}" ]; then
 fi
 ls -l .whl
 du -sh .whl
+
+# Where a Python 3.12 is at hand, install them as the device run does and import them (gguf's numpy is not asked).
+if command -v python3.12 >/dev/null && python3.12 -c "" 2>/dev/null; then
+    site=$(mktemp -d)
+    python3.12 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    PYTHONPATH="$site" python3.12 -c "import llguidance, msgspec, zmq; print('python3.12 imports msgspec', msgspec.__version__, 'pyzmq', zmq.__version__, 'and llguidance')"
+    rm -rf "$site"
+fi
