@@ -89,8 +89,8 @@ def run(ctx: CheckContext) -> SectionResult:
         budget = UTILIZATION * poller.total_bytes
         details.update(budget_bytes=budget, peak_over_budget=poller.peak_bytes > budget)
         passed = passed and poller.peak_bytes < poller.total_bytes
-        summary.append(f"peak device memory used {poller.peak_bytes / 2**30:.2f} GiB of {poller.total_bytes / 2**30:.2f}"
-                       f" GiB (budget {budget / 2**30:.2f} GiB at {UTILIZATION}): "
+        summary.append(f"peak device memory used {poller.peak_bytes / 2**30:.2f} GiB of "
+                       f"{poller.total_bytes / 2**30:.2f} GiB (budget {budget / 2**30:.2f} GiB at {UTILIZATION}): "
                        + ("over the budget" if poller.peak_bytes > budget else "within the budget"))
     else:
         summary.append("device memory not polled (no NVML: a CPU dry run)")

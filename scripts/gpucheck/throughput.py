@@ -113,7 +113,8 @@ def run(ctx: CheckContext) -> SectionResult:
         rows.append({"model": name, "tokenmill": ours, "transformers": theirs, "ratio": ratio})
         ctx.save_partial({"throughput": rows})
         summary.append(f"| {name} | {ours['output_tokens_per_s']:.0f} | {theirs['output_tokens_per_s']:.0f} | "
-                       f"{ratio:.1f}x | {ours['steps']} | {ours['step_ms']:.2f} | {ours['scheduling_ms_per_step']:.2f} |")
+                       f"{ratio:.1f}x | {ours['steps']} | {ours['step_ms']:.2f} | "
+                       f"{ours['scheduling_ms_per_step']:.2f} |")
     path = str(build_checkpoint("smollm2-135m", ctx.work_dir / "checkpoints", "bfloat16", ctx.dry_run))
     profile = profiled_decode_steps(ctx, path, *ctx.pick((256, 256), (4, 16)))
     idle = profile["gpu_idle_fraction"]
