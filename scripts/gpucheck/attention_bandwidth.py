@@ -82,5 +82,5 @@ def run(ctx: CheckContext) -> SectionResult:
     summary += [f"| {r['batch']} | {r['context']} | {r['num_splits']} | {r['old_gbps']:.0f} | "
                 f"{r['old_fraction_of_copy']:.0%} | {r['split_kv_gbps']:.0f} | {r['split_kv_fraction_of_copy']:.0%} |"
                 for r in rows]
-    summary.append(f"largest relative error vs float64: {max(errors, default=float('nan')):.2e}")
+    summary += ["", f"largest relative error vs float64: {max(errors, default=float('nan')):.2e}"]
     return SectionResult(passed, {"copy_gbps": copy_gbps, "num_sms": num_sms, "sizes": rows}, summary)
