@@ -31,6 +31,7 @@ the output), fp32/fp16/bf16 queries.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,7 +50,8 @@ from tokenmill.kernels.paged_attention import (
 
 MIN_DOT_ROWS = 16  # the smallest tile side tl.dot accepts
 MAX_BROADCAST_GROUP = 4  # padded groups up to this use the broadcast path, larger ones tl.dot
-BROADCAST_TILE_ELEMENTS = 8192  # rows x keys x dims of one broadcast product: 64 fp32 per thread at 4 warps
+BROADCAST_TILE_ELEMENTS = 8192  # rows x keys x dims of one broadcast product: 32 fp32 per thread at 8 warps
+BROADCAST_NUM_WARPS = 8
 MIN_KEYS_PER_SPLIT = 256  # below this a partition's fixed cost (query load, partial write, reduce) dominates
 MAX_SPLITS = 64
 
@@ -76,13 +78,25 @@ def choose_num_splits(
     return max(1, min(for_two_waves, for_context, max_splits))
 
 
-def decode_tile_shape(group: int, head_dim: int) -> tuple[int, bool, int]:
-    """(rows per program, whether rows use tl.dot, keys per tile) for a query-head group and head dim."""
+class DecodeTiles(NamedTuple):
+    rows: int  # query heads per program, padded
+    use_dot: bool  # rows through tl.dot, else broadcast products
+    tile_keys: int  # keys per loop iteration
+    num_warps: int
+
+
+def decode_tile_shape(group: int, head_dim: int) -> DecodeTiles:
+    """How a program of the partial kernel is shaped for a query-head group and head dim.
+
+    The broadcast path runs 8 warps: at 4, its [rows, keys, dims] product spilled registers on sm_90 (group 1 with
+    64 keys of 128 dims: 255 registers and a 464-byte stack; 151 registers and none at 8 warps; cuobjdump
+    -res-usage of the cubins tests/kernels/cuda_compile_check.py builds).
+    """
     rows = triton.next_power_of_2(group)
     if rows > MAX_BROADCAST_GROUP:
-        return max(MIN_DOT_ROWS, rows), True, DECODE_TILE_KEYS
+        return DecodeTiles(max(MIN_DOT_ROWS, rows), True, DECODE_TILE_KEYS, 4)
     keys = BROADCAST_TILE_ELEMENTS // (rows * _padded_dims(head_dim))
-    return rows, False, max(MIN_DOT_ROWS, min(64, keys))
+    return DecodeTiles(rows, False, max(MIN_DOT_ROWS, min(64, keys)), BROADCAST_NUM_WARPS)
 
 
 @triton.jit
@@ -297,7 +311,7 @@ def split_kv_decode(
     if num_seqs == 0:
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
-    block_group, use_dot, tile_keys = decode_tile_shape(group, head_dim)
+    tiles = decode_tile_shape(group, head_dim)
     partial_out = out  # unused with one split (the kernel writes `out` itself)
     partial_lse = out
     if num_splits > 1:
@@ -309,9 +323,9 @@ def split_kv_decode(
         scale * _LOG2E * _kv_scale(k_cache, k_scale), _kv_scale(v_cache, v_scale), sliding_window or 0, num_q_heads,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_GROUP=block_group, HEAD_DIM=head_dim, BLOCK_DIM=_padded_dims(head_dim),
-        BLOCK_SIZE=block_size, TILE_KEYS=tile_keys, NUM_SPLITS=num_splits, USE_DOT=use_dot,
-        IEEE_DOT=query.dtype == torch.float32, SLIDING=sliding_window is not None,
+        GROUP=group, BLOCK_GROUP=tiles.rows, HEAD_DIM=head_dim, BLOCK_DIM=_padded_dims(head_dim),
+        BLOCK_SIZE=block_size, TILE_KEYS=tiles.tile_keys, NUM_SPLITS=num_splits, USE_DOT=tiles.use_dot,
+        IEEE_DOT=query.dtype == torch.float32, SLIDING=sliding_window is not None, num_warps=tiles.num_warps,
     )  # fmt: skip
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_seqs, num_q_heads)](

@@ -51,11 +51,12 @@ def test_split_count_rule():
 
 
 def test_rows_are_padded_only_to_the_dot_minimum():
-    assert decode_tile_shape(1, 128) == (1, False, 64)  # MHA: one row, no padding
-    assert decode_tile_shape(3, 64) == (4, False, 32)
-    assert decode_tile_shape(4, 128) == (4, False, 16)
-    assert decode_tile_shape(8, 128) == (16, True, 32)  # tl.dot's smallest tile
-    assert decode_tile_shape(16, 128) == (16, True, 32)
+    # (rows, tl.dot, keys per tile, warps)
+    assert decode_tile_shape(1, 128) == (1, False, 64, 8)  # MHA: one row, no padding
+    assert decode_tile_shape(3, 64) == (4, False, 32, 8)
+    assert decode_tile_shape(4, 128) == (4, False, 16, 8)
+    assert decode_tile_shape(8, 128) == (16, True, 32, 4)  # tl.dot's smallest tile
+    assert decode_tile_shape(16, 128) == (16, True, 32, 4)
 
 
 @pytest.mark.parametrize("group, num_splits", [(1, 1), (1, 16), (3, 3), (4, 5), (8, 1), (8, 16)])
