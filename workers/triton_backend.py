@@ -1,7 +1,8 @@
 """The CUDA attention backend and layer ops (`workers/backends.py` picks them): the Triton kernels from `kernels/`.
 
 Per layer the KV write scatters this step's keys and values to their slots (slot -1, a CUDA-graph padding row, is
-skipped); attention runs the decode kernel when every sequence has one query token and the varlen prefill kernel
+skipped); attention runs the split-KV decode kernel when every sequence has one query token (its split count chosen
+from the batch, kv heads and longest visible context against the device's SMs) and the varlen prefill kernel
 otherwise (prompts, chunks, prefix-cache hits, and mixed batches, where a decode token is a sequence of one query).
 The layers' RMSNorm (with the residual add fused) and rotary embedding use the matching kernels.
 
@@ -11,13 +12,16 @@ static buffers can be captured in a CUDA graph (`workers/cuda_graphs.py`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.moe_grouped_gemm import moe_experts
-from tokenmill.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from tokenmill.kernels.paged_attention import paged_attention_prefill
 from tokenmill.kernels.rms_norm import rms_norm
 from tokenmill.kernels.rotary import apply_rotary
+from tokenmill.kernels.split_kv_decode import choose_num_splits, split_kv_decode
 from tokenmill.workers.attention import AttentionLayer, AttentionMetadata, KVCache, StepShape, common_metadata
 from tokenmill.workers.ops import LayerOps
 
@@ -27,6 +31,25 @@ def rotate_in_place(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (views of the fused QKV output) in place by looking their positions up in the table."""
     return apply_rotary(q, k, positions, cos_sin_table, neox_style=True, inplace=True)
+
+
+# Without CUDA (the interpreter in tests) a few "SMs": long contexts still split, short batches stay cheap to interpret.
+INTERPRETER_SM_COUNT = 8
+
+
+@functools.cache
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the split-KV rule's target), else INTERPRETER_SM_COUNT."""
+    if device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device,
+                      sliding_window: int | None) -> int:
+    """The split-KV decode kernel's split count for a decode-only step, from host values only (graph-safe)."""
+    visible = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
+    return choose_num_splits(int(metadata.seq_lens.shape[0]), num_kv_heads, visible, device_sm_count(device))
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,9 +68,10 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                      layer: AttentionLayer) -> torch.Tensor:
-    """A decode-only step's attention: the one call into the decode kernel (`kernels/paged_attention.py`)."""
-    return paged_attention_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, layer.scale,
-                                  layer.sliding_window, layer.k_scale, layer.v_scale)
+    """A decode-only step's attention: the one call into the split-KV decode kernel (`kernels/split_kv_decode.py`)."""
+    num_splits = decode_num_splits(metadata, k_cache.shape[2], query.device, layer.sliding_window)
+    return split_kv_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, layer.scale, num_splits,
+                           layer.sliding_window, layer.k_scale, layer.v_scale)
 
 
 class TritonAttentionBackend:

@@ -16,14 +16,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels import kv_write, paged_attention, rms_norm, rotary
+from tokenmill.kernels import kv_write, paged_attention, rms_norm, rotary, split_kv_decode
 
 TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "fp8e4nv": "*fp8e4nv", "fp8e5": "*fp8e5"}
 FP8_CAPABILITY = 89  # Triton converts to and from fp8 from sm_89 (Ada, Hopper) on
 
 
 def compile_kernel(kernel, target: GPUTarget, pointers: dict[str, str], constexprs: dict, floats=()):
-    """Compile `kernel` with pointer element types, constexpr values; other args are i32 scalars."""
+    """Compile `kernel` with pointer element types, constexpr values; other args are i32 scalars. A `num_warps` in
+    `constexprs` is the launch option, not an argument."""
+    constexprs = dict(constexprs)
+    options = {"num_warps": constexprs.pop("num_warps")} if "num_warps" in constexprs else {}
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -34,7 +37,7 @@ def compile_kernel(kernel, target: GPUTarget, pointers: dict[str, str], constexp
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=target)
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)
 
 
 def attention_pointers(dtype: str, cache_dtype: str | None = None) -> dict[str, str]:
@@ -49,6 +52,19 @@ def attention_pointers(dtype: str, cache_dtype: str | None = None) -> dict[str, 
         "seq_lens_ptr": "*i32",
         "query_start_loc_ptr": "*i32",
     }
+
+
+def split_kv_configs(dtype: str, cache_dtype: str | None, common: dict, cache_label: str):
+    """The split-KV decode kernels (partials and reduce) at 4 splits, on the broadcast or the tl.dot row path."""
+    tiles = split_kv_decode.decode_tile_shape(common["GROUP"], common["HEAD_DIM"])
+    partial = dict(common, BLOCK_GROUP=tiles.rows, TILE_KEYS=tiles.tile_keys, NUM_SPLITS=4, USE_DOT=tiles.use_dot,
+                   SLIDING=True, num_warps=tiles.num_warps)
+    pointers = dict(attention_pointers(dtype, cache_dtype), partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
+    label = f"{dtype}{cache_label} G{common['GROUP']} D{common['HEAD_DIM']}"
+    yield f"split_kv partial {label} BS{common['BLOCK_SIZE']} dot={tiles.use_dot}", split_kv_decode._split_kv_partial_kernel, pointers, partial, ("scale_log2", "v_scale")
+    reduce = dict(NUM_SPLITS=4, BLOCK_SPLITS=4, HEAD_DIM=common["HEAD_DIM"], BLOCK_DIM=common["BLOCK_DIM"])
+    pointers = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "out_ptr": TYPES[dtype]}
+    yield f"split_kv reduce {label}", split_kv_decode._split_kv_reduce_kernel, pointers, reduce, ()
 
 
 def kernel_configs(capability: int):
@@ -75,6 +91,7 @@ def kernel_configs(capability: int):
             common, TOKENS_PER_TILE=tokens_per_tile, BLOCK_ROWS=block_rows, TILE_KEYS=paged_attention.PREFILL_TILE_KEYS
         )
         yield f"prefill {dtype}{cache_label} G{group} D{head_dim} BS{block_size}", paged_attention._prefill_kernel, attention_pointers(dtype, cache_dtype), prefill, ("scale_log2", "v_scale")
+        yield from split_kv_configs(dtype, cache_dtype, common, cache_label)
     write_configs = [("fp16", 128, None), ("bf16", 80, None)]
     if capability >= FP8_CAPABILITY:
         write_configs += [("bf16", 64, "fp8e4nv"), ("fp32", 64, "fp8e5")]
