@@ -1,4 +1,5 @@
-// y[T, N] = x[T, K] @ W[N, K]^T with W kept in GGUF (llama.cpp) blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+// y[T, N] = x[T, K] @ W[N, K]^T with W kept in GGUF (llama.cpp) blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 //
 // As llama.cpp's vec_dot: each activation row is quantized once to int8 (per 32 values for the 32-wide types, per
 // 256 for the k-quants, a float scale each, plus the sums of every 16 and 32 int8 values), and each weight block is
@@ -55,21 +56,33 @@
 namespace {
 
 // ggml_type values (gguf.GGMLQuantizationType)
-enum QType : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum QType : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20
+};
 enum Isa : int { ISA_SCALAR = 0, ISA_NEON = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
 
-inline int block_elems(int qtype) { return qtype >= Q4_K ? 256 : 32; }
-inline int block_bytes(int qtype) {
+constexpr bool is_k_quant(int qtype) { return qtype >= Q2_K && qtype <= Q6_K; }
+constexpr int block_elems(int qtype) { return is_k_quant(qtype) ? 256 : 32; }
+constexpr int block_bytes(int qtype) {
   switch (qtype) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
+    case IQ4_NL: return 18;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
     default: return 0;
   }
 }
+
+// IQ4_NL's 16 weights (times its block scale), indexed by the 4-bit quant (ggml's kvalues_iq4nl).
+alignas(16) constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
 
 inline float bits_to_float(uint32_t bits) {
   float f;
@@ -108,6 +121,22 @@ inline void unpack_scales_mins_k4(const uint8_t* packed, uint8_t out[16]) {
   u[2] = mins_low;
   u[0] &= kmask1;
   std::memcpy(out, u, 16);
+}
+
+// The sixteen 6-bit scales of a Q3_K block from its 12 packed bytes, minus their offset of 32 (ggml's
+// dequantize_row_q3_K, on 32-bit words): scale g's low 4 bits are the low (g < 8) or high nibble of byte g % 8, its
+// high 2 bits are bits 2 (g / 4) of byte 8 + g % 4.
+inline void unpack_scales_q3_k(const uint8_t* packed, int8_t out[16]) {
+  constexpr uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  const uint32_t high = u[2];
+  u[2] = ((u[0] >> 4) & kmask2) | (((high >> 4) & kmask1) << 4);
+  u[3] = ((u[1] >> 4) & kmask2) | (((high >> 6) & kmask1) << 4);
+  u[0] = (u[0] & kmask2) | ((high & kmask1) << 4);
+  u[1] = (u[1] & kmask2) | (((high >> 2) & kmask1) << 4);
+  std::memcpy(out, u, 16);
+  for (int g = 0; g < 16; ++g) out[g] = static_cast<int8_t>(out[g] - 32);
 }
 
 // The activations quantized for one call: per row, K int8 values, a float scale per block of `block` values, the
@@ -514,6 +543,26 @@ inline U8 field(U8 v) {
   return L ? _mm256_slli_epi16(r, L) : r;
 }
 inline U8 or8(U8 a, U8 b) { return _mm256_or_si256(a, b); }
+// byte i = V where bit i of the 32-bit little-endian word at p is set, else 0 (Q5_0 / Q5_1's fifth bits)
+template <int V>
+inline U8 bit_bytes(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+#if TM_VNNI
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(static_cast<char>(V)));
+#else
+  // each byte gets the byte of the word holding its bit, every bit but that one set, then compares to all ones
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(static_cast<char>(V)));
+#endif
+}
+// byte i = table[idx[i]] for indices < 16 (IQ4_NL's non-linear weights)
+inline U8 lookup16(const int8_t* table, U8 idx) {
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), idx);
+}
 inline I32 izero() { return _mm256_setzero_si256(); }
 inline F32 fzero() { return _mm256_setzero_ps(); }
 inline I32 iadd(I32 a, I32 b) { return _mm256_add_epi32(a, b); }
@@ -617,6 +666,18 @@ inline U8 field(U8 v) {
   return U8{vshlq_n_u8(vandq_u8(shift_right<S>(v.lo), m), L), vshlq_n_u8(vandq_u8(shift_right<S>(v.hi), m), L)};
 }
 inline U8 or8(U8 a, U8 b) { return U8{vorrq_u8(a.lo, b.lo), vorrq_u8(a.hi, b.hi)}; }
+template <int V>
+inline U8 bit_bytes(const uint8_t* p) {
+  const uint8x16_t select = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const uint8x16_t lo = vcombine_u8(vdup_n_u8(p[0]), vdup_n_u8(p[1]));
+  const uint8x16_t hi = vcombine_u8(vdup_n_u8(p[2]), vdup_n_u8(p[3]));
+  const uint8x16_t value = vdupq_n_u8(V);
+  return U8{vandq_u8(vtstq_u8(lo, select), value), vandq_u8(vtstq_u8(hi, select), value)};
+}
+inline U8 lookup16(const int8_t* table, U8 idx) {
+  const int8x16_t t = vld1q_s8(table);
+  return U8{vreinterpretq_u8_s8(vqtbl1q_s8(t, idx.lo)), vreinterpretq_u8_s8(vqtbl1q_s8(t, idx.hi))};
+}
 inline I32 izero() { return vdupq_n_s32(0); }
 inline F32 fzero() { return vdupq_n_f32(0.0f); }
 inline I32 iadd(I32 a, I32 b) { return vaddq_s32(a, b); }
@@ -708,6 +769,16 @@ inline U8 field(U8 v) {
 inline U8 or8(U8 a, U8 b) {
   for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i];
   return a;
+}
+template <int V>
+inline U8 bit_bytes(const uint8_t* p) {
+  U8 r;
+  for (int i = 0; i < 32; ++i) r.v[i] = static_cast<uint8_t>(((p[i / 8] >> (i % 8)) & 1) * V);
+  return r;
+}
+inline U8 lookup16(const int8_t* table, U8 idx) {
+  for (auto& b : idx.v) b = static_cast<uint8_t>(table[b]);
+  return idx;
 }
 inline I32 izero() { return 0; }
 inline F32 fzero() { return 0.0f; }
@@ -823,6 +894,15 @@ void quantize_rows(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64
 // consecutive blocks do not wait on each other's FMA (4 cycles of latency against about 2 of work per block).
 template <int NT>
 constexpr int kLanes = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+
+// Runs body(b, lane) for every block b < nb, lane = b % L (the last nb % L blocks on lane 0).
+template <int L, typename Body>
+inline void for_lanes(int64_t nb, Body&& body) {
+  int64_t b = 0;
+  for (; b + L <= nb; b += L)
+    for (int lane = 0; lane < L; ++lane) body(b + lane, lane);
+  for (; b < nb; ++b) body(b, 0);
+}
 
 template <int NT, typename Body>
 inline void for_blocks(int64_t nb, Body&& body) {
@@ -1116,6 +1196,129 @@ void row_q6_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - 32.0f * offset[t];
 }
 
+// ---------------------------------------------------------------- Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K
+// Batch-invariant like the k-quant rows above: an activation row's blocks are summed in an order that does not
+// depend on NT (the 32-wide types take two accumulator chains per row for any NT), so a token's result is the same
+// bits alone or among others.
+
+// Q5_0 / Q5_1: 32 weights, 4 low bits per nibble (as Q4_0 / Q4_1) and the fifth bits in a 32-bit word; the weight is
+// d * (q - 16) (Q5_0) or d * q + m (Q5_1). Q5_0's offset -16 d is exact, so d * q + m covers both.
+template <int NT, int QT>
+void row_q5(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  constexpr int kBytes = block_bytes(QT), kHigh = QT == Q5_0 ? 2 : 4;
+  F32 acc[2][NT];
+  float offset[2][NT] = {};
+  for (auto& lane : acc)
+    for (auto& v : lane) v = fzero();
+  for_lanes<2>(nb, [&](int64_t b, int lane) {
+    const uint8_t* blk = row + b * kBytes;
+    const float d = half_to_float(blk);
+    const float m = QT == Q5_0 ? -16.0f * d : half_to_float(blk + 2);
+    const U8 u = or8(nibbles16(blk + kHigh + 4), bit_bytes<16>(blk + kHigh));  // q in [0, 32)
+    for (int t = 0; t < NT; ++t) {
+      acc[lane][t] = fma_i32(acc[lane][t], dot(izero(), u, a.qrow(t0 + t) + b * 32), d * a.scale_row(t0 + t)[b]);
+      offset[lane][t] += m * a.scaled_sums_row(t0 + t)[b];
+    }
+  });
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[0][t] + acc[1][t]) + (offset[0][t] + offset[1][t]);
+}
+
+// IQ4_NL: 32 weights d * kIq4nlValues[q], q the 4-bit quants in Q4_0's nibble order.
+template <int NT>
+void row_iq4_nl(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[2][NT];
+  for (auto& lane : acc)
+    for (auto& v : lane) v = fzero();
+  for_lanes<2>(nb, [&](int64_t b, int lane) {
+    const uint8_t* blk = row + b * 18;
+    const float d = half_to_float(blk);
+    const U8 w = lookup16(kIq4nlValues, nibbles16(blk + 2));  // signed, in [-127, 113]
+    for (int t = 0; t < NT; ++t)
+      acc[lane][t] = fma_i32(acc[lane][t], dot_signed(izero(), w, a.qrow(t0 + t) + b * 32),
+                             d * a.scale_row(t0 + t)[b]);
+  });
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[0][t] + acc[1][t]);
+}
+
+// Q2_K: 16 groups of 16 with a 4-bit scale and a 4-bit min each; 2-bit quants, element 128 n + 32 j + l being bits
+// 2j, 2j + 1 of byte 32 n + l. The weight is d * scale_g * q - dmin * min_g.
+template <int NT>
+void row_q2_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[NT];
+  float offset[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 84;
+    const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
+    uint8_t scales[16];
+    int8_t mins[16];
+    for (int g = 0; g < 16; ++g) scales[g] = blk[g] & 15, mins[g] = static_cast<int8_t>(blk[g] >> 4);
+    const ScaleVec sv[2] = {load_scales(scales), load_scales(scales + 8)};
+    I32 sum[NT][2];
+    for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
+    auto chunk = [&](int n, auto j_constant) {
+      constexpr int j = decltype(j_constant)::value;
+      const U8 u = field<2 * j, 3, 0>(load32(blk + 16 + 32 * n));
+      const Scales16 s = pick<2 * j, 2 * j + 1>(sv[n]);
+      for (int t = 0; t < NT; ++t)
+        sum[t][j & 1] = dot_scaled(sum[t][j & 1], u, a.qrow(t0 + t) + b * 256 + 128 * n + 32 * j, s);
+    };
+    for (int n = 0; n < 2; ++n) {
+      chunk(n, std::integral_constant<int, 0>{});
+      chunk(n, std::integral_constant<int, 1>{});
+      chunk(n, std::integral_constant<int, 2>{});
+      chunk(n, std::integral_constant<int, 3>{});
+    }
+    for (int t = 0; t < NT; ++t) {
+      const float dx = a.scale_row(t0 + t)[b];
+      acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), d * dx);
+      offset[t] += dmin * dx * static_cast<float>(dot16(mins, a.sums16_row(t0 + t) + b * 16));
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
+}
+
+// Q3_K: 16 groups of 16 with signed 6-bit scales; 3-bit quants: Q2_K's two low bits, and bit 4 n + j of hmask[l]
+// for element 128 n + 32 j + l. The weight is d * scale_g * (q - 4).
+template <int NT>
+void row_q3_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[NT];
+  float offset[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 110;
+    const float d = half_to_float(blk + 108);
+    int8_t scales[16];
+    unpack_scales_q3_k(blk + 96, scales);
+    const ScaleVec sv[2] = {load_scales(scales), load_scales(scales + 8)};
+    const U8 hmask = load32(blk);
+    I32 sum[NT][2];
+    for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
+    auto chunk = [&](auto n_constant, auto j_constant) {
+      constexpr int n = decltype(n_constant)::value, j = decltype(j_constant)::value;
+      const U8 u = or8(field<2 * j, 3, 0>(load32(blk + 32 + 32 * n)), field<4 * n + j, 1, 2>(hmask));  // [0, 8)
+      const Scales16 s = pick<2 * j, 2 * j + 1>(sv[n]);
+      for (int t = 0; t < NT; ++t)
+        sum[t][j & 1] = dot_scaled(sum[t][j & 1], u, a.qrow(t0 + t) + b * 256 + 128 * n + 32 * j, s);
+    };
+    auto half = [&](auto n_constant) {
+      chunk(n_constant, std::integral_constant<int, 0>{});
+      chunk(n_constant, std::integral_constant<int, 1>{});
+      chunk(n_constant, std::integral_constant<int, 2>{});
+      chunk(n_constant, std::integral_constant<int, 3>{});
+    };
+    half(std::integral_constant<int, 0>{});
+    half(std::integral_constant<int, 1>{});
+    for (int t = 0; t < NT; ++t) {
+      // the -4 offset: 4 * sum_g scale_g * sum of group g's activations
+      const float ddx = d * a.scale_row(t0 + t)[b];
+      acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), ddx);
+      offset[t] += ddx * static_cast<float>(4 * dot16(scales, a.sums16_row(t0 + t) + b * 16));
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
+}
+
 // ---------------------------------------------------------------- a tile of output rows
 
 template <template <int> class Row>
@@ -1185,6 +1388,31 @@ template <int NT> struct RowQ6_K {
     row_q6_k<NT>(r, nb, a, t0, o);
   }
 };
+template <int NT> struct RowQ5_0 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q5<NT, Q5_0>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ5_1 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q5<NT, Q5_1>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowIQ4_NL {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_iq4_nl<NT>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ2_K {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q2_k<NT>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ3_K {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q3_k<NT>(r, nb, a, t0, o);
+  }
+};
 
 void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
               const Activations& a, int64_t T, float* y) {
@@ -1196,6 +1424,11 @@ void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin,
     case Q4_K: tile_rows<RowQ4_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q5_K: tile_rows<RowQ5_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q6_K: tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q5_0: tile_rows<RowQ5_0>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q5_1: tile_rows<RowQ5_1>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case IQ4_NL: tile_rows<RowIQ4_NL>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q2_K: tile_rows<RowQ2_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q3_K: tile_rows<RowQ3_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     default: break;
   }
 }
@@ -1450,9 +1683,51 @@ inline void dequantize_block(const uint8_t* blk, float* w) {
       w[j] = d * static_cast<float>(qs[j] & 15) + m;
       w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
     }
+  } else if constexpr (QT == Q5_0 || QT == Q5_1) {
+    const float d = half_to_float(blk);
+    const float m = QT == Q5_0 ? -16.0f * d : half_to_float(blk + 2);  // d * q - 16 d: exact, as d * (q - 16)
+    const uint8_t* qh = blk + (QT == Q5_0 ? 2 : 4);
+    const uint8_t* qs = qh + 4;
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (qs[j] & 15) | (((qh[j / 8] >> (j % 8)) & 1) << 4);
+      const int hi = (qs[j] >> 4) | (((qh[2 + j / 8] >> (j % 8)) & 1) << 4);
+      w[j] = d * static_cast<float>(lo) + m;
+      w[j + 16] = d * static_cast<float>(hi) + m;
+    }
+  } else if constexpr (QT == IQ4_NL) {
+    const float d = half_to_float(blk);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>(kIq4nlValues[blk[2 + j] & 15]);
+      w[j + 16] = d * static_cast<float>(kIq4nlValues[blk[2 + j] >> 4]);
+    }
   } else if constexpr (QT == Q8_0) {
     const float d = half_to_float(blk);
     for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+  } else if constexpr (QT == Q2_K || QT == Q3_K) {
+    // element 128 n + 32 j + l: bits 2j, 2j + 1 of qs[32 n + l] (Q3_K: minus 4 unless bit 4 n + j of hmask[l])
+    constexpr bool three = QT == Q3_K;
+    const uint8_t* qs = blk + (three ? 32 : 16);
+    float dl[16], ml[16] = {};
+    if constexpr (three) {
+      const float d = half_to_float(blk + 108);
+      int8_t scales[16];
+      unpack_scales_q3_k(blk + 96, scales);
+      for (int g = 0; g < 16; ++g) dl[g] = d * static_cast<float>(scales[g]);
+    } else {
+      const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
+      for (int g = 0; g < 16; ++g) {
+        dl[g] = d * static_cast<float>(blk[g] & 15);
+        ml[g] = dmin * static_cast<float>(blk[g] >> 4);
+      }
+    }
+    for (int n = 0; n < 2; ++n)
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l) {
+          const int g = 8 * n + 2 * j + l / 16;
+          int q = (qs[32 * n + l] >> (2 * j)) & 3;
+          if constexpr (three) q -= ((blk[l] >> (4 * n + j)) & 1) ? 0 : 4;
+          w[128 * n + 32 * j + l] = three ? dl[g] * static_cast<float>(q) : dl[g] * static_cast<float>(q) - ml[g];
+        }
   } else if constexpr (QT == Q4_K || QT == Q5_K) {
     constexpr bool five = QT == Q5_K;
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
@@ -1543,8 +1818,7 @@ inline void dequantize_32(const uint8_t* blk, FV* w) {
 // hide the FMA latency), a block's vectors taking chains (j * kPer + i) % C.
 template <int NT, int QT>
 void row_float(const uint8_t* row, int64_t nb, const float* x, int64_t ldx, float* out) {
-  constexpr int E = QT >= Q4_K ? 256 : 32, kBytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34
-                                                   : QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
+  constexpr int E = block_elems(QT), kBytes = block_bytes(QT);
   constexpr int kPer = E / kW, C = NT == 1 ? 4 : 2;
   FV acc[NT][C];
   for (auto& r : acc)
@@ -1554,7 +1828,7 @@ void row_float(const uint8_t* row, int64_t nb, const float* x, int64_t ldx, floa
     constexpr int j = decltype(j_constant)::value;
     const uint8_t* blk = row + b * kBytes;
 #if TM_ISA_X86
-    if constexpr (E == 32) {
+    if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q8_0) {
       FV wv[kPer];
       dequantize_32<QT>(blk, wv);
       for (int i = 0; i < kPer; ++i)
@@ -1613,6 +1887,11 @@ void run_float_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_
     case Q4_K: float_tile_rows<Q4_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     case Q5_K: float_tile_rows<Q5_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     case Q6_K: float_tile_rows<Q6_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q5_0: float_tile_rows<Q5_0>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q5_1: float_tile_rows<Q5_1>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case IQ4_NL: float_tile_rows<IQ4_NL>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q2_K: float_tile_rows<Q2_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q3_K: float_tile_rows<Q3_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     default: break;
   }
 }

@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 ))
 
@@ -101,8 +102,11 @@ def repack_enabled() -> bool:
 
 def build_flags() -> tuple[str, ...]:
     """No -march=native on x86: the library carries AVX2 and AVX-512 versions and picks one at run time, so the
-    scalar and AVX2 versions stay runnable (and tested) on a machine that has more."""
-    base = ("-O3", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+    scalar and AVX2 versions stay runnable (and tested) on a machine that has more. -ffp-contract=off: no multiply-add
+    fused behind the code's back, so the activations round to int8 (x * 127 / max, then to nearest) and the weights
+    dequantize (d * q + m) with the same float32 roundings on every instruction set as numpy's references; the
+    kernels' own FMAs are explicit."""
+    base = ("-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):
         return base
