@@ -466,6 +466,30 @@ int tm_gguf_unpack_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const
   return 0;
 }
 
+// ---------------------------------------------------------------- for scripts/bench_gguf_gemv.py
+// The bandwidth bound in the same library and thread as the kernels: the 64-bit sum of `bytes` bytes (a multiple of
+// 64) read once in order, eight independent accumulators so the adds never wait on each other.
+uint64_t tm_gguf_stream_sum(const uint8_t* p, int64_t bytes) {
+  uint64_t acc[8] = {};
+  for (int64_t i = 0; i + 64 <= bytes; i += 64) {
+    uint64_t words[8];
+    std::memcpy(words, p + i, 64);
+    for (int j = 0; j < 8; ++j) acc[j] += words[j];
+  }
+  return acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+}
+
+// `calls` int8 matmuls of the T x K activations x (float32) with weights[c % copies] (each N x K, plain or
+// repacked) into y, back to back: the kernels' time without a Python call per matmul. Returns tm_gguf_matmul's code.
+int tm_gguf_matmul_cycle(int qtype, int repacked, const float* x, const uint8_t* const* weights, int64_t copies,
+                         int64_t calls, int64_t T, int64_t N, int64_t K, float* y) {
+  for (int64_t c = 0; c < calls; ++c) {
+    const int status = gguf_matmul(repacked != 0, qtype, 0, x, K, weights[c % copies], T, N, K, y, N);
+    if (status != 0) return status;
+  }
+  return 0;
+}
+
 // The float-activation version of tm_gguf_matmul: y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k] with x and y
 // float32, each weight dequantized in registers exactly as gguf.quants does and multiplied with the float
 // activations by FMA, summed in float32 -- the dequantized-weight matmul up to float summation order. Same returns.

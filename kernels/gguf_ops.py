@@ -67,7 +67,10 @@ _SIGNATURES = {
     "tm_gguf_matmul_float_repacked": [_I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
     "tm_gguf_repack": [_I32, _PTR, _I64, _I64, _PTR],
     "tm_gguf_unpack_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _PTR],
+    "tm_gguf_matmul_cycle": [_I32, _I32, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR],
 }
+# scripts/bench_gguf_gemv.py's read-bandwidth loop (returns its 64-bit sum)
+_U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64]}
 
 # The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
 # come first).
@@ -132,6 +135,10 @@ def library() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = ctypes.c_int
+    for name, argtypes in _U64_SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_uint64
     forced = os.environ.get("TOKENMILL_CPU_ISA")
     if forced:
         if forced not in ISA_CODES or lib.tm_gguf_set_isa(ISA_CODES[forced]) != 0:
