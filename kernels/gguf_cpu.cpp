@@ -80,6 +80,13 @@ constexpr int block_bytes(int qtype) {
   }
 }
 
+// The 32-wide types with the repacked layout (tm_gguf_matmul_repacked), and the bytes of fp16 scale (and min) before
+// each block's 4-byte groups (Q5_0 / Q5_1: the 32-bit word of fifth bits is their first group).
+constexpr bool has_packed_layout(int qtype) {
+  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == IQ4_NL;
+}
+constexpr int packed_scale_bytes(int qtype) { return qtype == Q4_1 || qtype == Q5_1 ? 4 : 2; }
+
 // IQ4_NL's 16 weights (times its block scale), indexed by the 4-bit quant (ggml's kvalues_iq4nl).
 alignas(16) constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                  1,    13,   25,  38,  53,  69,  89,  113};
@@ -315,7 +322,7 @@ namespace {
 int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T,
                 int64_t N, int64_t K, void* y, int64_t ldy) {
   if (block_bytes(qtype) == 0 || (dtype != 0 && dtype != 1)) return -1;
-  if (repacked && qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (repacked && !has_packed_layout(qtype)) return -1;
   const int block = block_elems(qtype);
   if (K % block != 0 || K <= 0) return -2;
   if (T <= 0 || N <= 0) return 0;
@@ -393,7 +400,7 @@ int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx,
 // besides gguf_ops._group_permutation and the kernels' reads.
 template <bool TO_PACKED>
 void move_row(int qtype, uint8_t* group, int64_t row_bytes, int r, uint8_t* plain_row) {
-  const int bb = block_bytes(qtype), quants = qtype == Q4_1 ? 4 : 2;  // the scale (and min) bytes before the quants
+  const int bb = block_bytes(qtype), quants = packed_scale_bytes(qtype);
   const int64_t nb = row_bytes / bb;
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* packed = group + b * 8 * bb;
@@ -424,7 +431,7 @@ int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8
   return gguf_matmul(false, qtype, dtype, x, ldx, w, T, N, K, y, ldy);
 }
 
-// tm_gguf_matmul on Q4_0, Q4_1 or Q8_0 weights whose first N / 8 * 8 rows are in the repacked layout (groups of 8
+// tm_gguf_matmul on weights of a type with the packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) whose first N / 8 * 8 rows are in the repacked layout (groups of 8
 // rows, each group the same bytes as its 8 plain rows, reordered: see `packed_rows`) and whose last N % 8 rows are
 // plain. Same arguments and returns (-1 for the other types too).
 int tm_gguf_matmul_repacked(int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
@@ -435,7 +442,7 @@ int tm_gguf_matmul_repacked(int qtype, int dtype, const void* x, int64_t ldx, co
 // The N x K weight `src` (plain blocks) in the repacked layout into `dst` (as many bytes; not overlapping src): the
 // first N / 8 * 8 rows reordered within their groups of 8, the rest copied. Returns 0, or -1 / -2 as tm_gguf_matmul.
 int tm_gguf_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
-  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (!has_packed_layout(qtype)) return -1;
   if (K % 32 != 0 || K <= 0) return -2;
   const int64_t row_bytes = K / 32 * block_bytes(qtype), groups = N / 8;
   for (int64_t g = 0; g < groups; ++g)
@@ -450,7 +457,7 @@ int tm_gguf_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t*
 // tm_gguf_repack, or -3 for an id outside [0, N).
 int tm_gguf_unpack_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t count,
                         uint8_t* dst) {
-  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (!has_packed_layout(qtype)) return -1;
   if (K % 32 != 0 || K <= 0) return -2;
   const int64_t row_bytes = K / 32 * block_bytes(qtype), whole = N / 8 * 8;
   for (int64_t i = 0; i < count; ++i)
@@ -516,7 +523,7 @@ int tm_gguf_matmul_float(int qtype, const float* x, int64_t ldx, const uint8_t* 
 // exact on repacked weights at the cost of a byte shuffle). Same returns (-1 for the types without the layout).
 int tm_gguf_matmul_float_repacked(int qtype, const float* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
                                   int64_t K, float* y, int64_t ldy) {
-  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (!has_packed_layout(qtype)) return -1;
   const int block = block_elems(qtype);
   if (K % block != 0 || K <= 0) return -2;
   if (T <= 0 || N <= 0) return 0;
@@ -1460,16 +1467,28 @@ void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin,
 // ---------------------------------------------------------------- the repacked layout: 8 rows interleaved
 // tm_gguf_matmul_repacked's weights. A group of 8 output rows is 8 * row_bytes bytes, its blocks b = 0, 1, ... one
 // after the other, block b of the group (8 * block_bytes bytes) holding:
-//   the 8 rows' fp16 scales d (16 bytes), for Q4_1 then their 8 fp16 mins m (16 bytes);
-//   the quants in 4-byte groups: group j of row 0, of row 1, ..., of row 7 (32 bytes), for j = 0, 1, ...: Q4_0 and
-//   Q4_1 the 16 plain quant bytes (j < 4: byte 4j + i holds element 4j + i in its low and 16 + 4j + i in its high
-//   nibble), Q8_0 the 32 signed bytes (j < 8). The bytes are those of the plain blocks, moved.
-// KIND: 0 Q4_0 (d * (q - 8)), 1 Q4_1 (d * q + m), 2 Q8_0 (d * q, q signed).
+//   the 8 rows' fp16 scales d (16 bytes), for Q4_1 / Q5_1 then their 8 fp16 mins m (16 bytes);
+//   the rest of the block in 4-byte groups: group j of row 0, of row 1, ..., of row 7 (32 bytes), for j = 0, 1, ...:
+//   Q4_0, Q4_1 and IQ4_NL the 16 plain quant bytes (j < 4: byte 4j + i holds element 4j + i in its low and
+//   16 + 4j + i in its high nibble); Q5_0 and Q5_1 the 32-bit word of fifth bits (j = 0: bit e for element e) then
+//   those 16 bytes (j = 1..4); Q8_0 the 32 signed bytes (j < 8). The bytes are those of the plain blocks, moved.
+// KIND: 0 Q4_0 (d * (q - 8)), 1 Q4_1 (d * q + m), 2 Q8_0 (d * q, q signed), 3 Q5_0 (d * (q - 16)), 4 Q5_1 (d * q + m),
+// 5 IQ4_NL (d * kIq4nlValues[q]).
 
 template <int KIND>
-constexpr int kGroupBytes = 8 * (KIND == 0 ? 18 : KIND == 1 ? 20 : 34);
+constexpr int kKindType = KIND == 0 ? Q4_0 : KIND == 1 ? Q4_1 : KIND == 2 ? Q8_0 : KIND == 3 ? Q5_0 : KIND == 4 ? Q5_1
+                                                                                                               : IQ4_NL;
 template <int KIND>
-constexpr int kGroupScales = KIND == 1 ? 32 : 16;  // bytes before the quants
+constexpr int kGroupBytes = 8 * block_bytes(kKindType<KIND>);
+template <int KIND>
+constexpr int kGroupScales = 8 * packed_scale_bytes(kKindType<KIND>);  // bytes before the 4-byte groups
+template <int KIND>
+constexpr bool kFiveBits = KIND == 3 || KIND == 4;
+// the weight's offset per unit of d (Q4_0 -8, Q5_0 -16), for the kinds without a stored min
+template <int KIND>
+constexpr float kOffsetPerD = KIND == 0 ? -8.0f : KIND == 3 ? -16.0f : 0.0f;
+template <int KIND>
+constexpr bool kHasOffset = KIND == 0 || KIND == 1 || KIND == 3 || KIND == 4;
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -1484,19 +1503,58 @@ constexpr int kPackedTokens = 8;  // activation rows per pass over a group's blo
 constexpr int kPackedTokens = 4;  // 16 vectors
 #endif
 
+// The two weight vectors of 4-byte group j < 4 of a nibble kind's packed block (8 rows): lanes r hold row r's
+// elements 4j..4j+3 (lo) and 16+4j..16+4j+3 (hi) as bytes. Q5_0 / Q5_1 add their fifth bits (16); IQ4_NL looks its
+// values up: signed on AVX2, plus 128 on VNNI (whose vpdpbusd takes unsigned weights; the activations' bias128
+// takes the 128 off).
+template <int KIND>
+inline void packed_weights(const uint8_t* blk, int j, __m256i& lo, __m256i& hi) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const uint8_t* qs = blk + kGroupScales<KIND> + (kFiveBits<KIND> ? 32 : 0);
+  const __m256i v = load32(qs + 32 * j);
+  lo = _mm256_and_si256(v, low_nibbles);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+  if constexpr (kFiveBits<KIND>) {
+    // each row's word of fifth bits: bits 4j..4j+3 (byte j / 2) for lo, 16+4j.. (byte 2 + j / 2) for hi; copy that
+    // byte to the row's 4 bytes (a 128-bit lane holds 4 rows), keep bit i in byte i
+    const __m256i qh = load32(blk + kGroupScales<KIND>);
+    const __m256i row_base = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0, 0x04040404, 0x08080808,
+                                               0x0c0c0c0c);
+    const __m256i low_source = _mm256_shuffle_epi8(qh, _mm256_add_epi8(row_base, _mm256_set1_epi8(j / 2)));
+    const __m256i high_source = _mm256_shuffle_epi8(qh, _mm256_add_epi8(row_base, _mm256_set1_epi8(2 + j / 2)));
+    const __m256i bit = _mm256_set1_epi32(j % 2 ? static_cast<int>(0x80402010) : 0x08040201);
+    const __m256i sixteen = _mm256_set1_epi8(16);
+#if TM_VNNI
+    lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(low_source, bit), lo, sixteen);
+    hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(high_source, bit), hi, sixteen);
+#else
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(low_source, bit), bit), sixteen));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(high_source, bit), bit), sixteen));
+#endif
+  }
+  if constexpr (KIND == 5) {
+    __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)));
+#if TM_VNNI
+    table = _mm256_xor_si256(table, _mm256_set1_epi8(static_cast<char>(0x80)));
+#endif
+    lo = _mm256_shuffle_epi8(table, lo);
+    hi = _mm256_shuffle_epi8(table, hi);
+  }
+}
+
 // y[t * ldy + r] = <row r of the group, activation row t0 + t> for r < 8, t < NT.
 // Batch-invariant: an activation row's result does not depend on NT or on the other rows (one accumulator per
 // activation row, blocks added in order: two chains at NT = 1 measured no faster), so a token verified among
 // speculative ones gets the same logits bit for bit as decoded alone, given the same activations.
 template <int NT, int KIND>
 void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
+  [[maybe_unused]] constexpr bool kSigned = KIND == 2 || KIND == 5;  // Q8_0, IQ4_NL: signed weights (VNNI bias)
   __m256 acc[NT];
   for (auto& v : acc) v = _mm256_setzero_ps();
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   // the activation rows' data, from pointers set once (the *_row accessors divide by the block size)
   const int8_t* xrow[NT];
   const float *dx[NT], *dxs[NT];
-  [[maybe_unused]] const int32_t* bias[NT];  // Q8_0 on VNNI only
+  [[maybe_unused]] const int32_t* bias[NT];  // the signed kinds on VNNI only
   for (int t = 0; t < NT; ++t) {
     xrow[t] = a.q + (t0 + t) * a.K;
     dx[t] = a.scale + (t0 + t) * nb;
@@ -1515,9 +1573,9 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
     constexpr int S = NT == 1 ? 4 : NT == 2 ? 2 : 1;
     I32 part[S][NT];
     for (int t = 0; t < NT; ++t) {
-      // Q8_0: vpdpbusd takes unsigned weights: w + 128 (the sign bit flipped), and the 128 * sum(x) that adds is
-      // taken off from the start
-      part[0][t] = KIND == 2 ? _mm256_set1_epi32(bias[t][b]) : izero();
+      // signed weights: vpdpbusd takes unsigned ones, w + 128 (Q8_0: the sign bit flipped; IQ4_NL: a biased table),
+      // and the 128 * sum(x) that adds is taken off from the start
+      part[0][t] = kSigned ? _mm256_set1_epi32(bias[t][b]) : izero();
       for (int i = 1; i < S; ++i) part[i][t] = izero();
     }
     if constexpr (KIND == 2) {
@@ -1529,9 +1587,8 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
       }
     } else {
       for (int j = 0; j < 4; ++j) {
-        const __m256i v = load32(qs + 32 * j);
-        const __m256i lo = _mm256_and_si256(v, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        __m256i lo, hi;
+        packed_weights<KIND>(blk, j, lo, hi);
         for (int t = 0; t < NT; ++t) {
           I32& even = part[(2 * j) % S][t];
           I32& odd = part[(2 * j + 1) % S][t];
@@ -1546,38 +1603,54 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
     }
 #else
     const __m256i ones = _mm256_set1_epi16(1);
-    if constexpr (KIND == 2) {  // the sign moves onto x, as dot_signed
-      for (int t = 0; t < NT; ++t) sum[t] = izero();
+    // acc + the signed bytes w times the broadcast activation bytes xv (the sign moves onto x, as dot_signed)
+    auto signed_dot = [&](__m256i acc32, __m256i w, __m256i xv) {
+      return _mm256_add_epi32(acc32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                                                           _mm256_sign_epi8(xv, w)), ones));
+    };
+    for (int t = 0; t < NT; ++t) sum[t] = izero();
+    if constexpr (KIND == 2) {
       for (int j = 0; j < 8; ++j) {
         const __m256i w = load32(qs + 32 * j);
-        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int t = 0; t < NT; ++t) sum[t] = signed_dot(sum[t], w, _mm256_set1_epi32(load_i32(x[t] + 4 * j)));
+      }
+    } else if constexpr (KIND == 5) {
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo, hi;
+        packed_weights<KIND>(blk, j, lo, hi);
         for (int t = 0; t < NT; ++t) {
-          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x[t] + 4 * j)), w);
-          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+          sum[t] = signed_dot(sum[t], lo, _mm256_set1_epi32(load_i32(x[t] + 4 * j)));
+          sum[t] = signed_dot(sum[t], hi, _mm256_set1_epi32(load_i32(x[t] + 16 + 4 * j)));
         }
       }
     } else {
-      // int16 pair sums of a whole block cannot overflow: 8 vectors * 2 * 15 * 127 < 32768
+      // int16 pair sums, widened every kWiden groups before they can overflow: 4 bits 4 groups * 2 * 2 * 15 * 127,
+      // 5 bits 2 groups * 2 * 2 * 31 * 127, both < 32768
+      constexpr int kWiden = kFiveBits<KIND> ? 2 : 4;
       __m256i pairs[NT];
       for (int t = 0; t < NT; ++t) pairs[t] = izero();
       for (int j = 0; j < 4; ++j) {
-        const __m256i v = load32(qs + 32 * j);
-        const __m256i lo = _mm256_and_si256(v, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-        for (int t = 0; t < NT; ++t)
+        __m256i lo, hi;
+        packed_weights<KIND>(blk, j, lo, hi);
+        for (int t = 0; t < NT; ++t) {
           pairs[t] = _mm256_add_epi16(
               pairs[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x[t] + 4 * j))),
                                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x[t] + 16 + 4 * j)))));
+          if (j % kWiden == kWiden - 1) {
+            sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(pairs[t], ones));
+            pairs[t] = izero();
+          }
+        }
       }
-      for (int t = 0; t < NT; ++t) sum[t] = _mm256_madd_epi16(pairs[t], ones);
     }
 #endif
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     for (int t = 0; t < NT; ++t)
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, _mm256_set1_ps(dx[t][b])), acc[t]);
-    if constexpr (KIND != 2) {  // the offset: -8 d (Q4_0) or m, times the block's activation sum
-      const __m256 m = KIND == 0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
-                                 : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    if constexpr (kHasOffset<KIND>) {  // the offset: -8 d (Q4_0), -16 d (Q5_0) or m, times the block's activation sum
+      const __m256 m = kOffsetPerD<KIND> != 0.0f
+                           ? _mm256_mul_ps(d, _mm256_set1_ps(kOffsetPerD<KIND>))
+                           : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
       for (int t = 0; t < NT; ++t)
         acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxs[t][b]), acc[t]);
     }
@@ -1622,25 +1695,34 @@ void packed_tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g
         const uint8_t* blk = group + b * kGroupBytes<KIND>;
         const uint8_t* qs = blk + kGroupScales<KIND>;
         const int8_t* x = a.qrow(t) + b * 32;
+        const uint8_t* quants = qs + (kFiveBits<KIND> ? 32 : 0);  // Q5_0 / Q5_1: past the words of fifth bits
         int32_t sum[8] = {};
         for (int j = 0; j < (KIND == 2 ? 8 : 4); ++j)
           for (int r = 0; r < 8; ++r)
             for (int i = 0; i < 4; ++i) {
-              const uint8_t q = qs[32 * j + 4 * r + i];
+              const uint8_t q = quants[32 * j + 4 * r + i];
               if constexpr (KIND == 2) {
                 sum[r] += static_cast<int8_t>(q) * x[4 * j + i];
-              } else {
-                sum[r] += (q & 15) * x[4 * j + i] + (q >> 4) * x[16 + 4 * j + i];
+                continue;
               }
+              int lo = q & 15, hi = q >> 4;
+              if constexpr (kFiveBits<KIND>) {
+                const uint8_t* high_bits = qs + 4 * r;
+                lo |= ((high_bits[j / 2] >> (4 * (j % 2) + i)) & 1) << 4;
+                hi |= ((high_bits[2 + j / 2] >> (4 * (j % 2) + i)) & 1) << 4;
+              }
+              if constexpr (KIND == 5) lo = kIq4nlValues[lo], hi = kIq4nlValues[hi];
+              sum[r] += lo * x[4 * j + i] + hi * x[16 + 4 * j + i];
             }
         for (int r = 0; r < 8; ++r) {
           const float d = half_to_float(blk + 2 * r);
           acc[r] += static_cast<float>(sum[r]) * (d * a.scale_row(t)[b]);
-          if constexpr (KIND == 0) offset[r] += d * a.scaled_sums_row(t)[b];
-          if constexpr (KIND == 1) offset[r] += half_to_float(blk + 16 + 2 * r) * a.scaled_sums_row(t)[b];
+          if constexpr (kOffsetPerD<KIND> != 0.0f) offset[r] += d * a.scaled_sums_row(t)[b];
+          if constexpr (KIND == 1 || KIND == 4) offset[r] += half_to_float(blk + 16 + 2 * r) * a.scaled_sums_row(t)[b];
         }
       }
-      for (int r = 0; r < 8; ++r) y[t * a.ldy + g * 8 + r] = acc[r] + (KIND == 0 ? -8.0f * offset[r] : offset[r]);
+      for (int r = 0; r < 8; ++r)
+        y[t * a.ldy + g * 8 + r] = acc[r] + (kOffsetPerD<KIND> != 0.0f ? kOffsetPerD<KIND> * offset[r] : offset[r]);
     }
   }
 }
@@ -1653,6 +1735,9 @@ void run_packed_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t gro
     case Q4_0: packed_tile_rows<0>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     case Q4_1: packed_tile_rows<1>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     case Q8_0: packed_tile_rows<2>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
+    case Q5_0: packed_tile_rows<3>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
+    case Q5_1: packed_tile_rows<4>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
+    case IQ4_NL: packed_tile_rows<5>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     default: break;
   }
 }

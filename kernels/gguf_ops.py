@@ -75,9 +75,11 @@ _U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64]}
 # The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
 # come first).
 REPACK_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0))
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.IQ4_NL))
 _QUANTS_OFFSET = {int(GGMLQuantizationType.Q4_0): 2, int(GGMLQuantizationType.Q4_1): 4,
-                  int(GGMLQuantizationType.Q8_0): 2}
+                  int(GGMLQuantizationType.Q5_0): 2, int(GGMLQuantizationType.Q5_1): 4,  # their qh is a 4-byte group
+                  int(GGMLQuantizationType.Q8_0): 2, int(GGMLQuantizationType.IQ4_NL): 2}
 REPACK_ROWS = 8  # output rows per repacked group
 
 ACTIVATION_MODES = ("float", "int8")

@@ -20,6 +20,7 @@ from msgspec.structs import replace
 
 from tests.workers.runner_driver import logits_in_chunks
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from tokenmill.kernels import gguf_ops
 from tokenmill.workers.model_loader import iter_weights
 from tokenmill.workers.model_runner import ModelRunner
 from tokenmill.workers.quantization.base import QuantizedWeight
@@ -162,7 +163,8 @@ def make_runner(model: ModelConfig, quantization: str) -> ModelRunner:
 def test_the_quantized_model_runs_as_its_dequantized_twin(q4_k_m_model):
     kept, dense = make_runner(q4_k_m_model, "gguf"), make_runner(q4_k_m_model, "none")
     layer = kept.model.model.layers[0]
-    assert isinstance(layer.mlp.gate_up_proj.weight, QuantizedWeight)
+    gate_up = layer.mlp.gate_up_proj.weight  # gate and up both Q5_0: one weight, in the repacked layout where Q4_0
+    assert isinstance(gate_up, GGUFWeight) and gate_up.repacked == gguf_ops.repack_wanted(int(T.Q5_0), 2 * FFN)
     assert isinstance(layer.self_attn.qkv_proj.weight, QuantizedWeight)
     assert kept.weight_bytes < 0.3 * dense.weight_bytes  # ~5.5 bits against 32 per weight
     ids = torch.from_numpy(np.random.default_rng(2).integers(0, VOCAB, 24))
