@@ -8,11 +8,13 @@
 // is unpacked once and used against up to 4 activation rows, over a tile of rows small enough to stay in L1/L2, so a
 // 32-token batch reads the weights from memory once, not 32 times. Threads split the output rows (OpenMP).
 //
-// tm_gguf_matmul_repacked is the same int8 matmul on weights repacked for it (Q4_0, Q4_1, Q8_0; llama.cpp's "repack"
-// GEMM idea): each group of 8 output rows stores block b of its 8 rows together, their scales side by side and their
-// quants interleaved in 4-byte groups (the layout is spelled out at `packed_rows` below; kernels/gguf_ops.py repacks).
-// One VNNI vpdpbusd (AVX2: maddubs) of 32 quant bytes with a broadcast 4-byte group of one activation row then
-// accumulates 8 rows' partial dot products at once, and a block's scales (and Q4_1's mins) are applied once per
+// tm_gguf_matmul_repacked is the same int8 matmul on weights repacked for it (the 32-wide types: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, IQ4_NL; llama.cpp's "repack" GEMM idea): each group of 8 output rows stores block b of its 8 rows
+// together, their scales side by side and their quants interleaved in 4-byte groups (the layout is spelled out at
+// `packed_rows` below; kernels/gguf_ops.py repacks). One VNNI vpdpbusd (AVX2: maddubs) of 32 quant bytes with a
+// broadcast 4-byte group of one activation row then accumulates 8 rows' partial dot products at once (Q5's fifth bits
+// merged in by a shuffle and a bit test per 32 bytes, IQ4_NL's values by a table shuffle), and a block's scales (and
+// mins) are applied once per
 // (block, activation row, 8 rows) by one 8-lane FMA, straight into the 8 outputs: no horizontal sums. Each weight
 // block is unpacked once for up to 8 activation rows (4 on AVX2). Same integer products as tm_gguf_matmul; only the
 // float summation order differs. Rows past the last whole group of 8 stay in the plain layout (the plain kernels).
