@@ -642,14 +642,6 @@ inline Scales16 pick(ScaleVec v) {
   return _mm256_shuffle_epi8(v, _mm256_setr_epi8(l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1,
                                                  h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1));
 }
-// sum_j m[j] * s[j] for 8 unsigned bytes m and 8 int16 s
-inline int32_t dot8(const uint8_t* m, const int16_t* s) {
-  const __m128i p = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m))),
-                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-  __m128i r = _mm_add_epi32(p, _mm_unpackhi_epi64(p, p));
-  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 1));
-  return _mm_cvtsi128_si32(r);
-}
 // sum_j m[j] * s[j] for 16 signed bytes m and 16 int16 s
 inline int32_t dot16(const int8_t* m, const int16_t* s) {
   const __m256i p = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m))),
@@ -660,6 +652,32 @@ inline int32_t dot16(const int8_t* m, const int16_t* s) {
   return _mm_cvtsi128_si32(r);
 }
 inline F32 fma_i32(F32 acc, I32 v, float s) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
+// Bytes16: a k-quant block's 16 sub-block scales (or 8 scales and 8 mins) as signed bytes, built in a register from
+// the block's bytes (through memory they cost a store-forwarding stall per block: measured 2.5x on Q3_K).
+using Bytes16 = __m128i;
+inline Bytes16 bytes16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  return _mm_setr_epi32(static_cast<int>(w0), static_cast<int>(w1), static_cast<int>(w2), static_cast<int>(w3));
+}
+inline Bytes16 load_bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+template <int S>  // (v >> S) & 15 per byte
+inline Bytes16 nibbles_of(Bytes16 v) { return _mm_and_si128(S ? _mm_srli_epi16(v, S) : v, _mm_set1_epi8(0x0F)); }
+inline Bytes16 minus(Bytes16 v, int k) { return _mm_sub_epi8(v, _mm_set1_epi8(static_cast<char>(k))); }
+template <int HALF>  // bytes 8 HALF .. 8 HALF + 7 as a ScaleVec
+inline ScaleVec scale_vec(Bytes16 v) { return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(HALF ? _mm_srli_si128(v, 8) : v)); }
+// sum_i v[i] * s[i] over the 16 bytes (COUNT = 16) or bytes 8..15 (COUNT = 8) against int16 s
+template <int COUNT>
+inline int32_t dot_bytes(Bytes16 v, const int16_t* s) {
+  __m128i r;
+  if constexpr (COUNT == 16) {
+    const __m256i p = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    r = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  } else {
+    r = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(v, 8)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  r = _mm_add_epi32(r, _mm_unpackhi_epi64(r, r));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 1));
+  return _mm_cvtsi128_si32(r);
+}
 inline float hsum(F32 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -745,10 +763,6 @@ inline ScaleVec load_scales(const B* p) {
 }
 template <int LO, int HI>
 inline Scales16 pick(const ScaleVec& v) { return Scales16{v.v[LO], v.v[HI]}; }
-inline int32_t dot8(const uint8_t* m, const int16_t* s) {
-  const int16x8_t mv = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(m))), sv = vld1q_s16(s);
-  return vaddvq_s32(vmlal_s16(vmull_s16(vget_low_s16(mv), vget_low_s16(sv)), vget_high_s16(mv), vget_high_s16(sv)));
-}
 inline int32_t dot16(const int8_t* m, const int16_t* s) {
   const int8x16_t mv = vld1q_s8(m);
   const int16x8_t lo = vmovl_s8(vget_low_s8(mv)), hi = vmovl_s8(vget_high_s8(mv));
@@ -841,11 +855,6 @@ inline ScaleVec load_scales(const B* p) {
 }
 template <int LO, int HI>
 inline Scales16 pick(const ScaleVec& v) { return Scales16{v.v[LO], v.v[HI]}; }
-inline int32_t dot8(const uint8_t* m, const int16_t* s) {
-  int32_t r = 0;
-  for (int i = 0; i < 8; ++i) r += m[i] * s[i];
-  return r;
-}
 inline int32_t dot16(const int8_t* m, const int16_t* s) {
   int32_t r = 0;
   for (int i = 0; i < 16; ++i) r += m[i] * s[i];
@@ -853,6 +862,41 @@ inline int32_t dot16(const int8_t* m, const int16_t* s) {
 }
 inline F32 fma_i32(F32 acc, I32 v, float s) { return acc + static_cast<float>(v) * s; }
 inline float hsum(F32 v) { return v; }
+#endif
+
+#if !TM_ISA_X86
+// Bytes16 (see the x86 version) in plain arrays: NEON's ScaleVec is one too.
+struct Bytes16 {
+  int8_t v[16];
+};
+inline Bytes16 bytes16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const uint32_t words[4] = {w0, w1, w2, w3};
+  Bytes16 r;
+  std::memcpy(r.v, words, 16);
+  return r;
+}
+inline Bytes16 load_bytes16(const uint8_t* p) {
+  Bytes16 r;
+  std::memcpy(r.v, p, 16);
+  return r;
+}
+template <int S>
+inline Bytes16 nibbles_of(Bytes16 v) {
+  for (auto& b : v.v) b = static_cast<int8_t>((static_cast<uint8_t>(b) >> S) & 15);
+  return v;
+}
+inline Bytes16 minus(Bytes16 v, int k) {
+  for (auto& b : v.v) b = static_cast<int8_t>(b - k);
+  return v;
+}
+template <int HALF>
+inline ScaleVec scale_vec(const Bytes16& v) { return load_scales(v.v + 8 * HALF); }
+template <int COUNT>
+inline int32_t dot_bytes(const Bytes16& v, const int16_t* s) {
+  int32_t r = 0;
+  for (int i = 0; i < COUNT; ++i) r += v.v[16 - COUNT + i] * s[i];
+  return r;
+}
 #endif
 
 // ---------------------------------------------------------------- activation quantization
@@ -915,6 +959,27 @@ void quantize_rows(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64
       act.block == 32 ? quantize_row<32>(row, act, t) : quantize_row<256>(row, act, t);
     }
   }
+}
+
+// The 12 packed bytes of a Q4_K / Q5_K block's scales and mins as 8 scales then 8 mins (unpack_scales_mins_k4, in a
+// register).
+inline Bytes16 packed_scales_mins_k4(const uint8_t* packed) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  uint32_t u[3];
+  std::memcpy(u, packed, 12);
+  return bytes16(u[0] & kmask1, (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4), u[1] & kmask1,
+                 ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4));
+}
+
+// A Q3_K block's 16 signed scales (unpack_scales_q3_k, in a register).
+inline Bytes16 packed_scales_q3_k(const uint8_t* packed) {
+  constexpr uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+  uint32_t u[3];
+  std::memcpy(u, packed, 12);
+  return minus(bytes16((u[0] & kmask2) | ((u[2] & kmask1) << 4), (u[1] & kmask2) | (((u[2] >> 2) & kmask1) << 4),
+                       ((u[0] >> 4) & kmask2) | (((u[2] >> 4) & kmask1) << 4),
+                       ((u[1] >> 4) & kmask2) | (((u[2] >> 6) & kmask1) << 4)),
+               32);
 }
 
 // ---------------------------------------------------------------- one weight row against NT activation rows
@@ -1154,9 +1219,8 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    uint8_t scales_mins[16];
-    unpack_scales_mins_k4(blk + 4, scales_mins);
-    const ScaleVec scales = load_scales(scales_mins);
+    const Bytes16 scales_mins = packed_scales_mins_k4(blk + 4);
+    const ScaleVec scales = scale_vec<0>(scales_mins);
     const uint8_t* qs = blk + (FIVE_BITS ? 48 : 16);
     I32 sum[NT][2];
     for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
@@ -1183,7 +1247,7 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
     chunk(std::integral_constant<int, 2>{});
     chunk(std::integral_constant<int, 3>{});
     for (int t = 0; t < NT; ++t) {
-      const int32_t mins = dot8(scales_mins + 8, a.sums32_row(t0 + t) + b * 8);
+      const int32_t mins = dot_bytes<8>(scales_mins, a.sums32_row(t0 + t) + b * 8);
       const float dx = a.scale_row(t0 + t)[b];
       acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), d * dx);
       offset[t] += dmin * dx * static_cast<float>(mins);
@@ -1283,10 +1347,8 @@ void row_q2_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 84;
     const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
-    uint8_t scales[16];
-    int8_t mins[16];
-    for (int g = 0; g < 16; ++g) scales[g] = blk[g] & 15, mins[g] = static_cast<int8_t>(blk[g] >> 4);
-    const ScaleVec sv[2] = {load_scales(scales), load_scales(scales + 8)};
+    const Bytes16 packed = load_bytes16(blk), mins = nibbles_of<4>(packed), scales = nibbles_of<0>(packed);
+    const ScaleVec sv[2] = {scale_vec<0>(scales), scale_vec<1>(scales)};
     I32 sum[NT][2];
     for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
     auto chunk = [&](int n, auto j_constant) {
@@ -1305,7 +1367,7 @@ void row_q2_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
     for (int t = 0; t < NT; ++t) {
       const float dx = a.scale_row(t0 + t)[b];
       acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), d * dx);
-      offset[t] += dmin * dx * static_cast<float>(dot16(mins, a.sums16_row(t0 + t) + b * 16));
+      offset[t] += dmin * dx * static_cast<float>(dot_bytes<16>(mins, a.sums16_row(t0 + t) + b * 16));
     }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
@@ -1321,9 +1383,8 @@ void row_q3_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 110;
     const float d = half_to_float(blk + 108);
-    int8_t scales[16];
-    unpack_scales_q3_k(blk + 96, scales);
-    const ScaleVec sv[2] = {load_scales(scales), load_scales(scales + 8)};
+    const Bytes16 scales = packed_scales_q3_k(blk + 96);
+    const ScaleVec sv[2] = {scale_vec<0>(scales), scale_vec<1>(scales)};
     const U8 hmask = load32(blk);
     I32 sum[NT][2];
     for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
@@ -1346,7 +1407,7 @@ void row_q3_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
       // the -4 offset: 4 * sum_g scale_g * sum of group g's activations
       const float ddx = d * a.scale_row(t0 + t)[b];
       acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), ddx);
-      offset[t] += ddx * static_cast<float>(4 * dot16(scales, a.sums16_row(t0 + t) + b * 16));
+      offset[t] += ddx * static_cast<float>(4 * dot_bytes<16>(scales, a.sums16_row(t0 + t) + b * 16));
     }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
