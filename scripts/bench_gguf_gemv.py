@@ -33,7 +33,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tokenmill.kernels import gguf_ops
 
-Q = GGMLQuantizationType
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # (out_features, in_features) of each projection: SmolLM2-135M (hidden 576, 9 + 3 + 3 heads of 64, MLP 1536, vocab
 # 49152) and Qwen2.5-0.5B (hidden 896, 14 + 2 + 2 heads of 64, MLP 4864, vocab 151936)
@@ -65,7 +64,7 @@ class Best:
 
 def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random quant bytes with small finite fp16 scales (timing needs valid numbers, not meaningful ones)."""
-    block_elems, block_bytes = GGML_QUANT_SIZES[Q[type_name]]
+    block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, size=(n, k // block_elems, block_bytes), dtype=np.uint8)
     for offset in SCALE_OFFSETS[type_name]:
         raw[:, :, offset:offset + 2] = rng.uniform(0.0, 0.01, size=raw.shape[:2]).astype(np.float16)[..., None].view(
@@ -78,7 +77,7 @@ def weight_pool(type_name: str, n: int, k: int, pool_bytes: int, rng: np.random.
     are repacked."""
     import torch
 
-    qtype = int(Q[type_name])
+    qtype = int(GGMLQuantizationType[type_name])
     blocks = torch.from_numpy(random_blocks(type_name, n, k, rng))
     repacked = gguf_ops.repack_wanted(qtype, n)
     if repacked:
@@ -109,7 +108,7 @@ def measure(lib: ctypes.CDLL, stream: np.ndarray, type_name: str, n: int, k: int
     calls = passes * len(pool)
 
     def gemv() -> None:
-        status = lib.tm_gguf_matmul_cycle(int(Q[type_name]), int(repacked), x.ctypes.data, pointers, len(pool), calls,
+        status = lib.tm_gguf_matmul_cycle(int(GGMLQuantizationType[type_name]), int(repacked), x.ctypes.data, pointers, len(pool), calls,
                                           1, n, k, y.ctypes.data)
         if status != 0:
             raise ValueError(f"tm_gguf_matmul_cycle refused {type_name} {n}x{k}: {status}")
@@ -155,12 +154,12 @@ def main() -> None:
                 if args.shapes and shape not in args.shapes:
                     continue
                 for type_name in args.types:
-                    if k % GGML_QUANT_SIZES[Q[type_name]][0]:
+                    if k % GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]:
                         continue
                     rates = measure(lib, stream, type_name, n, k, args, rng)
                     ratio, cpu_ratio = rates.gemv_wall / rates.stream_wall, rates.gemv_cpu / rates.stream_cpu
                     summary.setdefault((isa, type_name), []).append(cpu_ratio)
-                    mib = n * gguf_ops.row_bytes(int(Q[type_name]), k) / 2**20
+                    mib = n * gguf_ops.row_bytes(int(GGMLQuantizationType[type_name]), k) / 2**20
                     print(f"{isa:7} {model:13} {shape:8} {f'{n} x {k}':>12} {type_name:7} "
                           f"{'repacked' if rates.repacked else 'plain':8} {mib:6.2f} {rates.stream_wall / 1e9:6.1f} {rates.gemv_wall / 1e9:6.1f} "
                           f"{ratio:6.2f} {cpu_ratio:9.2f}", flush=True)
