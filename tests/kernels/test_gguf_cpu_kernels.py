@@ -56,11 +56,14 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Ge
 
 
 def quantized_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """The kernels' int8 activations, dequantized (float64), and each value's block max|x|."""
+    """The kernels' int8 activations, dequantized (float64), and each value's block max|x|. The SIMD versions are
+    compiled with fused multiply-adds, so they round the exact product x * inverse (float64 holds it exactly), the
+    portable one its float32 rounding: they differ where that product lies within a rounding of a half."""
     xb = x.astype(np.float32).reshape(x.shape[0], -1, block)
     amax = np.abs(xb).max(axis=2, keepdims=True)
     inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inverse)
+    fused = gguf_ops.isa() in ("avx2", "avx512", "neon")
+    q = np.rint(xb.astype(np.float64) * inverse.astype(np.float64) if fused else xb * inverse)
     scale = (amax / np.float32(127)).astype(np.float32)
     return (q * scale.astype(np.float64)).reshape(x.shape), np.broadcast_to(amax, xb.shape).reshape(x.shape)
 
