@@ -1,4 +1,5 @@
-// y[T, N] = x[T, K] @ W[N, K]^T with W kept in GGUF (llama.cpp) blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+// y[T, N] = x[T, K] @ W[N, K]^T with W kept in GGUF (llama.cpp) blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 //
 // As llama.cpp's vec_dot: each activation row is quantized once to int8 (per 32 values for the 32-wide types, per
 // 256 for the k-quants, a float scale each, plus the sums of every 16 and 32 int8 values), and each weight block is
@@ -7,11 +8,13 @@
 // is unpacked once and used against up to 4 activation rows, over a tile of rows small enough to stay in L1/L2, so a
 // 32-token batch reads the weights from memory once, not 32 times. Threads split the output rows (OpenMP).
 //
-// tm_gguf_matmul_repacked is the same int8 matmul on weights repacked for it (Q4_0, Q4_1, Q8_0; llama.cpp's "repack"
-// GEMM idea): each group of 8 output rows stores block b of its 8 rows together, their scales side by side and their
-// quants interleaved in 4-byte groups (the layout is spelled out at `packed_rows` below; kernels/gguf_ops.py repacks).
-// One VNNI vpdpbusd (AVX2: maddubs) of 32 quant bytes with a broadcast 4-byte group of one activation row then
-// accumulates 8 rows' partial dot products at once, and a block's scales (and Q4_1's mins) are applied once per
+// tm_gguf_matmul_repacked is the same int8 matmul on weights repacked for it (the 32-wide types: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, IQ4_NL; llama.cpp's "repack" GEMM idea): each group of 8 output rows stores block b of its 8 rows
+// together, their scales side by side and their quants interleaved in 4-byte groups (the layout is spelled out at
+// `packed_rows` below; kernels/gguf_ops.py repacks). One VNNI vpdpbusd (AVX2: maddubs) of 32 quant bytes with a
+// broadcast 4-byte group of one activation row then accumulates 8 rows' partial dot products at once (Q5's fifth bits
+// merged in by a shuffle and a bit test per 32 bytes, IQ4_NL's values by a table shuffle), and a block's scales (and
+// mins) are applied once per
 // (block, activation row, 8 rows) by one 8-lane FMA, straight into the 8 outputs: no horizontal sums. Each weight
 // block is unpacked once for up to 8 activation rows (4 on AVX2). Same integer products as tm_gguf_matmul; only the
 // float summation order differs. Rows past the last whole group of 8 stay in the plain layout (the plain kernels).
@@ -55,21 +58,40 @@
 namespace {
 
 // ggml_type values (gguf.GGMLQuantizationType)
-enum QType : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum QType : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20
+};
 enum Isa : int { ISA_SCALAR = 0, ISA_NEON = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
 
-inline int block_elems(int qtype) { return qtype >= Q4_K ? 256 : 32; }
-inline int block_bytes(int qtype) {
+constexpr bool is_k_quant(int qtype) { return qtype >= Q2_K && qtype <= Q6_K; }
+constexpr int block_elems(int qtype) { return is_k_quant(qtype) ? 256 : 32; }
+constexpr int block_bytes(int qtype) {
   switch (qtype) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
+    case IQ4_NL: return 18;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
     default: return 0;
   }
 }
+
+// The 32-wide types with the repacked layout (tm_gguf_matmul_repacked), and the bytes of fp16 scale (and min) before
+// each block's 4-byte groups (Q5_0 / Q5_1: the 32-bit word of fifth bits is their first group).
+constexpr bool has_packed_layout(int qtype) {
+  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == IQ4_NL;
+}
+constexpr int packed_scale_bytes(int qtype) { return qtype == Q4_1 || qtype == Q5_1 ? 4 : 2; }
+
+// IQ4_NL's 16 weights (times its block scale), indexed by the 4-bit quant (ggml's kvalues_iq4nl).
+alignas(16) constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
 
 inline float bits_to_float(uint32_t bits) {
   float f;
@@ -108,6 +130,22 @@ inline void unpack_scales_mins_k4(const uint8_t* packed, uint8_t out[16]) {
   u[2] = mins_low;
   u[0] &= kmask1;
   std::memcpy(out, u, 16);
+}
+
+// The sixteen 6-bit scales of a Q3_K block from its 12 packed bytes, minus their offset of 32 (ggml's
+// dequantize_row_q3_K, on 32-bit words): scale g's low 4 bits are the low (g < 8) or high nibble of byte g % 8, its
+// high 2 bits are bits 2 (g / 4) of byte 8 + g % 4.
+inline void unpack_scales_q3_k(const uint8_t* packed, int8_t out[16]) {
+  constexpr uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  const uint32_t high = u[2];
+  u[2] = ((u[0] >> 4) & kmask2) | (((high >> 4) & kmask1) << 4);
+  u[3] = ((u[1] >> 4) & kmask2) | (((high >> 6) & kmask1) << 4);
+  u[0] = (u[0] & kmask2) | ((high & kmask1) << 4);
+  u[1] = (u[1] & kmask2) | (((high >> 2) & kmask1) << 4);
+  std::memcpy(out, u, 16);
+  for (int g = 0; g < 16; ++g) out[g] = static_cast<int8_t>(out[g] - 32);
 }
 
 // The activations quantized for one call: per row, K int8 values, a float scale per block of `block` values, the
@@ -286,7 +324,7 @@ namespace {
 int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T,
                 int64_t N, int64_t K, void* y, int64_t ldy) {
   if (block_bytes(qtype) == 0 || (dtype != 0 && dtype != 1)) return -1;
-  if (repacked && qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (repacked && !has_packed_layout(qtype)) return -1;
   const int block = block_elems(qtype);
   if (K % block != 0 || K <= 0) return -2;
   if (T <= 0 || N <= 0) return 0;
@@ -364,7 +402,7 @@ int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx,
 // besides gguf_ops._group_permutation and the kernels' reads.
 template <bool TO_PACKED>
 void move_row(int qtype, uint8_t* group, int64_t row_bytes, int r, uint8_t* plain_row) {
-  const int bb = block_bytes(qtype), quants = qtype == Q4_1 ? 4 : 2;  // the scale (and min) bytes before the quants
+  const int bb = block_bytes(qtype), quants = packed_scale_bytes(qtype);
   const int64_t nb = row_bytes / bb;
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* packed = group + b * 8 * bb;
@@ -395,7 +433,7 @@ int tm_gguf_matmul(int qtype, int dtype, const void* x, int64_t ldx, const uint8
   return gguf_matmul(false, qtype, dtype, x, ldx, w, T, N, K, y, ldy);
 }
 
-// tm_gguf_matmul on Q4_0, Q4_1 or Q8_0 weights whose first N / 8 * 8 rows are in the repacked layout (groups of 8
+// tm_gguf_matmul on weights of a type with the packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) whose first N / 8 * 8 rows are in the repacked layout (groups of 8
 // rows, each group the same bytes as its 8 plain rows, reordered: see `packed_rows`) and whose last N % 8 rows are
 // plain. Same arguments and returns (-1 for the other types too).
 int tm_gguf_matmul_repacked(int qtype, int dtype, const void* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
@@ -406,7 +444,7 @@ int tm_gguf_matmul_repacked(int qtype, int dtype, const void* x, int64_t ldx, co
 // The N x K weight `src` (plain blocks) in the repacked layout into `dst` (as many bytes; not overlapping src): the
 // first N / 8 * 8 rows reordered within their groups of 8, the rest copied. Returns 0, or -1 / -2 as tm_gguf_matmul.
 int tm_gguf_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
-  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (!has_packed_layout(qtype)) return -1;
   if (K % 32 != 0 || K <= 0) return -2;
   const int64_t row_bytes = K / 32 * block_bytes(qtype), groups = N / 8;
   for (int64_t g = 0; g < groups; ++g)
@@ -421,7 +459,7 @@ int tm_gguf_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t*
 // tm_gguf_repack, or -3 for an id outside [0, N).
 int tm_gguf_unpack_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t count,
                         uint8_t* dst) {
-  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (!has_packed_layout(qtype)) return -1;
   if (K % 32 != 0 || K <= 0) return -2;
   const int64_t row_bytes = K / 32 * block_bytes(qtype), whole = N / 8 * 8;
   for (int64_t i = 0; i < count; ++i)
@@ -433,6 +471,30 @@ int tm_gguf_unpack_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const
       move_row<false>(qtype, const_cast<uint8_t*>(w) + id / 8 * 8 * row_bytes, row_bytes, static_cast<int>(id % 8), row);
     else
       std::memcpy(row, w + id * row_bytes, static_cast<size_t>(row_bytes));
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------- for scripts/bench_gguf_gemv.py
+// The bandwidth bound in the same library and thread as the kernels: the 64-bit sum of `bytes` bytes (a multiple of
+// 64) read once in order, eight independent accumulators so the adds never wait on each other.
+uint64_t tm_gguf_stream_sum(const uint8_t* p, int64_t bytes) {
+  uint64_t acc[8] = {};
+  for (int64_t i = 0; i + 64 <= bytes; i += 64) {
+    uint64_t words[8];
+    std::memcpy(words, p + i, 64);
+    for (int j = 0; j < 8; ++j) acc[j] += words[j];
+  }
+  return acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+}
+
+// `calls` int8 matmuls of the T x K activations x (float32) with weights[c % copies] (each N x K, plain or
+// repacked) into y, back to back: the kernels' time without a Python call per matmul. Returns tm_gguf_matmul's code.
+int tm_gguf_matmul_cycle(int qtype, int repacked, const float* x, const uint8_t* const* weights, int64_t copies,
+                         int64_t calls, int64_t T, int64_t N, int64_t K, float* y) {
+  for (int64_t c = 0; c < calls; ++c) {
+    const int status = gguf_matmul(repacked != 0, qtype, 0, x, K, weights[c % copies], T, N, K, y, N);
+    if (status != 0) return status;
   }
   return 0;
 }
@@ -463,7 +525,7 @@ int tm_gguf_matmul_float(int qtype, const float* x, int64_t ldx, const uint8_t* 
 // exact on repacked weights at the cost of a byte shuffle). Same returns (-1 for the types without the layout).
 int tm_gguf_matmul_float_repacked(int qtype, const float* x, int64_t ldx, const uint8_t* w, int64_t T, int64_t N,
                                   int64_t K, float* y, int64_t ldy) {
-  if (qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) return -1;
+  if (!has_packed_layout(qtype)) return -1;
   const int block = block_elems(qtype);
   if (K % block != 0 || K <= 0) return -2;
   if (T <= 0 || N <= 0) return 0;
@@ -514,6 +576,26 @@ inline U8 field(U8 v) {
   return L ? _mm256_slli_epi16(r, L) : r;
 }
 inline U8 or8(U8 a, U8 b) { return _mm256_or_si256(a, b); }
+// byte i = V where bit i of the 32-bit little-endian word at p is set, else 0 (Q5_0 / Q5_1's fifth bits)
+template <int V>
+inline U8 bit_bytes(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+#if TM_VNNI
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(static_cast<char>(V)));
+#else
+  // each byte gets the byte of the word holding its bit, every bit but that one set, then compares to all ones
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(static_cast<char>(V)));
+#endif
+}
+// byte i = table[idx[i]] for indices < 16 (IQ4_NL's non-linear weights)
+inline U8 lookup16(const int8_t* table, U8 idx) {
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), idx);
+}
 inline I32 izero() { return _mm256_setzero_si256(); }
 inline F32 fzero() { return _mm256_setzero_ps(); }
 inline I32 iadd(I32 a, I32 b) { return _mm256_add_epi32(a, b); }
@@ -560,14 +642,6 @@ inline Scales16 pick(ScaleVec v) {
   return _mm256_shuffle_epi8(v, _mm256_setr_epi8(l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1, l0, l1,
                                                  h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1, h0, h1));
 }
-// sum_j m[j] * s[j] for 8 unsigned bytes m and 8 int16 s
-inline int32_t dot8(const uint8_t* m, const int16_t* s) {
-  const __m128i p = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m))),
-                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-  __m128i r = _mm_add_epi32(p, _mm_unpackhi_epi64(p, p));
-  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 1));
-  return _mm_cvtsi128_si32(r);
-}
 // sum_j m[j] * s[j] for 16 signed bytes m and 16 int16 s
 inline int32_t dot16(const int8_t* m, const int16_t* s) {
   const __m256i p = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m))),
@@ -578,6 +652,32 @@ inline int32_t dot16(const int8_t* m, const int16_t* s) {
   return _mm_cvtsi128_si32(r);
 }
 inline F32 fma_i32(F32 acc, I32 v, float s) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
+// Bytes16: a k-quant block's 16 sub-block scales (or 8 scales and 8 mins) as signed bytes, built in a register from
+// the block's bytes (through memory they cost a store-forwarding stall per block: measured 2.5x on Q3_K).
+using Bytes16 = __m128i;
+inline Bytes16 bytes16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  return _mm_setr_epi32(static_cast<int>(w0), static_cast<int>(w1), static_cast<int>(w2), static_cast<int>(w3));
+}
+inline Bytes16 load_bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+template <int S>  // (v >> S) & 15 per byte
+inline Bytes16 nibbles_of(Bytes16 v) { return _mm_and_si128(S ? _mm_srli_epi16(v, S) : v, _mm_set1_epi8(0x0F)); }
+inline Bytes16 minus(Bytes16 v, int k) { return _mm_sub_epi8(v, _mm_set1_epi8(static_cast<char>(k))); }
+template <int HALF>  // bytes 8 HALF .. 8 HALF + 7 as a ScaleVec
+inline ScaleVec scale_vec(Bytes16 v) { return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(HALF ? _mm_srli_si128(v, 8) : v)); }
+// sum_i v[i] * s[i] over the 16 bytes (COUNT = 16) or bytes 8..15 (COUNT = 8) against int16 s
+template <int COUNT>
+inline int32_t dot_bytes(Bytes16 v, const int16_t* s) {
+  __m128i r;
+  if constexpr (COUNT == 16) {
+    const __m256i p = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    r = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  } else {
+    r = _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(v, 8)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  r = _mm_add_epi32(r, _mm_unpackhi_epi64(r, r));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 1));
+  return _mm_cvtsi128_si32(r);
+}
 inline float hsum(F32 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -617,6 +717,18 @@ inline U8 field(U8 v) {
   return U8{vshlq_n_u8(vandq_u8(shift_right<S>(v.lo), m), L), vshlq_n_u8(vandq_u8(shift_right<S>(v.hi), m), L)};
 }
 inline U8 or8(U8 a, U8 b) { return U8{vorrq_u8(a.lo, b.lo), vorrq_u8(a.hi, b.hi)}; }
+template <int V>
+inline U8 bit_bytes(const uint8_t* p) {
+  const uint8x16_t select = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const uint8x16_t lo = vcombine_u8(vdup_n_u8(p[0]), vdup_n_u8(p[1]));
+  const uint8x16_t hi = vcombine_u8(vdup_n_u8(p[2]), vdup_n_u8(p[3]));
+  const uint8x16_t value = vdupq_n_u8(V);
+  return U8{vandq_u8(vtstq_u8(lo, select), value), vandq_u8(vtstq_u8(hi, select), value)};
+}
+inline U8 lookup16(const int8_t* table, U8 idx) {
+  const int8x16_t t = vld1q_s8(table);
+  return U8{vreinterpretq_u8_s8(vqtbl1q_s8(t, idx.lo)), vreinterpretq_u8_s8(vqtbl1q_s8(t, idx.hi))};
+}
 inline I32 izero() { return vdupq_n_s32(0); }
 inline F32 fzero() { return vdupq_n_f32(0.0f); }
 inline I32 iadd(I32 a, I32 b) { return vaddq_s32(a, b); }
@@ -651,10 +763,6 @@ inline ScaleVec load_scales(const B* p) {
 }
 template <int LO, int HI>
 inline Scales16 pick(const ScaleVec& v) { return Scales16{v.v[LO], v.v[HI]}; }
-inline int32_t dot8(const uint8_t* m, const int16_t* s) {
-  const int16x8_t mv = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(m))), sv = vld1q_s16(s);
-  return vaddvq_s32(vmlal_s16(vmull_s16(vget_low_s16(mv), vget_low_s16(sv)), vget_high_s16(mv), vget_high_s16(sv)));
-}
 inline int32_t dot16(const int8_t* m, const int16_t* s) {
   const int8x16_t mv = vld1q_s8(m);
   const int16x8_t lo = vmovl_s8(vget_low_s8(mv)), hi = vmovl_s8(vget_high_s8(mv));
@@ -709,6 +817,16 @@ inline U8 or8(U8 a, U8 b) {
   for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i];
   return a;
 }
+template <int V>
+inline U8 bit_bytes(const uint8_t* p) {
+  U8 r;
+  for (int i = 0; i < 32; ++i) r.v[i] = static_cast<uint8_t>(((p[i / 8] >> (i % 8)) & 1) * V);
+  return r;
+}
+inline U8 lookup16(const int8_t* table, U8 idx) {
+  for (auto& b : idx.v) b = static_cast<uint8_t>(table[b]);
+  return idx;
+}
 inline I32 izero() { return 0; }
 inline F32 fzero() { return 0.0f; }
 inline I32 iadd(I32 a, I32 b) { return a + b; }
@@ -737,11 +855,6 @@ inline ScaleVec load_scales(const B* p) {
 }
 template <int LO, int HI>
 inline Scales16 pick(const ScaleVec& v) { return Scales16{v.v[LO], v.v[HI]}; }
-inline int32_t dot8(const uint8_t* m, const int16_t* s) {
-  int32_t r = 0;
-  for (int i = 0; i < 8; ++i) r += m[i] * s[i];
-  return r;
-}
 inline int32_t dot16(const int8_t* m, const int16_t* s) {
   int32_t r = 0;
   for (int i = 0; i < 16; ++i) r += m[i] * s[i];
@@ -749,6 +862,41 @@ inline int32_t dot16(const int8_t* m, const int16_t* s) {
 }
 inline F32 fma_i32(F32 acc, I32 v, float s) { return acc + static_cast<float>(v) * s; }
 inline float hsum(F32 v) { return v; }
+#endif
+
+#if !TM_ISA_X86
+// Bytes16 (see the x86 version) in plain arrays: NEON's ScaleVec is one too.
+struct Bytes16 {
+  int8_t v[16];
+};
+inline Bytes16 bytes16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const uint32_t words[4] = {w0, w1, w2, w3};
+  Bytes16 r;
+  std::memcpy(r.v, words, 16);
+  return r;
+}
+inline Bytes16 load_bytes16(const uint8_t* p) {
+  Bytes16 r;
+  std::memcpy(r.v, p, 16);
+  return r;
+}
+template <int S>
+inline Bytes16 nibbles_of(Bytes16 v) {
+  for (auto& b : v.v) b = static_cast<int8_t>((static_cast<uint8_t>(b) >> S) & 15);
+  return v;
+}
+inline Bytes16 minus(Bytes16 v, int k) {
+  for (auto& b : v.v) b = static_cast<int8_t>(b - k);
+  return v;
+}
+template <int HALF>
+inline ScaleVec scale_vec(const Bytes16& v) { return load_scales(v.v + 8 * HALF); }
+template <int COUNT>
+inline int32_t dot_bytes(const Bytes16& v, const int16_t* s) {
+  int32_t r = 0;
+  for (int i = 0; i < COUNT; ++i) r += v.v[16 - COUNT + i] * s[i];
+  return r;
+}
 #endif
 
 // ---------------------------------------------------------------- activation quantization
@@ -813,6 +961,27 @@ void quantize_rows(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64
   }
 }
 
+// The 12 packed bytes of a Q4_K / Q5_K block's scales and mins as 8 scales then 8 mins (unpack_scales_mins_k4, in a
+// register).
+inline Bytes16 packed_scales_mins_k4(const uint8_t* packed) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  uint32_t u[3];
+  std::memcpy(u, packed, 12);
+  return bytes16(u[0] & kmask1, (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4), u[1] & kmask1,
+                 ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4));
+}
+
+// A Q3_K block's 16 signed scales (unpack_scales_q3_k, in a register).
+inline Bytes16 packed_scales_q3_k(const uint8_t* packed) {
+  constexpr uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+  uint32_t u[3];
+  std::memcpy(u, packed, 12);
+  return minus(bytes16((u[0] & kmask2) | ((u[2] & kmask1) << 4), (u[1] & kmask2) | (((u[2] >> 2) & kmask1) << 4),
+                       ((u[0] >> 4) & kmask2) | (((u[2] >> 4) & kmask1) << 4),
+                       ((u[1] >> 4) & kmask2) | (((u[2] >> 6) & kmask1) << 4)),
+               32);
+}
+
 // ---------------------------------------------------------------- one weight row against NT activation rows
 // Each kernel writes out[t] = <row, activation row t0 + t> for t < NT. `nb` is the number of blocks in the row.
 
@@ -823,6 +992,15 @@ void quantize_rows(int dtype, const void* x, int64_t ldx, int64_t t_begin, int64
 // consecutive blocks do not wait on each other's FMA (4 cycles of latency against about 2 of work per block).
 template <int NT>
 constexpr int kLanes = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+
+// Runs body(b, lane) for every block b < nb, lane = b % L (the last nb % L blocks on lane 0).
+template <int L, typename Body>
+inline void for_lanes(int64_t nb, Body&& body) {
+  int64_t b = 0;
+  for (; b + L <= nb; b += L)
+    for (int lane = 0; lane < L; ++lane) body(b + lane, lane);
+  for (; b < nb; ++b) body(b, 0);
+}
 
 template <int NT, typename Body>
 inline void for_blocks(int64_t nb, Body&& body) {
@@ -1041,9 +1219,8 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    uint8_t scales_mins[16];
-    unpack_scales_mins_k4(blk + 4, scales_mins);
-    const ScaleVec scales = load_scales(scales_mins);
+    const Bytes16 scales_mins = packed_scales_mins_k4(blk + 4);
+    const ScaleVec scales = scale_vec<0>(scales_mins);
     const uint8_t* qs = blk + (FIVE_BITS ? 48 : 16);
     I32 sum[NT][2];
     for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
@@ -1070,7 +1247,7 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
     chunk(std::integral_constant<int, 2>{});
     chunk(std::integral_constant<int, 3>{});
     for (int t = 0; t < NT; ++t) {
-      const int32_t mins = dot8(scales_mins + 8, a.sums32_row(t0 + t) + b * 8);
+      const int32_t mins = dot_bytes<8>(scales_mins, a.sums32_row(t0 + t) + b * 8);
       const float dx = a.scale_row(t0 + t)[b];
       acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), d * dx);
       offset[t] += dmin * dx * static_cast<float>(mins);
@@ -1114,6 +1291,126 @@ void row_q6_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
     }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - 32.0f * offset[t];
+}
+
+// ---------------------------------------------------------------- Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K
+// Batch-invariant like the k-quant rows above: an activation row's blocks are summed in an order that does not
+// depend on NT (the 32-wide types take two accumulator chains per row for any NT), so a token's result is the same
+// bits alone or among others.
+
+// Q5_0 / Q5_1: 32 weights, 4 low bits per nibble (as Q4_0 / Q4_1) and the fifth bits in a 32-bit word; the weight is
+// d * (q - 16) (Q5_0) or d * q + m (Q5_1). Q5_0's offset -16 d is exact, so d * q + m covers both.
+template <int NT, int QT>
+void row_q5(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  constexpr int kBytes = block_bytes(QT), kHigh = QT == Q5_0 ? 2 : 4;
+  F32 acc[2][NT];
+  float offset[2][NT] = {};
+  for (auto& lane : acc)
+    for (auto& v : lane) v = fzero();
+  for_lanes<2>(nb, [&](int64_t b, int lane) {
+    const uint8_t* blk = row + b * kBytes;
+    const float d = half_to_float(blk);
+    const float m = QT == Q5_0 ? -16.0f * d : half_to_float(blk + 2);
+    const U8 u = or8(nibbles16(blk + kHigh + 4), bit_bytes<16>(blk + kHigh));  // q in [0, 32)
+    for (int t = 0; t < NT; ++t) {
+      acc[lane][t] = fma_i32(acc[lane][t], dot(izero(), u, a.qrow(t0 + t) + b * 32), d * a.scale_row(t0 + t)[b]);
+      offset[lane][t] += m * a.scaled_sums_row(t0 + t)[b];
+    }
+  });
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[0][t] + acc[1][t]) + (offset[0][t] + offset[1][t]);
+}
+
+// IQ4_NL: 32 weights d * kIq4nlValues[q], q the 4-bit quants in Q4_0's nibble order.
+template <int NT>
+void row_iq4_nl(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[2][NT];
+  for (auto& lane : acc)
+    for (auto& v : lane) v = fzero();
+  for_lanes<2>(nb, [&](int64_t b, int lane) {
+    const uint8_t* blk = row + b * 18;
+    const float d = half_to_float(blk);
+    const U8 w = lookup16(kIq4nlValues, nibbles16(blk + 2));  // signed, in [-127, 113]
+    for (int t = 0; t < NT; ++t)
+      acc[lane][t] = fma_i32(acc[lane][t], dot_signed(izero(), w, a.qrow(t0 + t) + b * 32),
+                             d * a.scale_row(t0 + t)[b]);
+  });
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[0][t] + acc[1][t]);
+}
+
+// Q2_K: 16 groups of 16 with a 4-bit scale and a 4-bit min each; 2-bit quants, element 128 n + 32 j + l being bits
+// 2j, 2j + 1 of byte 32 n + l. The weight is d * scale_g * q - dmin * min_g.
+template <int NT>
+void row_q2_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[NT];
+  float offset[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 84;
+    const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
+    const Bytes16 packed = load_bytes16(blk), mins = nibbles_of<4>(packed), scales = nibbles_of<0>(packed);
+    const ScaleVec sv[2] = {scale_vec<0>(scales), scale_vec<1>(scales)};
+    I32 sum[NT][2];
+    for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
+    auto chunk = [&](int n, auto j_constant) {
+      constexpr int j = decltype(j_constant)::value;
+      const U8 u = field<2 * j, 3, 0>(load32(blk + 16 + 32 * n));
+      const Scales16 s = pick<2 * j, 2 * j + 1>(sv[n]);
+      for (int t = 0; t < NT; ++t)
+        sum[t][j & 1] = dot_scaled(sum[t][j & 1], u, a.qrow(t0 + t) + b * 256 + 128 * n + 32 * j, s);
+    };
+    for (int n = 0; n < 2; ++n) {
+      chunk(n, std::integral_constant<int, 0>{});
+      chunk(n, std::integral_constant<int, 1>{});
+      chunk(n, std::integral_constant<int, 2>{});
+      chunk(n, std::integral_constant<int, 3>{});
+    }
+    for (int t = 0; t < NT; ++t) {
+      const float dx = a.scale_row(t0 + t)[b];
+      acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), d * dx);
+      offset[t] += dmin * dx * static_cast<float>(dot_bytes<16>(mins, a.sums16_row(t0 + t) + b * 16));
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
+}
+
+// Q3_K: 16 groups of 16 with signed 6-bit scales; 3-bit quants: Q2_K's two low bits, and bit 4 n + j of hmask[l]
+// for element 128 n + 32 j + l. The weight is d * scale_g * (q - 4).
+template <int NT>
+void row_q3_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
+  F32 acc[NT];
+  float offset[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 110;
+    const float d = half_to_float(blk + 108);
+    const Bytes16 scales = packed_scales_q3_k(blk + 96);
+    const ScaleVec sv[2] = {scale_vec<0>(scales), scale_vec<1>(scales)};
+    const U8 hmask = load32(blk);
+    I32 sum[NT][2];
+    for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
+    auto chunk = [&](auto n_constant, auto j_constant) {
+      constexpr int n = decltype(n_constant)::value, j = decltype(j_constant)::value;
+      const U8 u = or8(field<2 * j, 3, 0>(load32(blk + 32 + 32 * n)), field<4 * n + j, 1, 2>(hmask));  // [0, 8)
+      const Scales16 s = pick<2 * j, 2 * j + 1>(sv[n]);
+      for (int t = 0; t < NT; ++t)
+        sum[t][j & 1] = dot_scaled(sum[t][j & 1], u, a.qrow(t0 + t) + b * 256 + 128 * n + 32 * j, s);
+    };
+    auto half = [&](auto n_constant) {
+      chunk(n_constant, std::integral_constant<int, 0>{});
+      chunk(n_constant, std::integral_constant<int, 1>{});
+      chunk(n_constant, std::integral_constant<int, 2>{});
+      chunk(n_constant, std::integral_constant<int, 3>{});
+    };
+    half(std::integral_constant<int, 0>{});
+    half(std::integral_constant<int, 1>{});
+    for (int t = 0; t < NT; ++t) {
+      // the -4 offset: 4 * sum_g scale_g * sum of group g's activations
+      const float ddx = d * a.scale_row(t0 + t)[b];
+      acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), ddx);
+      offset[t] += ddx * static_cast<float>(4 * dot_bytes<16>(scales, a.sums16_row(t0 + t) + b * 16));
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
 }
 
 // ---------------------------------------------------------------- a tile of output rows
@@ -1185,6 +1482,31 @@ template <int NT> struct RowQ6_K {
     row_q6_k<NT>(r, nb, a, t0, o);
   }
 };
+template <int NT> struct RowQ5_0 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q5<NT, Q5_0>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ5_1 {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q5<NT, Q5_1>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowIQ4_NL {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_iq4_nl<NT>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ2_K {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q2_k<NT>(r, nb, a, t0, o);
+  }
+};
+template <int NT> struct RowQ3_K {
+  static void run(const uint8_t* r, int64_t nb, const Activations& a, int64_t t0, float* o) {
+    row_q3_k<NT>(r, nb, a, t0, o);
+  }
+};
 
 void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
               const Activations& a, int64_t T, float* y) {
@@ -1196,6 +1518,11 @@ void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin,
     case Q4_K: tile_rows<RowQ4_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q5_K: tile_rows<RowQ5_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q6_K: tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q5_0: tile_rows<RowQ5_0>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q5_1: tile_rows<RowQ5_1>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case IQ4_NL: tile_rows<RowIQ4_NL>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q2_K: tile_rows<RowQ2_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q3_K: tile_rows<RowQ3_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     default: break;
   }
 }
@@ -1203,16 +1530,28 @@ void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin,
 // ---------------------------------------------------------------- the repacked layout: 8 rows interleaved
 // tm_gguf_matmul_repacked's weights. A group of 8 output rows is 8 * row_bytes bytes, its blocks b = 0, 1, ... one
 // after the other, block b of the group (8 * block_bytes bytes) holding:
-//   the 8 rows' fp16 scales d (16 bytes), for Q4_1 then their 8 fp16 mins m (16 bytes);
-//   the quants in 4-byte groups: group j of row 0, of row 1, ..., of row 7 (32 bytes), for j = 0, 1, ...: Q4_0 and
-//   Q4_1 the 16 plain quant bytes (j < 4: byte 4j + i holds element 4j + i in its low and 16 + 4j + i in its high
-//   nibble), Q8_0 the 32 signed bytes (j < 8). The bytes are those of the plain blocks, moved.
-// KIND: 0 Q4_0 (d * (q - 8)), 1 Q4_1 (d * q + m), 2 Q8_0 (d * q, q signed).
+//   the 8 rows' fp16 scales d (16 bytes), for Q4_1 / Q5_1 then their 8 fp16 mins m (16 bytes);
+//   the rest of the block in 4-byte groups: group j of row 0, of row 1, ..., of row 7 (32 bytes), for j = 0, 1, ...:
+//   Q4_0, Q4_1 and IQ4_NL the 16 plain quant bytes (j < 4: byte 4j + i holds element 4j + i in its low and
+//   16 + 4j + i in its high nibble); Q5_0 and Q5_1 the 32-bit word of fifth bits (j = 0: bit e for element e) then
+//   those 16 bytes (j = 1..4); Q8_0 the 32 signed bytes (j < 8). The bytes are those of the plain blocks, moved.
+// KIND: 0 Q4_0 (d * (q - 8)), 1 Q4_1 (d * q + m), 2 Q8_0 (d * q, q signed), 3 Q5_0 (d * (q - 16)), 4 Q5_1 (d * q + m),
+// 5 IQ4_NL (d * kIq4nlValues[q]).
 
 template <int KIND>
-constexpr int kGroupBytes = 8 * (KIND == 0 ? 18 : KIND == 1 ? 20 : 34);
+constexpr int kKindType = KIND == 0 ? Q4_0 : KIND == 1 ? Q4_1 : KIND == 2 ? Q8_0 : KIND == 3 ? Q5_0 : KIND == 4 ? Q5_1
+                                                                                                               : IQ4_NL;
 template <int KIND>
-constexpr int kGroupScales = KIND == 1 ? 32 : 16;  // bytes before the quants
+constexpr int kGroupBytes = 8 * block_bytes(kKindType<KIND>);
+template <int KIND>
+constexpr int kGroupScales = 8 * packed_scale_bytes(kKindType<KIND>);  // bytes before the 4-byte groups
+template <int KIND>
+constexpr bool kFiveBits = KIND == 3 || KIND == 4;
+// the weight's offset per unit of d (Q4_0 -8, Q5_0 -16), for the kinds without a stored min
+template <int KIND>
+constexpr float kOffsetPerD = KIND == 0 ? -8.0f : KIND == 3 ? -16.0f : 0.0f;
+template <int KIND>
+constexpr bool kHasOffset = KIND == 0 || KIND == 1 || KIND == 3 || KIND == 4;
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -1227,19 +1566,58 @@ constexpr int kPackedTokens = 8;  // activation rows per pass over a group's blo
 constexpr int kPackedTokens = 4;  // 16 vectors
 #endif
 
+// The two weight vectors of 4-byte group j < 4 of a nibble kind's packed block (8 rows): lanes r hold row r's
+// elements 4j..4j+3 (lo) and 16+4j..16+4j+3 (hi) as bytes. Q5_0 / Q5_1 add their fifth bits (16); IQ4_NL looks its
+// values up: signed on AVX2, plus 128 on VNNI (whose vpdpbusd takes unsigned weights; the activations' bias128
+// takes the 128 off).
+template <int KIND>
+inline void packed_weights(const uint8_t* blk, int j, __m256i& lo, __m256i& hi) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const uint8_t* qs = blk + kGroupScales<KIND> + (kFiveBits<KIND> ? 32 : 0);
+  const __m256i v = load32(qs + 32 * j);
+  lo = _mm256_and_si256(v, low_nibbles);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+  if constexpr (kFiveBits<KIND>) {
+    // each row's word of fifth bits: bits 4j..4j+3 (byte j / 2) for lo, 16+4j.. (byte 2 + j / 2) for hi; copy that
+    // byte to the row's 4 bytes (a 128-bit lane holds 4 rows), keep bit i in byte i
+    const __m256i qh = load32(blk + kGroupScales<KIND>);
+    const __m256i row_base = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0, 0x04040404, 0x08080808,
+                                               0x0c0c0c0c);
+    const __m256i low_source = _mm256_shuffle_epi8(qh, _mm256_add_epi8(row_base, _mm256_set1_epi8(j / 2)));
+    const __m256i high_source = _mm256_shuffle_epi8(qh, _mm256_add_epi8(row_base, _mm256_set1_epi8(2 + j / 2)));
+    const __m256i bit = _mm256_set1_epi32(j % 2 ? static_cast<int>(0x80402010) : 0x08040201);
+    const __m256i sixteen = _mm256_set1_epi8(16);
+#if TM_VNNI
+    lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(low_source, bit), lo, sixteen);
+    hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(high_source, bit), hi, sixteen);
+#else
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(low_source, bit), bit), sixteen));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(high_source, bit), bit), sixteen));
+#endif
+  }
+  if constexpr (KIND == 5) {
+    __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)));
+#if TM_VNNI
+    table = _mm256_xor_si256(table, _mm256_set1_epi8(static_cast<char>(0x80)));
+#endif
+    lo = _mm256_shuffle_epi8(table, lo);
+    hi = _mm256_shuffle_epi8(table, hi);
+  }
+}
+
 // y[t * ldy + r] = <row r of the group, activation row t0 + t> for r < 8, t < NT.
 // Batch-invariant: an activation row's result does not depend on NT or on the other rows (one accumulator per
 // activation row, blocks added in order: two chains at NT = 1 measured no faster), so a token verified among
 // speculative ones gets the same logits bit for bit as decoded alone, given the same activations.
 template <int NT, int KIND>
 void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
+  [[maybe_unused]] constexpr bool kSigned = KIND == 2 || KIND == 5;  // Q8_0, IQ4_NL: signed weights (VNNI bias)
   __m256 acc[NT];
   for (auto& v : acc) v = _mm256_setzero_ps();
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   // the activation rows' data, from pointers set once (the *_row accessors divide by the block size)
   const int8_t* xrow[NT];
   const float *dx[NT], *dxs[NT];
-  [[maybe_unused]] const int32_t* bias[NT];  // Q8_0 on VNNI only
+  [[maybe_unused]] const int32_t* bias[NT];  // the signed kinds on VNNI only
   for (int t = 0; t < NT; ++t) {
     xrow[t] = a.q + (t0 + t) * a.K;
     dx[t] = a.scale + (t0 + t) * nb;
@@ -1258,9 +1636,9 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
     constexpr int S = NT == 1 ? 4 : NT == 2 ? 2 : 1;
     I32 part[S][NT];
     for (int t = 0; t < NT; ++t) {
-      // Q8_0: vpdpbusd takes unsigned weights: w + 128 (the sign bit flipped), and the 128 * sum(x) that adds is
-      // taken off from the start
-      part[0][t] = KIND == 2 ? _mm256_set1_epi32(bias[t][b]) : izero();
+      // signed weights: vpdpbusd takes unsigned ones, w + 128 (Q8_0: the sign bit flipped; IQ4_NL: a biased table),
+      // and the 128 * sum(x) that adds is taken off from the start
+      part[0][t] = kSigned ? _mm256_set1_epi32(bias[t][b]) : izero();
       for (int i = 1; i < S; ++i) part[i][t] = izero();
     }
     if constexpr (KIND == 2) {
@@ -1272,9 +1650,8 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
       }
     } else {
       for (int j = 0; j < 4; ++j) {
-        const __m256i v = load32(qs + 32 * j);
-        const __m256i lo = _mm256_and_si256(v, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        __m256i lo, hi;
+        packed_weights<KIND>(blk, j, lo, hi);
         for (int t = 0; t < NT; ++t) {
           I32& even = part[(2 * j) % S][t];
           I32& odd = part[(2 * j + 1) % S][t];
@@ -1289,38 +1666,54 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
     }
 #else
     const __m256i ones = _mm256_set1_epi16(1);
-    if constexpr (KIND == 2) {  // the sign moves onto x, as dot_signed
-      for (int t = 0; t < NT; ++t) sum[t] = izero();
+    // acc + the signed bytes w times the broadcast activation bytes xv (the sign moves onto x, as dot_signed)
+    auto signed_dot = [&](__m256i acc32, __m256i w, __m256i xv) {
+      return _mm256_add_epi32(acc32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                                                           _mm256_sign_epi8(xv, w)), ones));
+    };
+    for (int t = 0; t < NT; ++t) sum[t] = izero();
+    if constexpr (KIND == 2) {
       for (int j = 0; j < 8; ++j) {
         const __m256i w = load32(qs + 32 * j);
-        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int t = 0; t < NT; ++t) sum[t] = signed_dot(sum[t], w, _mm256_set1_epi32(load_i32(x[t] + 4 * j)));
+      }
+    } else if constexpr (KIND == 5) {
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo, hi;
+        packed_weights<KIND>(blk, j, lo, hi);
         for (int t = 0; t < NT; ++t) {
-          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x[t] + 4 * j)), w);
-          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+          sum[t] = signed_dot(sum[t], lo, _mm256_set1_epi32(load_i32(x[t] + 4 * j)));
+          sum[t] = signed_dot(sum[t], hi, _mm256_set1_epi32(load_i32(x[t] + 16 + 4 * j)));
         }
       }
     } else {
-      // int16 pair sums of a whole block cannot overflow: 8 vectors * 2 * 15 * 127 < 32768
+      // int16 pair sums, widened every kWiden groups before they can overflow: 4 bits 4 groups * 2 * 2 * 15 * 127,
+      // 5 bits 2 groups * 2 * 2 * 31 * 127, both < 32768
+      constexpr int kWiden = kFiveBits<KIND> ? 2 : 4;
       __m256i pairs[NT];
       for (int t = 0; t < NT; ++t) pairs[t] = izero();
       for (int j = 0; j < 4; ++j) {
-        const __m256i v = load32(qs + 32 * j);
-        const __m256i lo = _mm256_and_si256(v, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-        for (int t = 0; t < NT; ++t)
+        __m256i lo, hi;
+        packed_weights<KIND>(blk, j, lo, hi);
+        for (int t = 0; t < NT; ++t) {
           pairs[t] = _mm256_add_epi16(
               pairs[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x[t] + 4 * j))),
                                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x[t] + 16 + 4 * j)))));
+          if (j % kWiden == kWiden - 1) {
+            sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(pairs[t], ones));
+            pairs[t] = izero();
+          }
+        }
       }
-      for (int t = 0; t < NT; ++t) sum[t] = _mm256_madd_epi16(pairs[t], ones);
     }
 #endif
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     for (int t = 0; t < NT; ++t)
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, _mm256_set1_ps(dx[t][b])), acc[t]);
-    if constexpr (KIND != 2) {  // the offset: -8 d (Q4_0) or m, times the block's activation sum
-      const __m256 m = KIND == 0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
-                                 : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    if constexpr (kHasOffset<KIND>) {  // the offset: -8 d (Q4_0), -16 d (Q5_0) or m, times the block's activation sum
+      const __m256 m = kOffsetPerD<KIND> != 0.0f
+                           ? _mm256_mul_ps(d, _mm256_set1_ps(kOffsetPerD<KIND>))
+                           : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
       for (int t = 0; t < NT; ++t)
         acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxs[t][b]), acc[t]);
     }
@@ -1365,25 +1758,34 @@ void packed_tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g
         const uint8_t* blk = group + b * kGroupBytes<KIND>;
         const uint8_t* qs = blk + kGroupScales<KIND>;
         const int8_t* x = a.qrow(t) + b * 32;
+        const uint8_t* quants = qs + (kFiveBits<KIND> ? 32 : 0);  // Q5_0 / Q5_1: past the words of fifth bits
         int32_t sum[8] = {};
         for (int j = 0; j < (KIND == 2 ? 8 : 4); ++j)
           for (int r = 0; r < 8; ++r)
             for (int i = 0; i < 4; ++i) {
-              const uint8_t q = qs[32 * j + 4 * r + i];
+              const uint8_t q = quants[32 * j + 4 * r + i];
               if constexpr (KIND == 2) {
                 sum[r] += static_cast<int8_t>(q) * x[4 * j + i];
-              } else {
-                sum[r] += (q & 15) * x[4 * j + i] + (q >> 4) * x[16 + 4 * j + i];
+                continue;
               }
+              int lo = q & 15, hi = q >> 4;
+              if constexpr (kFiveBits<KIND>) {
+                const uint8_t* high_bits = qs + 4 * r;
+                lo |= ((high_bits[j / 2] >> (4 * (j % 2) + i)) & 1) << 4;
+                hi |= ((high_bits[2 + j / 2] >> (4 * (j % 2) + i)) & 1) << 4;
+              }
+              if constexpr (KIND == 5) lo = kIq4nlValues[lo], hi = kIq4nlValues[hi];
+              sum[r] += lo * x[4 * j + i] + hi * x[16 + 4 * j + i];
             }
         for (int r = 0; r < 8; ++r) {
           const float d = half_to_float(blk + 2 * r);
           acc[r] += static_cast<float>(sum[r]) * (d * a.scale_row(t)[b]);
-          if constexpr (KIND == 0) offset[r] += d * a.scaled_sums_row(t)[b];
-          if constexpr (KIND == 1) offset[r] += half_to_float(blk + 16 + 2 * r) * a.scaled_sums_row(t)[b];
+          if constexpr (kOffsetPerD<KIND> != 0.0f) offset[r] += d * a.scaled_sums_row(t)[b];
+          if constexpr (KIND == 1 || KIND == 4) offset[r] += half_to_float(blk + 16 + 2 * r) * a.scaled_sums_row(t)[b];
         }
       }
-      for (int r = 0; r < 8; ++r) y[t * a.ldy + g * 8 + r] = acc[r] + (KIND == 0 ? -8.0f * offset[r] : offset[r]);
+      for (int r = 0; r < 8; ++r)
+        y[t * a.ldy + g * 8 + r] = acc[r] + (kOffsetPerD<KIND> != 0.0f ? kOffsetPerD<KIND> * offset[r] : offset[r]);
     }
   }
 }
@@ -1396,6 +1798,9 @@ void run_packed_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t gro
     case Q4_0: packed_tile_rows<0>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     case Q4_1: packed_tile_rows<1>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     case Q8_0: packed_tile_rows<2>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
+    case Q5_0: packed_tile_rows<3>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
+    case Q5_1: packed_tile_rows<4>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
+    case IQ4_NL: packed_tile_rows<5>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     default: break;
   }
 }
@@ -1450,9 +1855,51 @@ inline void dequantize_block(const uint8_t* blk, float* w) {
       w[j] = d * static_cast<float>(qs[j] & 15) + m;
       w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
     }
+  } else if constexpr (QT == Q5_0 || QT == Q5_1) {
+    const float d = half_to_float(blk);
+    const float m = QT == Q5_0 ? -16.0f * d : half_to_float(blk + 2);  // d * q - 16 d: exact, as d * (q - 16)
+    const uint8_t* qh = blk + (QT == Q5_0 ? 2 : 4);
+    const uint8_t* qs = qh + 4;
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (qs[j] & 15) | (((qh[j / 8] >> (j % 8)) & 1) << 4);
+      const int hi = (qs[j] >> 4) | (((qh[2 + j / 8] >> (j % 8)) & 1) << 4);
+      w[j] = d * static_cast<float>(lo) + m;
+      w[j + 16] = d * static_cast<float>(hi) + m;
+    }
+  } else if constexpr (QT == IQ4_NL) {
+    const float d = half_to_float(blk);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>(kIq4nlValues[blk[2 + j] & 15]);
+      w[j + 16] = d * static_cast<float>(kIq4nlValues[blk[2 + j] >> 4]);
+    }
   } else if constexpr (QT == Q8_0) {
     const float d = half_to_float(blk);
     for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+  } else if constexpr (QT == Q2_K || QT == Q3_K) {
+    // element 128 n + 32 j + l: bits 2j, 2j + 1 of qs[32 n + l] (Q3_K: minus 4 unless bit 4 n + j of hmask[l])
+    constexpr bool three = QT == Q3_K;
+    const uint8_t* qs = blk + (three ? 32 : 16);
+    float dl[16], ml[16] = {};
+    if constexpr (three) {
+      const float d = half_to_float(blk + 108);
+      int8_t scales[16];
+      unpack_scales_q3_k(blk + 96, scales);
+      for (int g = 0; g < 16; ++g) dl[g] = d * static_cast<float>(scales[g]);
+    } else {
+      const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
+      for (int g = 0; g < 16; ++g) {
+        dl[g] = d * static_cast<float>(blk[g] & 15);
+        ml[g] = dmin * static_cast<float>(blk[g] >> 4);
+      }
+    }
+    for (int n = 0; n < 2; ++n)
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l) {
+          const int g = 8 * n + 2 * j + l / 16;
+          int q = (qs[32 * n + l] >> (2 * j)) & 3;
+          if constexpr (three) q -= ((blk[l] >> (4 * n + j)) & 1) ? 0 : 4;
+          w[128 * n + 32 * j + l] = three ? dl[g] * static_cast<float>(q) : dl[g] * static_cast<float>(q) - ml[g];
+        }
   } else if constexpr (QT == Q4_K || QT == Q5_K) {
     constexpr bool five = QT == Q5_K;
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
@@ -1543,8 +1990,7 @@ inline void dequantize_32(const uint8_t* blk, FV* w) {
 // hide the FMA latency), a block's vectors taking chains (j * kPer + i) % C.
 template <int NT, int QT>
 void row_float(const uint8_t* row, int64_t nb, const float* x, int64_t ldx, float* out) {
-  constexpr int E = QT >= Q4_K ? 256 : 32, kBytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q8_0 ? 34
-                                                   : QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
+  constexpr int E = block_elems(QT), kBytes = block_bytes(QT);
   constexpr int kPer = E / kW, C = NT == 1 ? 4 : 2;
   FV acc[NT][C];
   for (auto& r : acc)
@@ -1554,7 +2000,7 @@ void row_float(const uint8_t* row, int64_t nb, const float* x, int64_t ldx, floa
     constexpr int j = decltype(j_constant)::value;
     const uint8_t* blk = row + b * kBytes;
 #if TM_ISA_X86
-    if constexpr (E == 32) {
+    if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q8_0) {
       FV wv[kPer];
       dequantize_32<QT>(blk, wv);
       for (int i = 0; i < kPer; ++i)
@@ -1613,6 +2059,11 @@ void run_float_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_
     case Q4_K: float_tile_rows<Q4_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     case Q5_K: float_tile_rows<Q5_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     case Q6_K: float_tile_rows<Q6_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q5_0: float_tile_rows<Q5_0>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q5_1: float_tile_rows<Q5_1>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case IQ4_NL: float_tile_rows<IQ4_NL>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q2_K: float_tile_rows<Q2_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
+    case Q3_K: float_tile_rows<Q3_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     default: break;
   }
 }

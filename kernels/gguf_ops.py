@@ -9,12 +9,12 @@ summation order; slower at batch 1). The default is `TOKENMILL_GGUF_ACTIVATIONS`
 The library is built for the baseline of the architecture and picks its instruction set when loaded (AVX-512 VNNI,
 AVX2, NEON or portable C++); `TOKENMILL_CPU_ISA=scalar|avx2|avx512|neon` or `set_isa` forces a lower one.
 
-Repacking (Q4_0, Q4_1, Q8_0): `repack_rows` reorders a weight's blocks so that each group of 8 output rows stores
+Repacking (the 32-wide types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): `repack_rows` reorders a weight's blocks so that each group of 8 output rows stores
 block b of its 8 rows together, scales side by side and quants interleaved in 4-byte groups (the layout is spelled
 out in gguf_cpu.cpp at `packed_rows`; the last `out_features % 8` rows stay plain), and `gguf_matmul(...,
 repacked=True)` runs the kernel for that layout: one vpdpbusd (AVX2: maddubs) yields 8 rows' partial dot products and
 the scales are applied once per 8 rows, several times faster than the plain kernel at 2-8 activation rows and faster
-at 1 (scripts/bench_gguf_kernels.py). The same integer products, so the same int8 math; only the float summation
+at 1 (scripts/bench_gguf_kernels.py; batch-1 GEMV against the read bandwidth: scripts/bench_gguf_gemv.py). The same integer products, so the same int8 math; only the float summation
 order differs, and it does not depend on the batch (a row's result is the same bits alone or among others). `GGUFWeight.pack_for_matmul` repacks a loaded weight in place when `repack_wanted` says so: these
 types, the int8 activation mode, and an x86 version in use (AVX-512 VNNI or AVX2; the portable and NEON versions run
 the layout, correctly but without the gain, so they keep the plain one). `TOKENMILL_GGUF_REPACK=0` turns repacking
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 ))
 
@@ -66,14 +67,19 @@ _SIGNATURES = {
     "tm_gguf_matmul_float_repacked": [_I32, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64],
     "tm_gguf_repack": [_I32, _PTR, _I64, _I64, _PTR],
     "tm_gguf_unpack_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _PTR],
+    "tm_gguf_matmul_cycle": [_I32, _I32, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR],
 }
+# scripts/bench_gguf_gemv.py's read-bandwidth loop (returns its 64-bit sum)
+_U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64]}
 
 # The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
 # come first).
 REPACK_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0))
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.IQ4_NL))
 _QUANTS_OFFSET = {int(GGMLQuantizationType.Q4_0): 2, int(GGMLQuantizationType.Q4_1): 4,
-                  int(GGMLQuantizationType.Q8_0): 2}
+                  int(GGMLQuantizationType.Q5_0): 2, int(GGMLQuantizationType.Q5_1): 4,  # their qh is a 4-byte group
+                  int(GGMLQuantizationType.Q8_0): 2, int(GGMLQuantizationType.IQ4_NL): 2}
 REPACK_ROWS = 8  # output rows per repacked group
 
 ACTIVATION_MODES = ("float", "int8")
@@ -101,7 +107,10 @@ def repack_enabled() -> bool:
 
 def build_flags() -> tuple[str, ...]:
     """No -march=native on x86: the library carries AVX2 and AVX-512 versions and picks one at run time, so the
-    scalar and AVX2 versions stay runnable (and tested) on a machine that has more."""
+    scalar and AVX2 versions stay runnable (and tested) on a machine that has more. The compiler fuses multiply-adds
+    where the target has FMA (the SIMD versions): the activations then round to int8 from the exact x * (127 / max),
+    not from its float32 rounding (tests/kernels/test_gguf_cpu_kernels.quantized_activations models both; turning
+    the fusion off moved the shipped model's greedy int8 output off its tested near-tie budget)."""
     base = ("-O3", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):
@@ -128,6 +137,10 @@ def library() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = ctypes.c_int
+    for name, argtypes in _U64_SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_uint64
     forced = os.environ.get("TOKENMILL_CPU_ISA")
     if forced:
         if forced not in ISA_CODES or lib.tm_gguf_set_isa(ISA_CODES[forced]) != 0:

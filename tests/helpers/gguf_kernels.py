@@ -11,9 +11,16 @@ from gguf import quants as gguf_quants
 from tokenmill.kernels import gguf_ops
 
 Q = GGMLQuantizationType
-
-
 needs_kernels = pytest.mark.skipif(gguf_ops.library() is None, reason="no C++ compiler here (the fallback is tested)")
+
+# byte offsets of each block type's fp16 scales: (offset, low, high) for a uniform draw
+_SCALES = {
+    Q.Q4_0: [(0, -0.02, 0.02)], Q.Q8_0: [(0, -0.02, 0.02)], Q.Q4_1: [(0, 0.0, 0.02), (2, -0.15, 0.0)],
+    Q.Q5_0: [(0, -0.01, 0.01)], Q.Q5_1: [(0, 0.0, 0.01), (2, -0.15, 0.0)], Q.IQ4_NL: [(0, -0.001, 0.001)],
+    Q.Q2_K: [(80, 0.0, 0.01), (82, 0.0, 0.01)], Q.Q3_K: [(108, -0.003, 0.003)],
+    Q.Q4_K: [(0, 0.0, 0.003), (2, 0.0, 0.003)], Q.Q5_K: [(0, 0.0, 0.002), (2, 0.0, 0.003)],
+    Q.Q6_K: [(208, -0.002, 0.002)],
+}
 
 
 def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -24,6 +31,19 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Ge
         halves = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
         raw[:, :, offset:offset + 2] = halves[..., None].view(np.uint8)
     return raw.reshape(n, -1)
+
+
+def quantized_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' int8 activations, dequantized (float64), and each value's block max|x|. The SIMD versions are
+    compiled with fused multiply-adds, so they round the exact product x * inverse (float64 holds it exactly), the
+    portable one its float32 rounding: they differ where that product lies within a rounding of a half."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    fused = gguf_ops.isa() in ("avx2", "avx512", "neon")
+    q = np.rint(xb.astype(np.float64) * inverse.astype(np.float64) if fused else xb * inverse)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    return (q * scale.astype(np.float64)).reshape(x.shape), np.broadcast_to(amax, xb.shape).reshape(x.shape)
 
 
 def check(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType, y: torch.Tensor) -> None:
@@ -47,21 +67,3 @@ def check_float(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType
     magnitude = np.abs(x64) @ np.abs(w).T
     np.testing.assert_array_less(np.abs(y.double().numpy() - x64 @ w.T), 2e-6 * magnitude + 1e-30,
                                  err_msg=f"{qtype.name}: float activations off the float64 product")
-
-
-# byte offsets of each block type's fp16 scales: (offset, low, high) for a uniform draw
-_SCALES = {
-    Q.Q4_0: [(0, -0.02, 0.02)], Q.Q8_0: [(0, -0.02, 0.02)], Q.Q4_1: [(0, 0.0, 0.02), (2, -0.15, 0.0)],
-    Q.Q4_K: [(0, 0.0, 0.003), (2, 0.0, 0.003)], Q.Q5_K: [(0, 0.0, 0.002), (2, 0.0, 0.003)],
-    Q.Q6_K: [(208, -0.002, 0.002)],
-}
-
-
-def quantized_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """The kernels' int8 activations, dequantized (float64), and each value's block max|x|."""
-    xb = x.astype(np.float32).reshape(x.shape[0], -1, block)
-    amax = np.abs(xb).max(axis=2, keepdims=True)
-    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inverse)
-    scale = (amax / np.float32(127)).astype(np.float32)
-    return (q * scale.astype(np.float64)).reshape(x.shape), np.broadcast_to(amax, xb.shape).reshape(x.shape)

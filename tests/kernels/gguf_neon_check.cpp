@@ -8,7 +8,7 @@
 #include <random>
 int main() {
   std::mt19937 g(1);
-  const int types[] = {2, 3, 8, 12, 13, 14};
+  const int types[] = {2, 3, 6, 7, 8, 20, 10, 11, 12, 13, 14};  // Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL Q2_K..Q6_K
   int failures = 0;
   for (int qtype : types) {
     const int64_t K = 3 * block_elems(qtype), N = 37;
@@ -21,7 +21,9 @@ int main() {
       for (int b = 0; b < nb; ++b) {
         uint8_t* blk = w.data() + (r * nb + b) * bb;
         if (qtype == 14) set_half(blk + 208);
-        else { set_half(blk); if (qtype != 2 && qtype != 8) set_half(blk + 2); }
+        else if (qtype == 11) set_half(blk + 108);
+        else if (qtype == 10) { set_half(blk + 80); set_half(blk + 82); }
+        else { set_half(blk); if (qtype == 3 || qtype == 7 || qtype == 12 || qtype == 13) set_half(blk + 2); }
       }
     for (int64_t T : {1, 2, 3, 7, 32}) {
       std::vector<float> x(T * K), y0(T * N), y1(T * N);

@@ -28,9 +28,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import quants as gguf_quants
 
 from tokenmill.kernels import cpu_ops, gguf_ops
+
 from tests.helpers.gguf_kernels import Q, check, check_float, needs_kernels, random_blocks
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 BATCHES = [1, 2, 3, 7, 32, 64]
 
 
@@ -58,7 +59,7 @@ def test_every_batch_matches_the_references(qtype, isa):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
 def test_weights_quantized_by_gguf(qtype, isa):
     """Blocks from the gguf package's own quantizer (real layouts), on a wider matrix."""
     rng = np.random.default_rng(7)
@@ -103,6 +104,27 @@ def test_float_activations_match_the_float64_product(qtype, isa):
         # far closer than the int8 activations get: their rounding shows at this tolerance
         y8 = gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), n, k, activations="int8")
         assert not np.allclose(y8.numpy(), y.numpy(), rtol=1e-5, atol=0)
+
+
+# The types whose plain kernel sums each activation row's blocks in one order whatever the batch (Q4_0 / Q4_1 / Q8_0
+# take the repacked kernel for that; their plain x86 kernel has a one-row variant of its own).
+BATCH_INVARIANT_TYPES = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", BATCH_INVARIANT_TYPES, ids=lambda t: t.name)
+def test_a_token_gets_the_same_bits_at_every_batch_size(qtype, isa):
+    """A token's outputs alone, among 3 and among 11 (full and partial 4-row passes), bit for bit: a speculative
+    token verified in a batch matches its one-token decode."""
+    rng = np.random.default_rng(60 + int(qtype))
+    n, k = 21, 3 * GGML_QUANT_SIZES[qtype][0]  # an odd block count: the unpaired last block of the 32-wide types
+    blocks = torch.from_numpy(random_blocks(qtype, n, k, rng))
+    x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
+    batch = gguf_ops.gguf_matmul(x, blocks, int(qtype), n, k, activations="int8")
+    for t in range(11):
+        alone = gguf_ops.gguf_matmul(x[t : t + 1], blocks, int(qtype), n, k, activations="int8")
+        assert torch.equal(alone[0], batch[t]), f"{qtype.name} token {t} differs alone and in a batch of 11"
+    assert torch.equal(gguf_ops.gguf_matmul(x[4:7], blocks, int(qtype), n, k, activations="int8"), batch[4:7])
 
 
 def test_activation_mode_choice(monkeypatch):

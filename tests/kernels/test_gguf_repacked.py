@@ -1,4 +1,4 @@
-"""The repacked GGUF layout (Q4_0, Q4_1, Q8_0 with 8 rows interleaved: kernels/gguf_ops.py `repack_rows`) and its
+"""The repacked GGUF layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL with 8 rows interleaved: kernels/gguf_ops.py
 matmul kernel, on every instruction-set version this machine can run.
 
 The layout is a byte permutation within each group of 8 rows, so it must round-trip exactly and dequantize to the
@@ -19,7 +19,7 @@ from tests.helpers.gguf_kernels import check, check_float, needs_kernels, random
 from tokenmill.kernels import gguf_ops
 
 Q = GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL]
 
 
 @pytest.fixture(params=gguf_ops.available_isas() or ["none"])

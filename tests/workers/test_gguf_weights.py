@@ -36,7 +36,7 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     scales = rng.uniform(0.001, 0.01, (rows, cols // block_size, 2)).astype(np.float16).view(np.uint8)
     if qtype == T.Q6_K:  # ..., d at the end
         blocks[..., -2:] = scales[..., 0:2]
-    else:  # Q4_K / Q5_K: d, dmin first
+    else:  # Q4_K / Q5_K: d, dmin first (IQ4_XS: d, then its high scale bits)
         blocks[..., 0:4] = scales.reshape(rows, cols // block_size, 4)
     return blocks.reshape(rows, -1)
 
@@ -60,7 +60,7 @@ def assert_matmul_close(w, dense: torch.Tensor, tokens: int = 5) -> None:
     assert (got.double() - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_dequantize_and_matmul_follow_the_blocks(qtype):
     w = weight(qtype, 12, 512)
     dense = reference(w)
@@ -104,12 +104,12 @@ def test_concat_fuses_one_type_and_fuse_rows_stacks_mixed_types():
 # ---------------------------------------------------------------- the loader on a small GGUF file
 
 HEADS, KV_HEADS, HIDDEN, VOCAB = 4, 2, 256, 40
-# GGUF name -> (type, rows): Q and K in kernel types (their rows permuted by llama.cpp), V in Q5_0 (no kernel)
+# GGUF name -> (type, rows): Q and K in kernel types (their rows permuted by llama.cpp), V in IQ4_XS (no kernel)
 TENSORS = {
     "token_embd.weight": (T.Q8_0, VOCAB),
     "blk.0.attn_q.weight": (T.Q4_K, HIDDEN),
     "blk.0.attn_k.weight": (T.Q6_K, HIDDEN // 2),
-    "blk.0.attn_v.weight": (T.Q5_0, HIDDEN // 2),
+    "blk.0.attn_v.weight": (T.IQ4_XS, HIDDEN // 2),
     "blk.0.ffn_gate.weight": (T.F16, 64),
     "blk.0.attn_norm.weight": (T.F32, None),
 }
@@ -142,7 +142,7 @@ def test_loader_keeps_kernel_types_quantized_and_dequantizes_the_rest(small_gguf
     with caplog.at_level(logging.INFO, logger="tokenmill.model_loader"):
         kept = dict(iter_weights(replace(small_gguf, quantization="gguf")))
     notes = [r.getMessage() for r in caplog.records if "dequantizing" in r.getMessage()]
-    assert notes == ["dequantizing GGUF tensors of type Q5_0 to float32 at load: the CPU kernels have no such type"]
+    assert notes == ["dequantizing GGUF tensors of type IQ4_XS to float32 at load: the CPU kernels have no such type"]
     dense = dict(iter_weights(replace(small_gguf, quantization="none")))
     assert kept.keys() == dense.keys()
     for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",

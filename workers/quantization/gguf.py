@@ -7,8 +7,9 @@ slicing, permuting and concatenating rows is exact and cheap. Columns can be cut
 The matmul and the row dequantization run the compiled CPU kernels of `kernels/gguf_ops.py` (the types in its
 SUPPORTED_TYPES); on CUDA the loader dequantizes GGUF weights instead (there are no GPU GGUF kernels).
 
-Once loaded, `pack_for_matmul` may reorder a Q4_0 / Q4_1 / Q8_0 weight's blocks in place into the kernels' repacked
-layout (8 rows interleaved, `gguf_ops.repack_rows`; same bytes, same shape), and `repacked` says so. Every method
+Once loaded, `pack_for_matmul` may reorder the blocks of a weight of a 32-wide type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+IQ4_NL) in place into the kernels' repacked layout (8 rows interleaved, `gguf_ops.repack_rows`; same bytes, same
+shape), and `repacked` says so. Every method
 reads either layout: `lookup` and `dequantize` gather the plain rows back, and `rows` / `cols` / `permute_rows` /
 `concat_rows` return plain weights (they run while loading, before the repacking).
 """
