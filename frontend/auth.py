@@ -30,7 +30,7 @@ DASHBOARD_PATH_PREFIXES = ("/dashboard", "/debug/")
 
 def bearer_token(request: web.Request) -> bytes:
     given = request.headers.get("Authorization", "")
-    return given[len("Bearer "):].encode() if given.startswith("Bearer ") else b""
+    return given[len("Bearer ") :].encode() if given.startswith("Bearer ") else b""
 
 
 def needs_key(path: str, server: ServerConfig) -> bool:

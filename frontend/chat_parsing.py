@@ -12,8 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
-from tokenmill.frontend.protocol import (AssistantMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                                         FunctionCall, ToolCall)
+from tokenmill.frontend.protocol import (
+    AssistantMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
 from tokenmill.frontend.tool_choice import ToolPlan
 from tokenmill.frontend.tool_parsers import StreamDelta, ToolCallDelta
 
@@ -93,8 +99,9 @@ class ChatOutputs:
             calls = extracted.tool_calls if plan.parallel else extracted.tool_calls[:1]
             message.content = extracted.content
             if calls:
-                message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                                      for c in calls]
+                message.tool_calls = [
+                    ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+                ]
         if parser is not None:
             message.reasoning_content = reasoning
             if message.content == "" and reasoning is not None:
@@ -121,8 +128,12 @@ class ChatOutputs:
 def delta_tool_call(piece: ToolCallDelta) -> DeltaToolCall:
     if piece.id is None:
         return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
-    return DeltaToolCall(index=piece.index, id=piece.id, type="function",
-                         function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
+    return DeltaToolCall(
+        index=piece.index,
+        id=piece.id,
+        type="function",
+        function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments),
+    )
 
 
 def is_empty(message: DeltaMessage) -> bool:

@@ -47,14 +47,37 @@ from jinja2.utils import Namespace, generate_lorem_ipsum, pass_context
 from markupsafe import Markup
 
 from tokenmill.config import ServerConfig
-from tokenmill.frontend.template_sizes import (TooLarge, binop_chars, filter_chars, materialize, spec_numbers,
-                                               str_method_chars, value_chars)
+from tokenmill.frontend.template_sizes import (
+    TooLarge,
+    binop_chars,
+    filter_chars,
+    materialize,
+    spec_numbers,
+    str_method_chars,
+    value_chars,
+)
 
 # what the renderer passes itself (and transformers' apply_chat_template arguments): never a chat_template_kwargs key
-RENDERER_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                           "chat_template", "tokenize", "return_dict", "return_assistant_tokens_mask", "padding",
-                           "truncation", "max_length", "return_tensors", "tokenizer_kwargs",
-                           "sanitize_control_tokens", "conversation"})
+RENDERER_ARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+        "conversation",
+    }
+)
 MAX_INT_BITS = 4096
 LIPSUM_WORD_CHARS = 16  # the longest lorem-ipsum word with its space and punctuation
 LIPSUM_PARAGRAPH_CHARS = 16  # <p>, </p>, newlines
@@ -158,8 +181,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             sandbox.refuse_past_limit(n * (max * LIPSUM_WORD_CHARS + LIPSUM_PARAGRAPH_CHARS), "lipsum()")
             return generate_lorem_ipsum(n, html, min, max)
 
-        self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=BoundedNamespace,
-                            dict=_TemplateDict(), lipsum=lipsum)
+        self.globals.update(
+            raise_exception=_raise_exception,
+            strftime_now=_strftime_now,
+            namespace=BoundedNamespace,
+            dict=_TemplateDict(),
+            lipsum=lipsum,
+        )
 
     # ------------------------------------------------------------------ limits of the current render
 
@@ -169,8 +197,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def checked(self, value: Any) -> Any:
         if isinstance(value, (str, list, tuple, dict)) and len(value) > self.max_chars:
-            raise RenderLimitError(f"the chat template built a value of {len(value)} items or characters "
-                                   f"(limit {self.max_chars})")
+            raise RenderLimitError(
+                f"the chat template built a value of {len(value)} items or characters (limit {self.max_chars})"
+            )
         if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
             raise RenderLimitError(f"the chat template built an integer of more than {MAX_INT_BITS} bits")
         return value
@@ -178,16 +207,18 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def refuse_past_limit(self, size: int | None, what: str) -> None:
         """RenderLimitError when an operation would build `size` characters or items, more than the limit."""
         if size is not None and size > self.max_chars:
-            raise RenderLimitError(f"the chat template's {what} would build {size} characters or items "
-                                   f"(limit {self.max_chars})")
+            raise RenderLimitError(
+                f"the chat template's {what} would build {size} characters or items (limit {self.max_chars})"
+            )
 
     def bounded_list(self, items: Any, separator_chars: int, what: str) -> list[Any]:
         """`items` walked into a list, stopping past the limit (what `join` would build)."""
         try:
             return materialize(items, self.max_chars, separator_chars)
         except TooLarge as exc:
-            raise RenderLimitError(f"the chat template's {what} would build {exc.size} characters or more "
-                                   f"(limit {self.max_chars})") from None
+            raise RenderLimitError(
+                f"the chat template's {what} would build {exc.size} characters or more (limit {self.max_chars})"
+            ) from None
 
     def bounded_concat(self, values: tuple[Any, ...]) -> str:
         """`a ~ b ~ ...`, its size checked before it is joined."""
@@ -209,9 +240,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 separator = args[1] if len(args) > 1 else kwargs.get("d", "")
                 args = (self.bounded_list(args[0], len(str(separator)), "filter 'join'"), *args[1:])
             self.refuse_past_limit(filter_chars(name, args, kwargs), f"filter {name!r}")
-            first = {"context": (context,), "eval_context": (context.eval_ctx,),
-                     "environment": (context.environment,)}.get(lead, ())
+            first = {
+                "context": (context,),
+                "eval_context": (context.eval_ctx,),
+                "environment": (context.environment,),
+            }.get(lead, ())
             return self.checked(f(*first, *args, **kwargs))
+
         return pass_context(guarded)
 
     # ------------------------------------------------------------------ the sandbox's hooks
@@ -235,12 +270,18 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def wrap_str_format(self, value: Any) -> Any:
         """`str.format` / `str.format_map` as jinja's sandbox wraps them, through a formatter that checks each field
         before formatting it."""
-        if not isinstance(value, (types.MethodType, types.BuiltinMethodType)) or \
-                value.__name__ not in ("format", "format_map") or not isinstance(value.__self__, str):
+        if (
+            not isinstance(value, (types.MethodType, types.BuiltinMethodType))
+            or value.__name__ not in ("format", "format_map")
+            or not isinstance(value.__self__, str)
+        ):
             return None
         text: str = value.__self__
-        formatter: _BoundedFields = (_BoundedEscapeFormatter(self, escape=text.escape, limit=self.max_chars)
-                                     if isinstance(text, Markup) else _BoundedFormatter(self, limit=self.max_chars))
+        formatter: _BoundedFields = (
+            _BoundedEscapeFormatter(self, escape=text.escape, limit=self.max_chars)
+            if isinstance(text, Markup)
+            else _BoundedFormatter(self, limit=self.max_chars)
+        )
         is_format_map = value.__name__ == "format_map"
 
         def bounded_format(*args: Any, **kwargs: Any) -> str:
@@ -249,6 +290,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             if kwargs or len(args) != 1:
                 raise TypeError("format_map() takes exactly one mapping argument")
             return type(text)(formatter.vformat(text, (), args[0]))
+
         return functools.update_wrapper(bounded_format, value)
 
     def call_binop(self, context, operator, left, right):
@@ -297,8 +339,9 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     """transformers' `tojson`: plain json.dumps, no HTML escaping."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -326,9 +369,17 @@ class ChatTemplate:
         """The keys of `kwargs` the template does not read, or that the renderer sets itself."""
         return [key for key in kwargs if key not in self.variables or key in special_tokens]
 
-    def render(self, messages: list[dict[str, Any]], *, limits: RenderLimits, special_tokens: dict[str, Any],
-               add_generation_prompt: bool = True, continue_final_message: bool = False,
-               tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        limits: RenderLimits,
+        special_tokens: dict[str, Any],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The prompt text. Raises jinja2.TemplateError (RenderLimitError past the limits, SecurityError for what
         the sandbox refuses), ValueError when the final message cannot be continued, or whatever the template's own
         code raises."""
@@ -336,8 +387,14 @@ class ChatTemplate:
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise ValueError("continue_final_message needs a final message with text content")
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}]
-        context = {**special_tokens, **(kwargs or {}), "messages": messages, "tools": tools, "documents": None,
-                   "add_generation_prompt": add_generation_prompt and not continue_final_message}
+        context = {
+            **special_tokens,
+            **(kwargs or {}),
+            "messages": messages,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
+        }
         text = _SANDBOX.render(self.template, context, limits)
         if not continue_final_message:
             return text
@@ -345,7 +402,7 @@ class ChatTemplate:
         if at < 0:
             raise ValueError("continue_final_message is set but the chat template dropped the final message")
         # the template may strip the message's trailing space (and the tag's with it)
-        return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+        return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
 class TemplateCache:

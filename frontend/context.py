@@ -21,8 +21,7 @@ from tokenmill.frontend.tokenizer import vocab_size
 from tokenmill.frontend.tool_parsers import get_tool_parser
 from tokenmill.logs import request_id_var
 
-TASK_ENDPOINTS = {"generate": "/v1/completions, /v1/chat/completions and /v1/responses",
-                  "embed": "/v1/embeddings"}
+TASK_ENDPOINTS = {"generate": "/v1/completions, /v1/chat/completions and /v1/responses", "embed": "/v1/embeddings"}
 
 
 @dataclass
@@ -42,19 +41,32 @@ class ServingContext:
     lifecycle: ServerLifecycle = field(default_factory=lambda: ServerLifecycle("ready"))
 
     @classmethod
-    def create(cls, config: EngineConfig, engine: EngineClient, tokenizer: Any,
-               lifecycle: ServerLifecycle | None = None) -> ServingContext:
+    def create(
+        cls, config: EngineConfig, engine: EngineClient, tokenizer: Any, lifecycle: ServerLifecycle | None = None
+    ) -> ServingContext:
         model = config.model
         if model.max_model_len <= 0:
             raise ValueError("config.model.max_model_len is unset: resolve the config (resolve_config) first")
         name = model.served_model_name or model.model or model.path
         task = "embed" if model.task == "embed" else "generate"
         check_parser_names(config.server)
-        return cls(config=config, engine=engine, tokenizer=tokenizer, metrics=FrontendMetrics(engine, name),
-                   admission=AdmissionControl(config.scheduler.max_waiting_requests  # per scheduler
-                                              * config.parallel.data_parallel_size), model_name=name,
-                   max_model_len=model.max_model_len, vocab_size=vocab_size(tokenizer), task=task,
-                   created=int(time.time()), offload=Offload(), lifecycle=lifecycle or ServerLifecycle("ready"))
+        return cls(
+            config=config,
+            engine=engine,
+            tokenizer=tokenizer,
+            metrics=FrontendMetrics(engine, name),
+            admission=AdmissionControl(
+                config.scheduler.max_waiting_requests  # per scheduler
+                * config.parallel.data_parallel_size
+            ),
+            model_name=name,
+            max_model_len=model.max_model_len,
+            vocab_size=vocab_size(tokenizer),
+            task=task,
+            created=int(time.time()),
+            offload=Offload(),
+            lifecycle=lifecycle or ServerLifecycle("ready"),
+        )
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -63,8 +75,11 @@ class ServingContext:
     def require_task(self, task: str, request: web.Request) -> None:
         """A clear 400 when an endpoint belongs to the other kind of instance (generation vs embeddings)."""
         if self.task != task:
-            raise APIError(400, f"{request.path} is not served here: this instance serves the '{self.task}' task "
-                                f"({TASK_ENDPOINTS[self.task]}). Start an instance with --task {task} for it.")
+            raise APIError(
+                400,
+                f"{request.path} is not served here: this instance serves the '{self.task}' task "
+                f"({TASK_ENDPOINTS[self.task]}). Start an instance with --task {task} for it.",
+            )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         if not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):  # C speed for long prompts

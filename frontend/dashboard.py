@@ -44,9 +44,11 @@ COOKIE_NAME = "tokenmill_dashboard"
 COOKIE_MAX_AGE_S = 12 * 3600  # a working day: then ?token= again
 PAGE_PATH = Path(__file__).parent / "static" / "dashboard.html"
 # the page's own inline script and style only: it can reach nothing but this server
-CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-                           "frame-ancestors 'none'")
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
 
 
 # ---------------------------------------------------------------------------------------------------- access
@@ -71,13 +73,14 @@ def check_access(request: web.Request, api_key: str | None) -> None:
     if api_key is None:
         return
     given = request.headers.get("Authorization", "")
-    bearer = given[len("Bearer "):] if given.startswith("Bearer ") else ""
+    bearer = given[len("Bearer ") :] if given.startswith("Bearer ") else ""
     # every check runs, each constant-time, so timing tells nothing about which one failed
     ok = _equal(bearer, api_key) | token_in_query(request, api_key)
     ok |= _equal(request.cookies.get(COOKIE_NAME, ""), cookie_value(api_key))
     if not ok:
-        raise APIError(401, "Invalid or missing API key: open /dashboard?token=<key>, or send "
-                            "`Authorization: Bearer <key>`.")
+        raise APIError(
+            401, "Invalid or missing API key: open /dashboard?token=<key>, or send `Authorization: Bearer <key>`."
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- the feed
@@ -113,8 +116,13 @@ class FrontendRates:
         if self.current is not None and self._previous is not None and now - self._previous[0] < self.period_s:
             return self.current
         totals = read_totals(self.metrics.registry)
-        rates: dict[str, Any] = {"time": time.time(), "generation_tokens_per_s": None, "prompt_tokens_per_s": None,
-                                 "ttft_s": None, "tpot_s": None}
+        rates: dict[str, Any] = {
+            "time": time.time(),
+            "generation_tokens_per_s": None,
+            "prompt_tokens_per_s": None,
+            "ttft_s": None,
+            "tpot_s": None,
+        }
         if self._previous is not None:
             then, before = self._previous
             elapsed = max(now - then, 1e-9)
@@ -152,26 +160,44 @@ def summary_json(summary: StepSummary, frontend: dict[str, Any], model_name: str
     free = summary.num_free_blocks - summary.num_cached_blocks
     used = summary.num_blocks - summary.num_free_blocks
     queries, hits = summary.prefix_cache_queries, summary.prefix_cache_hits
-    return msgspec.json.encode({
-        "engine": summary.engine,
-        "model": model_name,
-        "step_id": summary.step_id,
-        "time": summary.time,
-        "steps": [dict(zip(STEP_FIELDS, step)) for step in summary.steps],
-        "num_running": summary.num_running,
-        "num_waiting": summary.num_waiting,
-        "queue": [{"request_id": e.request_id, "status": "running" if e.running else "waiting",
-                   "prompt_computed": e.prompt_computed, "prompt_tokens": e.prompt_tokens,
-                   "output_tokens": e.output_tokens, "max_tokens": e.max_tokens, "priority": e.priority,
-                   "preemptions": e.preemptions, "color": e.color} for e in summary.queue],
-        "blocks": {"num_blocks": summary.num_blocks, "block_size": summary.block_size, "free": free,
-                   "cached": summary.num_cached_blocks, "used": used, "kv_cache_usage": summary.kv_cache_usage,
-                   "map": summary.block_map},  # bytes: base64 in JSON
-        "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None},
-        "num_preemptions": summary.num_preemptions,
-        "summary_time_s": summary.summary_time_s,
-        "frontend": frontend,
-    })
+    return msgspec.json.encode(
+        {
+            "engine": summary.engine,
+            "model": model_name,
+            "step_id": summary.step_id,
+            "time": summary.time,
+            "steps": [dict(zip(STEP_FIELDS, step)) for step in summary.steps],
+            "num_running": summary.num_running,
+            "num_waiting": summary.num_waiting,
+            "queue": [
+                {
+                    "request_id": e.request_id,
+                    "status": "running" if e.running else "waiting",
+                    "prompt_computed": e.prompt_computed,
+                    "prompt_tokens": e.prompt_tokens,
+                    "output_tokens": e.output_tokens,
+                    "max_tokens": e.max_tokens,
+                    "priority": e.priority,
+                    "preemptions": e.preemptions,
+                    "color": e.color,
+                }
+                for e in summary.queue
+            ],
+            "blocks": {
+                "num_blocks": summary.num_blocks,
+                "block_size": summary.block_size,
+                "free": free,
+                "cached": summary.num_cached_blocks,
+                "used": used,
+                "kv_cache_usage": summary.kv_cache_usage,
+                "map": summary.block_map,
+            },  # bytes: base64 in JSON
+            "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None},
+            "num_preemptions": summary.num_preemptions,
+            "summary_time_s": summary.summary_time_s,
+            "frontend": frontend,
+        }
+    )
 
 
 class Subscriber:
@@ -237,8 +263,11 @@ class DashboardHub:
 
     def subscribe(self) -> Subscriber:
         if len(self.subscribers) >= self.max_streams:
-            raise APIError(429, f"Too many dashboard streams are open ({self.max_streams}); close one and retry.",
-                           headers={"Retry-After": "5"})
+            raise APIError(
+                429,
+                f"Too many dashboard streams are open ({self.max_streams}); close one and retry.",
+                headers={"Retry-After": "5"},
+            )
         subscriber = Subscriber()
         for payload in self.latest.values():
             subscriber.offer(payload)
@@ -277,8 +306,9 @@ def page_html() -> bytes:
     return _page_cache[0]
 
 
-def add_dashboard_routes(app: web.Application, engine: EngineClient, metrics: Any, model_name: str,
-                         api_key: str | None) -> DashboardHub:
+def add_dashboard_routes(
+    app: web.Application, engine: EngineClient, metrics: Any, model_name: str, api_key: str | None
+) -> DashboardHub:
     hub = DashboardHub(engine, metrics, model_name)
     app[HUB_KEY] = hub
 
@@ -293,24 +323,47 @@ def add_dashboard_routes(app: web.Application, engine: EngineClient, metrics: An
             # the key travels once, in this URL: swap it for the cookie and drop it from the address bar
             response = web.Response(status=303, headers={"Location": "/dashboard", "Cache-Control": "no-store"})
             # Secure when the page came over TLS (a plain-HTTP instance must still be able to set it)
-            response.set_cookie(COOKIE_NAME, cookie_value(api_key), httponly=True, samesite="Strict", path="/",
-                                max_age=COOKIE_MAX_AGE_S, secure=request.secure)
+            response.set_cookie(
+                COOKIE_NAME,
+                cookie_value(api_key),
+                httponly=True,
+                samesite="Strict",
+                path="/",
+                max_age=COOKIE_MAX_AGE_S,
+                secure=request.secure,
+            )
             return response
-        return web.Response(body=page_html(), content_type="text/html", charset="utf-8", headers={
-            "Cache-Control": "no-store", "Content-Security-Policy": CONTENT_SECURITY_POLICY,
-            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+        return web.Response(
+            body=page_html(),
+            content_type="text/html",
+            charset="utf-8",
+            headers={
+                "Cache-Control": "no-store",
+                "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+                "X-Content-Type-Options": "nosniff",
+                "Referrer-Policy": "no-referrer",
+            },
+        )
 
     async def event_stream(request: web.Request) -> web.StreamResponse:
         check_access(request, api_key)
-        return await _stream(hub, request, "text/event-stream", b"retry: 2000\n\n",
-                             lambda payload: b"data: " + payload + b"\n\n", b": keepalive\n\n",
-                             b'event: dropped\ndata: {"reason": "too slow"}\n\n', None)
+        return await _stream(
+            hub,
+            request,
+            "text/event-stream",
+            b"retry: 2000\n\n",
+            lambda payload: b"data: " + payload + b"\n\n",
+            b": keepalive\n\n",
+            b'event: dropped\ndata: {"reason": "too slow"}\n\n',
+            None,
+        )
 
     async def json_lines(request: web.Request) -> web.StreamResponse:
         check_access(request, api_key)
         limit = _limit(request)
-        return await _stream(hub, request, "application/x-ndjson", b"", lambda payload: payload + b"\n", None,
-                             None, limit)
+        return await _stream(
+            hub, request, "application/x-ndjson", b"", lambda payload: payload + b"\n", None, None, limit
+        )
 
     app.router.add_get("/dashboard", page)
     app.router.add_get("/dashboard/stream", event_stream)
@@ -327,16 +380,26 @@ def _limit(request: web.Request) -> int | None:
     except ValueError:
         limit = 0
     if limit < 1:
-        raise APIError(400, f"`limit` must be a positive integer (updates to send before ending), got {text!r}.",
-                       "limit")
+        raise APIError(
+            400, f"`limit` must be a positive integer (updates to send before ending), got {text!r}.", "limit"
+        )
     return limit
 
 
-async def _stream(hub: DashboardHub, request: web.Request, content_type: str, preamble: bytes, frame,
-                  keepalive: bytes | None, dropped: bytes | None, limit: int | None) -> web.StreamResponse:
+async def _stream(
+    hub: DashboardHub,
+    request: web.Request,
+    content_type: str,
+    preamble: bytes,
+    frame,
+    keepalive: bytes | None,
+    dropped: bytes | None,
+    limit: int | None,
+) -> web.StreamResponse:
     subscriber = hub.subscribe()  # 429 past the cap, before any header is sent
-    response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+    response = web.StreamResponse(
+        headers={"Content-Type": content_type, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
     sent = 0
 
     async def write(data: bytes) -> None:
@@ -349,14 +412,15 @@ async def _stream(hub: DashboardHub, request: web.Request, content_type: str, pr
         while (limit is None or sent < limit) and not subscriber.closed:
             updates = await subscriber.take(KEEPALIVE_S)
             if subscriber.dropped:
-                log.info("dropped a dashboard stream (%s) more than %d updates behind", request.path,
-                         subscriber.backlog)
+                log.info(
+                    "dropped a dashboard stream (%s) more than %d updates behind", request.path, subscriber.backlog
+                )
                 if dropped is not None:
                     await write(dropped)
                 break
             if not updates and keepalive is not None:
                 await write(keepalive)
-            for payload in updates[:None if limit is None else limit - sent]:
+            for payload in updates[: None if limit is None else limit - sent]:
                 await write(frame(payload))
                 sent += 1
         await response.write_eof()

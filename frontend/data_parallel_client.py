@@ -34,11 +34,16 @@ class DataParallelEngineClient:
     `stop_replica(i)` stops its processes (it is called in a thread once the replica has died, so nothing of it
     lingers until shutdown)."""
 
-    def __init__(self, replica_configs: Sequence[EngineConfig], dead_children: Sequence[Callable[[], str | None]],
-                 stop_replica: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        replica_configs: Sequence[EngineConfig],
+        dead_children: Sequence[Callable[[], str | None]],
+        stop_replica: Callable[[int], None] | None = None,
+    ) -> None:
         self.config = replica_configs[0]
-        self.replicas = [AsyncEngineClient(config, dead_child)
-                         for config, dead_child in zip(replica_configs, dead_children)]
+        self.replicas = [
+            AsyncEngineClient(config, dead_child) for config, dead_child in zip(replica_configs, dead_children)
+        ]
         parallel = self.config.parallel
         self.fail_fast = parallel.data_parallel_fail_fast
         self.router = Router(len(self.replicas), self.config.cache.block_size, parallel.data_parallel_routing)
@@ -88,8 +93,14 @@ class DataParallelEngineClient:
         self._dead[rank] = reason
         self.router.set_alive(rank, False)
         alive = len(self.replicas) - len(self._dead)
-        log.error("data-parallel replica %d died (%s); %d of %d replicas left%s", rank, reason, alive,
-                  len(self.replicas), " (--data-parallel-fail-fast: stopping)" if self.fail_fast and alive else "")
+        log.error(
+            "data-parallel replica %d died (%s); %d of %d replicas left%s",
+            rank,
+            reason,
+            alive,
+            len(self.replicas),
+            " (--data-parallel-fail-fast: stopping)" if self.fail_fast and alive else "",
+        )
         if self.fail_fast:
             for other in self.replicas:
                 other.mark_dead(f"data-parallel replica {rank} died: {reason}")
@@ -107,14 +118,21 @@ class DataParallelEngineClient:
     @property
     def latest_stats(self) -> SchedulerStats | None:
         """The live replicas' stats combined: queues and counters summed, KV usage averaged."""
-        stats = [r.latest_stats for rank, r in enumerate(self.replicas)
-                 if r.latest_stats is not None and rank not in self._dead]
+        stats = [
+            r.latest_stats
+            for rank, r in enumerate(self.replicas)
+            if r.latest_stats is not None and rank not in self._dead
+        ]
         if not stats:
             return None
-        gauges = SchedulerStats(num_running=sum(s.num_running for s in stats),
-                                num_waiting=sum(s.num_waiting for s in stats),
-                                kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
-                                prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+        gauges = SchedulerStats(
+            num_running=sum(s.num_running for s in stats),
+            num_waiting=sum(s.num_waiting for s in stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+        )
         return sum_counters(stats, gauges)
 
     def replica_stats(self) -> list[ReplicaStats] | None:
@@ -190,15 +208,25 @@ class DataParallelEngineClient:
         if self.ready is None or self.dead_reason is not None:
             return False
         results = await asyncio.gather(*(r.check_health() for r in self.replicas))
-        self._unhealthy = {rank: self._dead.get(rank) or "does not answer a health check"
-                           for rank, healthy in enumerate(results) if not healthy}
+        self._unhealthy = {
+            rank: self._dead.get(rank) or "does not answer a health check"
+            for rank, healthy in enumerate(results)
+            if not healthy
+        }
         return len(self._unhealthy) < len(self.replicas)
 
     def health_detail(self) -> dict[str, Any] | None:
         """After check_health: None when every replica is healthy, else what /health says of each."""
         if not self._unhealthy:
             return None
-        return {"status": "degraded",
-                "replicas": [{"engine": str(rank), "healthy": rank not in self._unhealthy,
-                              **({"reason": self._unhealthy[rank]} if rank in self._unhealthy else {})}
-                             for rank in range(len(self.replicas))]}
+        return {
+            "status": "degraded",
+            "replicas": [
+                {
+                    "engine": str(rank),
+                    "healthy": rank not in self._unhealthy,
+                    **({"reason": self._unhealthy[rank]} if rank in self._unhealthy else {}),
+                }
+                for rank in range(len(self.replicas))
+            ],
+        }

@@ -56,24 +56,25 @@ class IncrementalDetokenizer:
         self.finished = False
 
     def _decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def _append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return  # nothing visible yet, or a character still incomplete: wait for more tokens
-        self.output_text += new_text[len(self._prefix_text):]
+        self.output_text += new_text[len(self._prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self._prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        self._prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
 
     def _flush(self) -> None:
         """At the end, release what the window still holds back, even a trailing U+FFFD (a full decode has it too)."""
         if self.read_offset < len(self.token_ids):
-            new_text = self._decode(self.token_ids[self.prefix_offset:])
+            new_text = self._decode(self.token_ids[self.prefix_offset :])
             if len(new_text) > len(self._prefix_text):
-                self.output_text += new_text[len(self._prefix_text):]
+                self.output_text += new_text[len(self._prefix_text) :]
             self.prefix_offset = self.read_offset = len(self.token_ids)
             self._prefix_text = ""
 
@@ -91,19 +92,19 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         end, index, stop = best
-        self.output_text = self.output_text[:end if self.include_stop_str else index]
+        self.output_text = self.output_text[: end if self.include_stop_str else index]
         return stop
 
-    def update(self, new_token_ids: Sequence[int], finished: bool = False,
-               stop_token_id: int | None = None) -> DetokenizerUpdate:
+    def update(
+        self, new_token_ids: Sequence[int], finished: bool = False, stop_token_id: int | None = None
+    ) -> DetokenizerUpdate:
         """Add one step's tokens. `stop_token_id` (the EOS / stop id that ended the request, the last new id) is
         not rendered unless `include_stop_str_in_output`. Returns the text now safe to release."""
         if self.finished:
             return DetokenizerUpdate("", None)
         token_ids = list(new_token_ids)
         self.num_output_tokens += len(token_ids)
-        if (stop_token_id is not None and not self.include_stop_str and token_ids
-                and token_ids[-1] == stop_token_id):
+        if stop_token_id is not None and not self.include_stop_str and token_ids and token_ids[-1] == stop_token_id:
             token_ids.pop()
         length_before = len(self.output_text)
         for token_id in token_ids:
@@ -117,6 +118,6 @@ class IncrementalDetokenizer:
 
     def _release(self) -> str:
         end = len(self.output_text) if self.finished else max(self.num_released, len(self.output_text) - self.hold_back)
-        text = self.output_text[self.num_released:end]
+        text = self.output_text[self.num_released : end]
         self.num_released = end
         return text

@@ -29,8 +29,9 @@ ERROR_TYPES: dict[int, str] = {
 class APIError(Exception):
     """Raised anywhere below a handler; the error middleware turns it into a JSON error response."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -59,10 +60,15 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode(error_body(status, message, param)),
-                        content_type="application/json", headers=headers)
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=msgspec.json.encode(error_body(status, message, param)),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 _PATH_AT_END = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")

@@ -31,6 +31,7 @@ from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams, cho
 
 log = logging.getLogger("tokenmill.frontend")
 
+
 @dataclass
 class Choice:
     """One choice of a response: its engine request, detokenizer and running counts."""
@@ -53,9 +54,18 @@ def request_deadline(received_at: float, timeout: float | None, server_timeout: 
     return received_at + min(limits) if limits else 0.0
 
 
-def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-                  n: int, *, received_at: float, priority: int = 0, cache_salt: str | None = None,
-                  deadline: float = 0.0) -> list[Choice]:
+def build_choices(
+    tokenizer: Any,
+    base_id: str,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    n: int,
+    *,
+    received_at: float,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    deadline: float = 0.0,
+) -> list[Choice]:
     """n choices per prompt, indexed prompt-major as OpenAI orders them. Each prompt is one engine request
     `{base_id}-{prompt_index}` (one message, one copy of its prompt and params, whatever n is); its choices are that
     request's `choice_requests` (ids `{request id}-{i}` when n > 1; a seeded request's choice i gets seed + i).
@@ -65,12 +75,26 @@ def build_choices(tokenizer: Any, base_id: str, prompts: Sequence[list[int]], pa
     arrival = time.time()
     for prompt_index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
         engine_params = msgspec.structs.replace(prompt_params, n=n, stop=[])
-        group = EngineRequest(request_id=f"{base_id}-{prompt_index}", prompt_token_ids=prompt_ids,
-                              sampling=engine_params, arrival_time=arrival, priority=priority, cache_salt=cache_salt,
-                              deadline=deadline)
+        group = EngineRequest(
+            request_id=f"{base_id}-{prompt_index}",
+            prompt_token_ids=prompt_ids,
+            sampling=engine_params,
+            arrival_time=arrival,
+            priority=priority,
+            cache_salt=cache_salt,
+            deadline=deadline,
+        )
         for i, request in enumerate(choice_requests(group)):
-            choices.append(Choice(prompt_index * n + i, prompt_index, group, request,
-                                  IncrementalDetokenizer(tokenizer, prompt_ids, prompt_params), received_at))
+            choices.append(
+                Choice(
+                    prompt_index * n + i,
+                    prompt_index,
+                    group,
+                    request,
+                    IncrementalDetokenizer(tokenizer, prompt_ids, prompt_params),
+                    received_at,
+                )
+            )
     return choices
 
 
@@ -85,9 +109,12 @@ def usage_info(choices: Sequence[Choice]) -> UsageInfo:
     num_prompt = sum(prompt_tokens.values())
     num_completion = sum(choice.num_generated_tokens for choice in choices)
     num_cached = sum(cached_tokens.values())
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                     total_tokens=num_prompt + num_completion,
-                     prompt_tokens_details=PromptTokensDetails(num_cached))
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
+        prompt_tokens_details=PromptTokensDetails(num_cached),
+    )
 
 
 class AdmissionControl:
@@ -106,12 +133,15 @@ class AdmissionControl:
         stats = engine.latest_stats
         waiting = max(stats.num_waiting if stats is not None else 0, self.num_pending)
         if waiting + num_new > self.max_waiting:
-            raise engine_rejection(f"The server is busy: {waiting} requests are waiting (limit {self.max_waiting}). "
-                                   f"Retry later.", "overloaded")
+            raise engine_rejection(
+                f"The server is busy: {waiting} requests are waiting (limit {self.max_waiting}). Retry later.",
+                "overloaded",
+            )
 
 
-async def run_choices(engine: EngineClient, choices: Sequence[Choice], metrics: FrontendMetrics,
-                      admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
+async def run_choices(
+    engine: EngineClient, choices: Sequence[Choice], metrics: FrontendMetrics, admission: AdmissionControl
+) -> AsyncIterator[ChoiceDelta]:
     """Send each prompt's engine request once and yield every choice's deltas as they arrive (`merge_choice_streams`).
     Leaving early aborts whatever the engine has not finished."""
     async with contextlib.AsyncExitStack() as groups:
@@ -131,8 +161,13 @@ async def run_choices(engine: EngineClient, choices: Sequence[Choice], metrics: 
                 yield delta
 
 
-async def stream_choice(engine: EngineClient, choice: Choice, engine_outputs: AsyncIterator[RequestOutput],
-                        metrics: FrontendMetrics, admission: AdmissionControl) -> AsyncIterator[ChoiceDelta]:
+async def stream_choice(
+    engine: EngineClient,
+    choice: Choice,
+    engine_outputs: AsyncIterator[RequestOutput],
+    metrics: FrontendMetrics,
+    admission: AdmissionControl,
+) -> AsyncIterator[ChoiceDelta]:
     """Yield the choice's deltas; the last has finish_reason. Raises APIError: 400 for a request the engine rejects
     (429 with Retry-After when it is overloaded), 503 when the engine has died."""
     request = choice.request

@@ -67,16 +67,16 @@ def is_api_path(path: str) -> bool:
     return path.startswith("/v1/")
 
 
-def make_lifecycle_middleware(lifecycle: ServerLifecycle) -> Callable[[web.Request, Handler],
-                                                                      Awaitable[web.StreamResponse]]:
+def make_lifecycle_middleware(
+    lifecycle: ServerLifecycle,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     @web.middleware
     async def lifecycle_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         """Refuse new API requests unless the instance serves; count the admitted ones until they return."""
         if not is_api_path(request.path) or request.method == "OPTIONS":
             return await handler(request)
         if not lifecycle.admitting:
-            raise APIError(503, REFUSALS[lifecycle.phase],
-                           headers={"Retry-After": str(RETRY_AFTER_S[lifecycle.phase])})
+            raise APIError(503, REFUSALS[lifecycle.phase], headers={"Retry-After": str(RETRY_AFTER_S[lifecycle.phase])})
         lifecycle.request_started()
         try:
             return await handler(request)

@@ -26,8 +26,9 @@ class TokenTexts:
         return text
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], texts: TokenTexts,
-                        text_offset: int) -> tuple[CompletionLogProbs, int]:
+def completion_logprobs(
+    token_ids: Sequence[int], entries: Sequence[TokenLogprobs], texts: TokenTexts, text_offset: int
+) -> tuple[CompletionLogProbs, int]:
     """Completions logprobs for these tokens, their text offsets starting at `text_offset`; also the next offset."""
     result = CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
     for token_id, (logprob, top_ids, top_logprobs) in zip(token_ids, entries):
@@ -42,12 +43,15 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob
     return result, text_offset
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], texts: TokenTexts,
-                  num_top: int) -> ChatLogprobs:
+def chat_logprobs(
+    token_ids: Sequence[int], entries: Sequence[TokenLogprobs], texts: TokenTexts, num_top: int
+) -> ChatLogprobs:
     content: list[ChatLogprobEntry] = []
     for token_id, (logprob, top_ids, top_logprobs) in zip(token_ids, entries):
         token = texts[token_id]
-        top = [TopLogprob(token=texts[i], logprob=lp, bytes=list(texts[i].encode()))
-               for i, lp in zip(top_ids[:num_top], top_logprobs[:num_top])]
+        top = [
+            TopLogprob(token=texts[i], logprob=lp, bytes=list(texts[i].encode()))
+            for i, lp in zip(top_ids[:num_top], top_logprobs[:num_top])
+        ]
         content.append(ChatLogprobEntry(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)

@@ -49,8 +49,11 @@ class Offload:
         """`fn(*args, **kwargs)` on the side endpoints' thread; a 429 when `side_queue_limit` jobs are already there.
         A job counts until it has run or been cancelled before starting, even if its caller went away."""
         if self._side_jobs >= self._side_limit:
-            raise APIError(429, f"Too many /tokenize and /detokenize requests in flight (limit {self._side_limit}); "
-                                f"retry shortly.", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise APIError(
+                429,
+                f"Too many /tokenize and /detokenize requests in flight (limit {self._side_limit}); retry shortly.",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         loop = asyncio.get_running_loop()
         job = self._side.submit(functools.partial(fn, *args, **kwargs))
         self._side_jobs += 1

@@ -40,8 +40,9 @@ def next_delta(index: int, detokenizer: IncrementalDetokenizer, out: RequestOutp
         finish_reason, stop_reason = "stop", update.stop_string
     elif engine_done:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-    return ChoiceDelta(index, update.text, list(out.new_token_ids), out.logprobs, finish_reason, stop_reason,
-                       out.prompt_logprobs)
+    return ChoiceDelta(
+        index, update.text, list(out.new_token_ids), out.logprobs, finish_reason, stop_reason, out.prompt_logprobs
+    )
 
 
 @dataclass

@@ -40,8 +40,9 @@ def _position_dict(token_id: int, entry: PromptLogprobsEntry, texts: TokenTexts)
     return position
 
 
-def vllm_prompt_logprobs(prompt_ids: Sequence[int], engine_logprobs: EnginePromptLogprobs,
-                         texts: TokenTexts) -> PromptLogprobs:
+def vllm_prompt_logprobs(
+    prompt_ids: Sequence[int], engine_logprobs: EnginePromptLogprobs, texts: TokenTexts
+) -> PromptLogprobs:
     """vLLM's `prompt_logprobs` list for a prompt and the engine's arrays."""
     entries = engine_logprobs.entries()
     return [None] + [_position_dict(token_id, entry, texts) for token_id, entry in zip(prompt_ids[1:], entries)]
@@ -67,8 +68,9 @@ def engine_max_tokens(request: CompletionRequest) -> int | None:
     return request.max_tokens
 
 
-def echo_logprobs(prompt_ids: Sequence[int], engine_logprobs: EnginePromptLogprobs | None, num_top: int,
-                  texts: TokenTexts) -> tuple[CompletionLogProbs, int]:
+def echo_logprobs(
+    prompt_ids: Sequence[int], engine_logprobs: EnginePromptLogprobs | None, num_top: int, texts: TokenTexts
+) -> tuple[CompletionLogProbs, int]:
     """The prompt tokens' part of an echoed choice's completions logprobs, and the text offset after them. Each
     position's top_logprobs holds the prompt token and the first `num_top` of its top list (vLLM keeps the first
     num_top + 1 entries of the position's dict), by decoded text."""
@@ -86,17 +88,19 @@ def echo_logprobs(prompt_ids: Sequence[int], engine_logprobs: EnginePromptLogpro
             continue
         position = _position_dict(token_id, entries[i - 1], texts)
         result.token_logprobs.append(position[token_id].logprob)
-        result.top_logprobs.append({texts[top_id]: lp.logprob for top_id, lp in list(position.items())[:num_top + 1]})
+        result.top_logprobs.append({texts[top_id]: lp.logprob for top_id, lp in list(position.items())[: num_top + 1]})
     return result, offset
 
 
 def join_logprobs(first: CompletionLogProbs | None, second: CompletionLogProbs | None) -> CompletionLogProbs | None:
     if first is None or second is None:
         return first or second
-    return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
-                              token_logprobs=first.token_logprobs + second.token_logprobs,
-                              tokens=first.tokens + second.tokens,
-                              top_logprobs=first.top_logprobs + second.top_logprobs)
+    return CompletionLogProbs(
+        text_offset=first.text_offset + second.text_offset,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- chat

@@ -185,31 +185,46 @@ def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> di
         except ValueError:
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
         if not 0 <= token_id < vocab_size:
-            raise APIError(400, f"logit_bias token id {token_id} is out of the vocabulary (0..{vocab_size - 1})",
-                           "logit_bias")
+            raise APIError(
+                400, f"logit_bias token id {token_id} is out of the vocabulary (0..{vocab_size - 1})", "logit_bias"
+            )
         parsed[token_id] = bias
     return parsed
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       prompt_param: str = "messages") -> int:
+def resolve_max_tokens(
+    requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str = "messages"
+) -> int:
     """The completion budget: what was asked, or all the room left; a 400 when the prompt plus it does not fit."""
     if num_prompt_tokens >= max_model_len:  # the prompt alone does not fit: blame the prompt, whatever max_tokens is
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
-                            f"input messages.", prompt_param)
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+            f"input messages.",
+            prompt_param,
+        )
     if requested is None:
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + requested > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the messages, "
-                            f"{requested} in the completion). Please reduce the length of the messages or completion.",
-                       "max_tokens")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the messages, "
+            f"{requested} in the completion). Please reduce the length of the messages or completion.",
+            "max_tokens",
+        )
     return requested
 
 
-def to_sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: int | None, vocab_size: int,
-                       defaults: dict[str, int | float] | None = None) -> SamplingParams:
+def to_sampling_params(
+    request: SamplingRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    defaults: dict[str, int | float] | None = None,
+) -> SamplingParams:
     """One choice's SamplingParams (n=1; the caller fans out n requests and offsets the seed per choice).
 
     `defaults` are the model's generation-config defaults (`ModelConfig.generation_defaults`): they fill the sampling
@@ -225,8 +240,9 @@ def to_sampling_params(request: SamplingRequest, *, max_tokens: int, logprobs: i
         raise APIError(400, f"stop_token_ids must be below the vocabulary size {vocab_size}", "stop_token_ids")
     max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
     if request.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})",
-                       "min_tokens")
+        raise APIError(
+            400, f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+        )
     if request.prompt_logprobs and request.stream:  # as vLLM: a stream has nowhere to put them
         raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     top_k = unless_set(request.top_k, "top_k", 0)

@@ -85,7 +85,7 @@ class ReasoningParser:
         if mode == "opening":  # the output's very start: an opening marker there is dropped
             if text.startswith(self.start):
                 self._mode = "reasoning"
-                return text[len(self.start):]
+                return text[len(self.start) :]
             if self.start.startswith(text):
                 self._held = text
                 return ""
@@ -95,13 +95,13 @@ class ReasoningParser:
         at = text.find(marker)
         if at < 0:
             keep = held_prefix(text, marker)
-            self._emit(text[:len(text) - keep])
-            self._held = text[len(text) - keep:]
+            self._emit(text[: len(text) - keep])
+            self._held = text[len(text) - keep :]
             return ""
         self._emit(text[:at])
         self._mode = "reasoning" if mode == "before" else "content"
         self.saw_reasoning = self.saw_reasoning or self._mode == "reasoning"
-        return text[at + len(marker):]
+        return text[at + len(marker) :]
 
     def _emit(self, text: str) -> None:
         if self._mode == "reasoning":
@@ -134,8 +134,9 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     try:
         return REASONING_PARSERS[name]
     except KeyError:
-        raise KeyError(f"unknown reasoning parser {name!r} (choose from {', '.join(reasoning_parser_names())})") \
-            from None
+        raise KeyError(
+            f"unknown reasoning parser {name!r} (choose from {', '.join(reasoning_parser_names())})"
+        ) from None
 
 
 def end_marker_ids(parser: type[ReasoningParser], tokenizer: Any) -> list[int]:

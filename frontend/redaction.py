@@ -39,6 +39,15 @@ class RedactingAccessLogger(AbstractAccessLogger):
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         version = f"HTTP/{request.version.major}.{request.version.minor}"
         referer = without_query(request.headers.get("Referer", "-"))
-        self.logger.info('%s "%s %s %s" %d %d %.6f "%s" "%s"', request.remote or "-", request.method,
-                         request.path, version, response.status, response.body_length, time, referer,
-                         request.headers.get("User-Agent", "-"))
+        self.logger.info(
+            '%s "%s %s %s" %d %d %.6f "%s" "%s"',
+            request.remote or "-",
+            request.method,
+            request.path,
+            version,
+            response.status,
+            response.body_length,
+            time,
+            referer,
+            request.headers.get("User-Agent", "-"),
+        )

@@ -21,8 +21,18 @@ from msgspec import Meta, Struct
 
 from tokenmill.frontend.errors import APIError, validation_error
 from tokenmill.frontend.limits import json_depth_exceeds
-from tokenmill.frontend.protocol import (INT64_MAX, ChatLogprobEntry, ChatMessage, Int64, NonNegativeInt, Penalty,
-                                         PositiveInt, SamplingRequest, TextPart, Timeout)
+from tokenmill.frontend.protocol import (
+    INT64_MAX,
+    ChatLogprobEntry,
+    ChatMessage,
+    Int64,
+    NonNegativeInt,
+    Penalty,
+    PositiveInt,
+    SamplingRequest,
+    TextPart,
+    Timeout,
+)
 from tokenmill.messages import StructuredOutputsParams
 
 # what OpenAI allows in `metadata`
@@ -109,26 +119,42 @@ def _set(value: Any, request: Any) -> bool:
 
 # field -> (is it used?, why tokenmill refuses it); checked by `refuse_unsupported(request, RESPONSES_RULES)`
 RESPONSES_RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
-    "previous_response_id": (_set, "tokenmill does not store responses (every response is answered as with "
-                                   "store=false), so none can be continued; send the earlier items in `input`"),
+    "previous_response_id": (
+        _set,
+        "tokenmill does not store responses (every response is answered as with "
+        "store=false), so none can be continued; send the earlier items in `input`",
+    ),
     "background": (_set, "background responses need stored responses, and tokenmill stores none"),
-    "conversation": (_set, "conversations need stored state, and tokenmill stores none; send the earlier items "
-                           "in `input`"),
+    "conversation": (
+        _set,
+        "conversations need stored state, and tokenmill stores none; send the earlier items in `input`",
+    ),
     "prompt": (_set, "prompt templates are not implemented"),
-    "reasoning": (lambda value, request: value is not None and (not isinstance(value, dict) or any(
-                      v is not None for v in value.values())),
-                  "reasoning options (effort, summary) do nothing on this server: the chat template and the "
-                  "reasoning parser decide"),
-    "max_tool_calls": (lambda value, request: value is not None, "max_tool_calls limits built-in tool calls, "
-                                                                 "which tokenmill does not run"),
+    "reasoning": (
+        lambda value, request: (
+            value is not None and (not isinstance(value, dict) or any(v is not None for v in value.values()))
+        ),
+        "reasoning options (effort, summary) do nothing on this server: the chat template and the "
+        "reasoning parser decide",
+    ),
+    "max_tool_calls": (
+        lambda value, request: value is not None,
+        "max_tool_calls limits built-in tool calls, which tokenmill does not run",
+    ),
     "context_management": (_set, "context management (compaction) is not implemented"),
     "moderation": (_set, "moderation is not implemented"),
-    "truncation": (lambda value, request: value not in (None, "disabled"),
-                   "only truncation 'disabled' is implemented (an input too long for the model is a 400)"),
-    "service_tier": (lambda value, request: value not in (None, "auto", "default"),
-                     "this server has one service tier ('default')"),
-    "stream_options": (lambda value, request: bool(value) and bool(value.get("include_obfuscation")),
-                       "stream obfuscation is not implemented"),
+    "truncation": (
+        lambda value, request: value not in (None, "disabled"),
+        "only truncation 'disabled' is implemented (an input too long for the model is a 400)",
+    ),
+    "service_tier": (
+        lambda value, request: value not in (None, "auto", "default"),
+        "this server has one service tier ('default')",
+    ),
+    "stream_options": (
+        lambda value, request: bool(value) and bool(value.get("include_obfuscation")),
+        "stream obfuscation is not implemented",
+    ),
 }
 
 
@@ -175,8 +201,12 @@ class ReasoningInputItem(Struct, kw_only=True):
     status: str | None = None
 
 
-ITEM_TYPES: dict[str, type] = {"message": MessageItem, "function_call": FunctionCallItem,
-                               "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningInputItem}
+ITEM_TYPES: dict[str, type] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningInputItem,
+}
 
 
 class FunctionTool(Struct, kw_only=True):
@@ -214,8 +244,11 @@ def _text_of_parts(parts: str | list[ContentPart], param: str) -> str | list[Tex
         elif part.type == "refusal" and part.refusal is not None:
             texts.append(TextPart(type="text", text=part.refusal))
         else:
-            raise APIError(400, f"Unsupported content part type {part.type!r}: this model takes text only "
-                                f"(input_text, output_text).", f"{param}[{j}].type")
+            raise APIError(
+                400,
+                f"Unsupported content part type {part.type!r}: this model takes text only (input_text, output_text).",
+                f"{param}[{j}].type",
+            )
     return texts
 
 
@@ -241,8 +274,11 @@ def conversation(request: ResponsesRequest) -> tuple[list[ChatMessage], bool]:
         kind = raw.get("type", "message")
         item_type = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
         if item_type is None:
-            why = ("item references need stored responses, and tokenmill stores none" if kind == "item_reference"
-                   else "tokenmill takes message, function_call, function_call_output and reasoning items")
+            why = (
+                "item references need stored responses, and tokenmill stores none"
+                if kind == "item_reference"
+                else "tokenmill takes message, function_call, function_call_output and reasoning items"
+            )
             raise APIError(400, f"Input item type {kind!r} is not supported: {why}.", f"{param}.type")
         item = convert(raw, item_type, param)
         previous = messages[-1] if messages and messages[-1].role == "assistant" else None
@@ -259,10 +295,14 @@ def conversation(request: ResponsesRequest) -> tuple[list[ChatMessage], bool]:
                 try:
                     json.loads(item.arguments)
                 except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
-                    raise APIError(400, f"A function call's arguments must be JSON: {exc}",
-                                   f"{param}.arguments") from None
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    raise APIError(
+                        400, f"A function call's arguments must be JSON: {exc}", f"{param}.arguments"
+                    ) from None
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if previous is not None:
                 previous.tool_calls = [*(previous.tool_calls or []), call]
             else:
@@ -273,8 +313,11 @@ def conversation(request: ResponsesRequest) -> tuple[list[ChatMessage], bool]:
                 output = "\n".join(part.text or "" for part in output)
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=item.call_id))
         elif item.encrypted_content is not None:
-            raise APIError(400, "Encrypted reasoning content is not supported: tokenmill cannot decrypt it.",
-                           f"{param}.encrypted_content")
+            raise APIError(
+                400,
+                "Encrypted reasoning content is not supported: tokenmill cannot decrypt it.",
+                f"{param}.encrypted_content",
+            )
     return messages, continue_final
 
 
@@ -284,10 +327,14 @@ def function_tools(request: ResponsesRequest) -> list[FunctionTool]:
     for i, raw in enumerate(request.tools):
         kind = raw.get("type")
         if kind != "function":
-            raise APIError(400, f"Tool type {kind!r} is not supported: tokenmill serves function tools only "
-                                f"(the client runs them); built-in tools (web_search, file_search, "
-                                f"code_interpreter, computer_use, image_generation, mcp, ...) are not "
-                                f"available.", f"tools[{i}].type")
+            raise APIError(
+                400,
+                f"Tool type {kind!r} is not supported: tokenmill serves function tools only "
+                f"(the client runs them); built-in tools (web_search, file_search, "
+                f"code_interpreter, computer_use, image_generation, mcp, ...) are not "
+                f"available.",
+                f"tools[{i}].type",
+            )
         tool = convert(raw, FunctionTool, f"tools[{i}]")
         if not tool.name:
             raise APIError(400, "A function tool needs a non-empty `name`.", f"tools[{i}].name")
@@ -328,8 +375,12 @@ def named_tool_choice(request: ResponsesRequest, tools: list[FunctionTool]) -> s
     if isinstance(choice, str):
         raise APIError(400, f"tool_choice {choice!r} is not one of 'none', 'auto', 'required'.", "tool_choice")
     kind = choice.get("type")
-    raise APIError(400, f"tool_choice of type {kind!r} is not supported: tokenmill takes 'none', 'auto', "
-                        f"'required' or a function ({{\"type\": \"function\", \"name\": ...}}).", "tool_choice.type")
+    raise APIError(
+        400,
+        f"tool_choice of type {kind!r} is not supported: tokenmill takes 'none', 'auto', "
+        f'\'required\' or a function ({{"type": "function", "name": ...}}).',
+        "tool_choice.type",
+    )
 
 
 class ChatToolView(Struct, kw_only=True):
@@ -351,8 +402,12 @@ def chat_tool_view(request: ResponsesRequest, tools: list[FunctionTool]) -> Chat
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     elif not tools and choice in ("auto", "none"):
         choice = "none"
-    return ChatToolView(tools=chat_tools(tools), tool_choice=choice, parallel_tool_calls=request.parallel_tool_calls,
-                        chat_template_kwargs=request.chat_template_kwargs)
+    return ChatToolView(
+        tools=chat_tools(tools),
+        tool_choice=choice,
+        parallel_tool_calls=request.parallel_tool_calls,
+        chat_template_kwargs=request.chat_template_kwargs,
+    )
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
@@ -360,15 +415,22 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
     if not metadata:
         return
     if len(metadata) > MAX_METADATA_PAIRS:
-        raise APIError(400, f"`metadata` has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed.",
-                       "metadata")
+        raise APIError(
+            400, f"`metadata` has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed.", "metadata"
+        )
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY_CHARS:
-            raise APIError(400, f"A `metadata` key is {len(key)} characters long; at most "
-                                f"{MAX_METADATA_KEY_CHARS} are allowed.", "metadata")
+            raise APIError(
+                400,
+                f"A `metadata` key is {len(key)} characters long; at most {MAX_METADATA_KEY_CHARS} are allowed.",
+                "metadata",
+            )
         if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise APIError(400, f"`metadata[{key!r}]` is {len(value)} characters long; at most "
-                                f"{MAX_METADATA_VALUE_CHARS} are allowed.", f"metadata.{key}")
+            raise APIError(
+                400,
+                f"`metadata[{key!r}]` is {len(value)} characters long; at most {MAX_METADATA_VALUE_CHARS} are allowed.",
+                f"metadata.{key}",
+            )
 
 
 def logprobs_requested(request: ResponsesRequest) -> int | None:
@@ -378,8 +440,11 @@ def logprobs_requested(request: ResponsesRequest) -> int | None:
         if entry == LOGPROBS_INCLUDE:
             wanted = True
         else:
-            raise APIError(400, f"include {entry!r} is not supported: tokenmill can include only "
-                                f"{LOGPROBS_INCLUDE!r}.", f"include[{i}]")
+            raise APIError(
+                400,
+                f"include {entry!r} is not supported: tokenmill can include only {LOGPROBS_INCLUDE!r}.",
+                f"include[{i}]",
+            )
     return (request.top_logprobs or 0) if wanted else None
 
 
@@ -389,8 +454,12 @@ def text_format_constraint(request: ResponsesRequest, max_json_depth: int) -> St
     if text is None:
         return None
     if text.verbosity not in (None, "medium"):
-        raise APIError(400, f"text.verbosity {text.verbosity!r} is not supported: this server cannot change how "
-                            f"verbose the model is (only 'medium', the default, is accepted).", "text.verbosity")
+        raise APIError(
+            400,
+            f"text.verbosity {text.verbosity!r} is not supported: this server cannot change how "
+            f"verbose the model is (only 'medium', the default, is accepted).",
+            "text.verbosity",
+        )
     fmt = text.format
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True)
@@ -400,8 +469,11 @@ def text_format_constraint(request: ResponsesRequest, max_json_depth: int) -> St
         if fmt.schema is None:
             raise APIError(400, "text.format of type 'json_schema' needs a `schema`.", "text.format.schema")
         if json_depth_exceeds(fmt.schema, max_json_depth):
-            raise APIError(400, f"text.format.schema is nested more than {max_json_depth} levels deep "
-                                f"(--max-json-depth).", "text.format.schema")
+            raise APIError(
+                400,
+                f"text.format.schema is nested more than {max_json_depth} levels deep (--max-json-depth).",
+                "text.format.schema",
+            )
         return StructuredOutputsParams(json=fmt.schema)
     return None
 
@@ -409,13 +481,28 @@ def text_format_constraint(request: ResponsesRequest, max_json_depth: int) -> St
 def sampling_request(request: ResponsesRequest) -> SamplingRequest:
     """The request's sampling fields as the chat machinery takes them (`to_sampling_params`, the limits)."""
     return SamplingRequest(
-        model=request.model, max_tokens=request.max_output_tokens, temperature=request.temperature,
-        top_p=request.top_p, seed=request.seed, stop=request.stop, presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias, user=request.user,
-        stream=request.stream, top_k=request.top_k, min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
-        stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens, priority=request.priority, cache_salt=request.cache_salt)
+        model=request.model,
+        max_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=request.stop,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=request.logit_bias,
+        user=request.user,
+        stream=request.stream,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        stop_token_ids=request.stop_token_ids,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- response

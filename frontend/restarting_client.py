@@ -63,8 +63,14 @@ class Flight:
 
 
 class RestartingEngineClient:
-    def __init__(self, first: EngineHandle, launch: Callable[[], EngineHandle], lifecycle: ServerLifecycle,
-                 max_restarts: int, window_s: float) -> None:
+    def __init__(
+        self,
+        first: EngineHandle,
+        launch: Callable[[], EngineHandle],
+        lifecycle: ServerLifecycle,
+        max_restarts: int,
+        window_s: float,
+    ) -> None:
         """`launch` starts a fresh engine's processes and its (started) client, from within the event loop."""
         self.engine = first
         self.config = first.client.config
@@ -194,8 +200,9 @@ class RestartingEngineClient:
         resumes the flights)."""
         try:
             async with client.generate_choices(request) as streams:
-                await asyncio.gather(*(self._forward(stream, flight)
-                                       for stream, flight in zip(streams, flights, strict=True)))
+                await asyncio.gather(
+                    *(self._forward(stream, flight) for stream, flight in zip(streams, flights, strict=True))
+                )
         except EngineDeadError:
             pass
         except Exception as exc:  # anything else is the request's own failure: its consumers must hear of it
@@ -221,8 +228,12 @@ class RestartingEngineClient:
                     await asyncio.sleep(DEATH_POLL_S)
                 reason = self.engine.client.dead_reason
                 if not self._may_restart():
-                    log.error("the engine failed (%s) and the %d restarts allowed within %g s are used up: giving up",
-                              reason, self._max_restarts, self._window_s)
+                    log.error(
+                        "the engine failed (%s) and the %d restarts allowed within %g s are used up: giving up",
+                        reason,
+                        self._max_restarts,
+                        self._window_s,
+                    )
                     self._give_up(reason)
                     return
                 await self._restart(reason)
@@ -247,8 +258,14 @@ class RestartingEngineClient:
         self._restarting = True
         if self._lifecycle.phase == "ready":
             self._lifecycle.phase = "degraded"
-        log.error("the engine failed (%s): restarting it (%d of at most %d within %g s); %d requests wait",
-                  reason, len(self._restarts), self._max_restarts, self._window_s, len(self.request_ids_in_flight()))
+        log.error(
+            "the engine failed (%s): restarting it (%d of at most %d within %g s); %d requests wait",
+            reason,
+            len(self._restarts),
+            self._max_restarts,
+            self._window_s,
+            len(self.request_ids_in_flight()),
+        )
         old = self.engine
         old.client.close()
         await asyncio.to_thread(old.stop)
@@ -266,9 +283,14 @@ class RestartingEngineClient:
         self._resume_flights()
         if self._watch_interval_s:
             await self.engine.client.watch_steps(self._watch_interval_s)
-        log.warning("engine restarted in %.2f s (old engine stopped in %.2f s, the fresh one loaded in %.2f s); %d "
-                    "requests resumed", self.last_restart_s, stopped - began, self.last_restart_s - (stopped - began),
-                    len(self.request_ids_in_flight()))
+        log.warning(
+            "engine restarted in %.2f s (old engine stopped in %.2f s, the fresh one loaded in %.2f s); %d "
+            "requests resumed",
+            self.last_restart_s,
+            stopped - began,
+            self.last_restart_s - (stopped - began),
+            len(self.request_ids_in_flight()),
+        )
 
     def _resume_flights(self) -> None:
         for flight in list(self._flights.values()):
@@ -277,8 +299,9 @@ class RestartingEngineClient:
             if flight.token_ids and flight.request.sampling.structured_outputs is not None:
                 # its grammar state is not carried over: end it honestly rather than let it break its constraint
                 flight.finished = True
-                flight.queue.put_nowait(EngineDeadError("The engine failed and a structured-output request cannot "
-                                                        "resume mid-output."))
+                flight.queue.put_nowait(
+                    EngineDeadError("The engine failed and a structured-output request cannot resume mid-output.")
+                )
                 continue
             self._start_pump(flight.resumed(), [flight])
 

@@ -59,7 +59,7 @@ class PrefixIndex:
         """Index (or refresh) a request's keys. Leaves first, so the root ends up most recent: eviction takes a
         prefix's tail before its head, as the scheduler's free queue does, and never strands a tail."""
         entries = self._keys
-        for key in reversed(keys[-self.max_entries:]):
+        for key in reversed(keys[-self.max_entries :]):
             if key in entries:
                 entries.move_to_end(key)
             else:
@@ -83,14 +83,15 @@ class PrefixKeys:
         num_blocks = min(len(token_ids) // size, MAX_ROUTED_BLOCKS)
         if num_blocks == 0:
             return []
-        data = array("q", token_ids[:num_blocks * size]).tobytes()
+        data = array("q", token_ids[: num_blocks * size]).tobytes()
         salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
         parent = hashlib.blake2b(salt, key=self._secret, digest_size=KEY_BYTES).digest()
         keys = []
         stride = size * 8
         for i in range(num_blocks):
-            parent = hashlib.blake2b(parent + data[i * stride:(i + 1) * stride], key=self._secret,
-                                     digest_size=KEY_BYTES).digest()
+            parent = hashlib.blake2b(
+                parent + data[i * stride : (i + 1) * stride], key=self._secret, digest_size=KEY_BYTES
+            ).digest()
             keys.append(parent)
         return keys
 
@@ -102,10 +103,16 @@ class Router:
     `set_alive(r, False)` takes a dead replica out of rotation (and forgets its index).
     """
 
-    def __init__(self, num_replicas: int, block_size: int, policy: str = "cache-aware",
-                 max_index_entries: int = MAX_INDEX_ENTRIES, cache_threshold: float = CACHE_THRESHOLD,
-                 balance_abs_threshold: float = BALANCE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        policy: str = "cache-aware",
+        max_index_entries: int = MAX_INDEX_ENTRIES,
+        cache_threshold: float = CACHE_THRESHOLD,
+        balance_abs_threshold: float = BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
+    ) -> None:
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {num_replicas}")
         if policy not in ("cache-aware", "round-robin"):

@@ -65,11 +65,14 @@ def make_cors_middleware(allowed_origins: list[str]):
         if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
             if allowed_origin(allowed_origins, request.headers.get("Origin")) is None:
                 return error_response(403, "CORS origin not allowed.")
-            return web.Response(status=200, headers={
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
-                "Access-Control-Max-Age": "600",
-            })
+            return web.Response(
+                status=200,
+                headers={
+                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+                    "Access-Control-Max-Age": "600",
+                },
+            )
         return await handler(request)
 
     return cors_middleware
@@ -92,8 +95,13 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
             response.headers["Vary"] = "Origin"
 
 
-def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any,
-              lifecycle: ServerLifecycle | None = None, tracer: Any = None) -> web.Application:
+def build_app(
+    config: EngineConfig,
+    engine: EngineClient,
+    tokenizer: Any,
+    lifecycle: ServerLifecycle | None = None,
+    tracer: Any = None,
+) -> web.Application:
     """The HTTP app for one instance over `engine` (frontend/engine_protocol.py); `config.model` must be resolved
     (max_model_len, served_model_name, task). `lifecycle` gates the API while the engine loads, drains or restarts
     (None: an instance that serves at once). `tracer`: an OpenTelemetry tracer for the request spans (default: an
@@ -106,8 +114,11 @@ def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any,
         middlewares.append(RequestTracer(tracer, ctx.model_name).middleware())
     if config.server.allowed_origins:
         middlewares.insert(0, make_cors_middleware(config.server.allowed_origins))
-    app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_body_bytes,
-                          handler_args={"handler_cancellation": True})
+    app = web.Application(
+        middlewares=middlewares,
+        client_max_size=config.server.max_request_body_bytes,
+        handler_args={"handler_cancellation": True},
+    )
     app[CONTEXT_KEY] = ctx
     app.on_cleanup.append(close_context)
     if config.server.allowed_origins:
@@ -120,9 +131,12 @@ def build_app(config: EngineConfig, engine: EngineClient, tokenizer: Any,
     app.router.add_post("/v1/completions", route(create_completion))
     app.router.add_post("/v1/chat/completions", route(create_chat_completion))
     app.router.add_post("/v1/responses", route(serving_responses.create_response))
-    for method, path in (("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
-                         ("POST", "/v1/responses/{response_id}/cancel"),
-                         ("GET", "/v1/responses/{response_id}/input_items")):
+    for method, path in (
+        ("GET", "/v1/responses/{response_id}"),
+        ("DELETE", "/v1/responses/{response_id}"),
+        ("POST", "/v1/responses/{response_id}/cancel"),
+        ("GET", "/v1/responses/{response_id}/input_items"),
+    ):
         app.router.add_route(method, path, route(serving_responses.response_not_stored))  # nothing is stored
     app.router.add_post("/tokenize", route(serving_misc.tokenize))
     app.router.add_post("/detokenize", route(serving_misc.detokenize))

@@ -21,8 +21,15 @@ from aiohttp import web
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.frontend.errors import APIError, engine_rejection
-from tokenmill.frontend.protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, decode_request,
-                               encode_json, now)
+from tokenmill.frontend.protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    decode_request,
+    encode_json,
+    now,
+)
 from tokenmill.frontend.tokenizer import encode_text_keep_last, encode_texts
 from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams
 from tokenmill.pooling_config import PoolingConfig, check_dimensions, load_pooling_config
@@ -62,15 +69,27 @@ class EmbeddingServing:
         ctx.admission.check(ctx.engine, len(prompts))
         base_id = new_request_id("embd")
         arrival = time.time()
-        requests = [EngineRequest(request_id=f"{base_id}-{i}", prompt_token_ids=ids, sampling=_NO_SAMPLING,
-                                  task="embed", arrival_time=arrival, priority=request.priority)
-                    for i, ids in enumerate(prompts)]
+        requests = [
+            EngineRequest(
+                request_id=f"{base_id}-{i}",
+                prompt_token_ids=ids,
+                sampling=_NO_SAMPLING,
+                task="embed",
+                arrival_time=arrival,
+                priority=request.priority,
+            )
+            for i, ids in enumerate(prompts)
+        ]
         outputs = await self.run_all(requests, received_at)
-        data = [EmbeddingData(index=i, embedding=self.render(out.embedding, request))
-                for i, out in enumerate(outputs)]
+        data = [EmbeddingData(index=i, embedding=self.render(out.embedding, request)) for i, out in enumerate(outputs)]
         num_tokens = sum(len(ids) for ids in prompts)
-        response = EmbeddingResponse(id=base_id, created=now(), model=ctx.model_name, data=data,
-                                     usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        response = EmbeddingResponse(
+            id=base_id,
+            created=now(),
+            model=ctx.model_name,
+            data=data,
+            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+        )
         return web.Response(body=encode_json(response), content_type="application/json")
 
     # ------------------------------------------------------------------ validation
@@ -90,17 +109,24 @@ class EmbeddingServing:
         elif all(isinstance(item, str) for item in given) or all(isinstance(item, list) for item in given):
             items = list(given)
         else:
-            raise APIError(400, "input must be a string, a list of strings, a list of token ids, or a list of "
-                                "token-id lists", "input")
+            raise APIError(
+                400,
+                "input must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+                "input",
+            )
         if len(items) > MAX_INPUTS:
-            raise APIError(400, f"input holds {len(items)} items; at most {MAX_INPUTS} are allowed per request",
-                           "input")
+            raise APIError(
+                400, f"input holds {len(items)} items; at most {MAX_INPUTS} are allowed per request", "input"
+            )
         if any(item == "" for item in items):
             raise APIError(400, "input must not contain an empty string", "input")
         keep_last = self.truncation(request.truncate_prompt_tokens)
         texts = [item for item in items if isinstance(item, str)]
-        encoded = iter(await ctx.offload.tokenize(encode_inputs, ctx.tokenizer, texts, request.add_special_tokens,
-                                                  keep_last) if texts else [])
+        encoded = iter(
+            await ctx.offload.tokenize(encode_inputs, ctx.tokenizer, texts, request.add_special_tokens, keep_last)
+            if texts
+            else []
+        )
         prompts: list[list[int]] = []
         for item in items:
             if isinstance(item, str):
@@ -111,9 +137,13 @@ class EmbeddingServing:
             if not ids:
                 raise APIError(400, "input must not be empty (an item has no tokens)", "input")
             if len(ids) > ctx.max_model_len:
-                raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
-                                    f"an input has {len(ids)} tokens. Please reduce the length of the input, or "
-                                    f"set truncate_prompt_tokens.", "input")
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+                    f"an input has {len(ids)} tokens. Please reduce the length of the input, or "
+                    f"set truncate_prompt_tokens.",
+                    "input",
+                )
             prompts.append(ids)
         return prompts
 
@@ -125,9 +155,12 @@ class EmbeddingServing:
         if truncate_prompt_tokens == -1:
             return max_len
         if truncate_prompt_tokens == 0 or truncate_prompt_tokens > max_len:
-            raise APIError(400, f"truncate_prompt_tokens must be -1 (max_model_len) or between 1 and the model's "
-                                f"maximum context length {max_len}, got {truncate_prompt_tokens}",
-                           "truncate_prompt_tokens")
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens must be -1 (max_model_len) or between 1 and the model's "
+                f"maximum context length {max_len}, got {truncate_prompt_tokens}",
+                "truncate_prompt_tokens",
+            )
         return truncate_prompt_tokens
 
     def check_dimensions(self, dimensions: int) -> None:
@@ -164,8 +197,9 @@ class EmbeddingServing:
                     if out.finish_reason is None:
                         continue
                     if out.embedding is None:
-                        raise APIError(500, f"The engine ended an embedding request with '{out.finish_reason}' "
-                                            f"and no embedding.")
+                        raise APIError(
+                            500, f"The engine ended an embedding request with '{out.finish_reason}' and no embedding."
+                        )
                     num_prompt = len(request.prompt_token_ids)
                     ctx.metrics.prompt_tokens.inc(num_prompt)
                     ctx.metrics.request_prompt_tokens.observe(num_prompt)

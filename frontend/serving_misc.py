@@ -34,8 +34,12 @@ def json_response(body: bytes) -> web.Response:
 
 
 async def list_models(ctx: ServingContext, request: web.Request) -> web.Response:
-    card = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.config.model.path or ctx.model_name,
-                     max_model_len=ctx.max_model_len)
+    card = ModelCard(
+        id=ctx.model_name,
+        created=ctx.created,
+        root=ctx.config.model.path or ctx.model_name,
+        max_model_len=ctx.max_model_len,
+    )
     return json_response(encode_json(ModelList(data=[card])))
 
 
@@ -46,14 +50,18 @@ async def tokenize(ctx: ServingContext, request: web.Request) -> web.Response:
         raise APIError(400, "give exactly one of `prompt` and `messages`", "prompt")
     if body.messages is not None:
         if body.add_special_tokens:
-            raise APIError(400, "add_special_tokens applies to a prompt; the chat template adds them for messages",
-                           "add_special_tokens")
+            raise APIError(
+                400,
+                "add_special_tokens applies to a prompt; the chat template adds them for messages",
+                "add_special_tokens",
+            )
         check_json_depth(body, ctx.config.server.max_json_depth)
         ids = await side_chat_prompt_ids(ctx, body)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = await ctx.offload.side(encode_text, await ctx.offload.side_tokenizer(ctx.tokenizer), body.prompt or "",
-                                     add_special)
+        ids = await ctx.offload.side(
+            encode_text, await ctx.offload.side_tokenizer(ctx.tokenizer), body.prompt or "", add_special
+        )
     response = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
     if body.return_token_strs:
         tokenizer = await ctx.offload.side_tokenizer(ctx.tokenizer)
@@ -65,10 +73,16 @@ async def side_chat_prompt_ids(ctx: ServingContext, body: TokenizeRequest) -> li
     """`chat_prompt_ids` on the side endpoints' thread (frontend/offload.py), rendering and tokenizing alike."""
     check_request_template_allowed(ctx, body.chat_template)
     assert body.messages is not None
-    text = await ctx.offload.side(render_prompt, ctx, message_dicts(body.messages), body.tools,
-                                  body.chat_template_kwargs or {}, body.chat_template,
-                                  add_generation_prompt=body.add_generation_prompt,
-                                  continue_final_message=body.continue_final_message)
+    text = await ctx.offload.side(
+        render_prompt,
+        ctx,
+        message_dicts(body.messages),
+        body.tools,
+        body.chat_template_kwargs or {},
+        body.chat_template,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
     return await ctx.offload.side(encode_text, await ctx.offload.side_tokenizer(ctx.tokenizer), text, False)
 
 
@@ -77,8 +91,9 @@ async def detokenize(ctx: ServingContext, request: web.Request) -> web.Response:
     ctx.check_model(body.model)
     ctx.check_token_ids(body.tokens, "tokens")
     tokenizer = await ctx.offload.side_tokenizer(ctx.tokenizer)
-    text = await ctx.offload.side(tokenizer.decode, body.tokens, skip_special_tokens=False,
-                                  clean_up_tokenization_spaces=False)
+    text = await ctx.offload.side(
+        tokenizer.decode, body.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     return json_response(encode_json(DetokenizeResponse(prompt=text)))
 
 
@@ -92,27 +107,33 @@ async def health(ctx: ServingContext, request: web.Request) -> web.Response:
             return web.Response(status=200)
         return json_response(without_addresses(encode_json(detail).decode()).encode())
     reason = ctx.engine.dead_reason
-    return error_response(503, f"The engine stopped: {without_addresses(reason)}." if reason else
-                          "The engine is not ready.")
+    return error_response(
+        503, f"The engine stopped: {without_addresses(reason)}." if reason else "The engine is not ready."
+    )
 
 
 async def ready(ctx: ServingContext, request: web.Request) -> web.Response:
     phase = ctx.lifecycle.phase
     if phase == "ready" and not await ctx.engine.check_health():
         phase = "degraded"  # admitted, but the engine does not answer its heartbeat (dead, hung or restarting)
-    return web.Response(status=200 if phase == "ready" else 503, body=encode_json({"status": phase}),
-                        content_type="application/json")
+    return web.Response(
+        status=200 if phase == "ready" else 503, body=encode_json({"status": phase}), content_type="application/json"
+    )
 
 
 async def load(ctx: ServingContext, request: web.Request) -> web.Response:
     """vLLM's `server_load` (API requests in flight) and the scheduler's latest queues and KV cache usage."""
     stats = ctx.engine.latest_stats
-    return json_response(encode_json({
-        "server_load": ctx.lifecycle.in_flight,
-        "num_running": stats.num_running if stats is not None else 0,
-        "num_waiting": stats.num_waiting if stats is not None else 0,
-        "kv_cache_usage": stats.kv_cache_usage if stats is not None else 0.0,
-    }))
+    return json_response(
+        encode_json(
+            {
+                "server_load": ctx.lifecycle.in_flight,
+                "num_running": stats.num_running if stats is not None else 0,
+                "num_waiting": stats.num_waiting if stats is not None else 0,
+                "kv_cache_usage": stats.kv_cache_usage if stats is not None else 0.0,
+            }
+        )
+    )
 
 
 async def version(ctx: ServingContext, request: web.Request) -> web.Response:

@@ -25,22 +25,45 @@ from aiohttp import web
 from tokenmill.logs import request_id_var
 from tokenmill.frontend.context import ServingContext, read_body
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.generation import (Choice, build_choices, request_deadline, run_choices,
-                                           usage_info)
+from tokenmill.frontend.generation import Choice, build_choices, request_deadline, run_choices, usage_info
 from tokenmill.frontend.limits import check_sampling_limits, json_depth_exceeds
 from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
 from tokenmill.frontend.outputs import ChoiceDelta
-from tokenmill.frontend.protocol import ChatLogprobEntry, decode_request, encode_json, now, resolve_max_tokens, \
-    to_sampling_params
+from tokenmill.frontend.protocol import (
+    ChatLogprobEntry,
+    decode_request,
+    encode_json,
+    now,
+    resolve_max_tokens,
+    to_sampling_params,
+)
 from tokenmill.frontend.reasoning_parsers import ReasoningParser
-from tokenmill.frontend.responses_protocol import (RESPONSES_RULES, FunctionCallOutput, FunctionTool,
-                                                   IncompleteDetails, InputTokensDetails, OutputMessage, OutputText,
-                                                   OutputTokensDetails, ReasoningOutput, ReasoningText,
-                                                   ResponseObject, ResponsesRequest, ResponseUsage, TextConfig,
-                                                   TextFormat, chat_tool_view, chat_tools, check_metadata,
-                                                   conversation,
-                                                   function_tools, logprobs_requested, named_tool_choice,
-                                                   sampling_request, text_format_constraint)
+from tokenmill.frontend.responses_protocol import (
+    RESPONSES_RULES,
+    FunctionCallOutput,
+    FunctionTool,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningOutput,
+    ReasoningText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    TextConfig,
+    TextFormat,
+    chat_tool_view,
+    chat_tools,
+    check_metadata,
+    conversation,
+    function_tools,
+    logprobs_requested,
+    named_tool_choice,
+    sampling_request,
+    text_format_constraint,
+)
 from tokenmill.frontend.serving_chat import chat_prompt_ids
 from tokenmill.frontend.sse import open_event_stream
 from tokenmill.frontend.tool_choice import apply_tool_plan, plan_tool_calling
@@ -51,8 +74,10 @@ from tokenmill.messages import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("tokenmill.frontend")
 
-NOT_STORED = ("tokenmill does not store responses (each is answered as with store=false), so none can be "
-              "retrieved, deleted or cancelled")
+NOT_STORED = (
+    "tokenmill does not store responses (each is answered as with store=false), so none can be "
+    "retrieved, deleted or cancelled"
+)
 
 
 def new_id(prefix: str) -> str:
@@ -69,38 +94,69 @@ async def create_response(ctx: ServingContext, http_request: web.Request) -> web
     check_metadata(request.metadata)
     logprobs = logprobs_requested(request)
     tools = function_tools(request)
-    if named_tool_choice(request, tools) is not None and (request.structured_outputs is not None or (
-            request.text is not None and request.text.format.type != "text")):
-        raise APIError(400, "tool_choice 'required' or a named function is enforced with structured outputs, so "
-                            "it cannot be combined with text.format or structured_outputs (one constraint per "
-                            "request).", "tool_choice")
+    if named_tool_choice(request, tools) is not None and (
+        request.structured_outputs is not None or (request.text is not None and request.text.format.type != "text")
+    ):
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function is enforced with structured outputs, so "
+            "it cannot be combined with text.format or structured_outputs (one constraint per "
+            "request).",
+            "tool_choice",
+        )
     plan = plan_tool_calling(chat_tool_view(request, tools), ctx.config.server)
     messages, continue_final = conversation(request)
     sampling = sampling_request(request)
     check_sampling_limits(sampling, ctx.config.server, logprobs=request.top_logprobs, logprobs_param="top_logprobs")
     constraint = await output_constraint(ctx, request)
-    prompt_ids = await chat_prompt_ids(ctx, messages, add_generation_prompt=not continue_final,
-                                       continue_final_message=continue_final, tools=chat_tools(tools),
-                                       template_kwargs=request.chat_template_kwargs)
+    prompt_ids = await chat_prompt_ids(
+        ctx,
+        messages,
+        add_generation_prompt=not continue_final,
+        continue_final_message=continue_final,
+        tools=chat_tools(tools),
+        template_kwargs=request.chat_template_kwargs,
+    )
     try:
         max_tokens = resolve_max_tokens(request.max_output_tokens, len(prompt_ids), ctx.max_model_len, "input")
     except APIError as exc:
         raise APIError(exc.status, exc.message, "max_output_tokens" if exc.param == "max_tokens" else exc.param)
-    params = to_sampling_params(sampling, max_tokens=max_tokens, logprobs=logprobs, vocab_size=ctx.vocab_size,
-                                defaults=ctx.config.model.generation_defaults)
+    params = to_sampling_params(
+        sampling,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        vocab_size=ctx.vocab_size,
+        defaults=ctx.config.model.generation_defaults,
+    )
     params.structured_outputs = constraint
     plan = await apply_tool_plan(ctx, plan, params, prompt_ids)
     ctx.admission.check(ctx.engine, 1)
     response_id = new_id("resp")
     request_id_var.set(response_id)  # this handler's log lines carry it (tokenmill/logs.py)
-    choices = build_choices(ctx.tokenizer, response_id, [prompt_ids], [params], 1, received_at=received_at,
-                            priority=request.priority, cache_salt=request.cache_salt,
-                            deadline=request_deadline(received_at, request.timeout,
-                                                      ctx.config.scheduler.request_timeout_s))
+    choices = build_choices(
+        ctx.tokenizer,
+        response_id,
+        [prompt_ids],
+        [params],
+        1,
+        received_at=received_at,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        deadline=request_deadline(received_at, request.timeout, ctx.config.scheduler.request_timeout_s),
+    )
     deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
-    builder = ResponseBuilder(ctx, request, response_id, choices, params, tools, emit=request.stream,
-                              reasoning_parser=plan.new_reasoning_parser(), tool_parser=plan.new_tool_parser(),
-                              parallel_tool_calls=plan.parallel)
+    builder = ResponseBuilder(
+        ctx,
+        request,
+        response_id,
+        choices,
+        params,
+        tools,
+        emit=request.stream,
+        reasoning_parser=plan.new_reasoning_parser(),
+        tool_parser=plan.new_tool_parser(),
+        parallel_tool_calls=plan.parallel,
+    )
     if request.stream:
         return await stream_events(http_request, deltas, builder)
     async with aclosing(deltas):
@@ -163,10 +219,20 @@ class ResponseBuilder:
     from the tool parser's streaming interface; a whole response reads the calls from the whole text (`extract`),
     as chat does, so a call found malformed only at the end leaves the whole text as the message."""
 
-    def __init__(self, ctx: ServingContext, request: ResponsesRequest, response_id: str, choices: list[Choice],
-                 params: SamplingParams, tools: list[FunctionTool], *, emit: bool,
-                 reasoning_parser: ReasoningParser | None = None, tool_parser: ToolParser | None = None,
-                 parallel_tool_calls: bool = True) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request: ResponsesRequest,
+        response_id: str,
+        choices: list[Choice],
+        params: SamplingParams,
+        tools: list[FunctionTool],
+        *,
+        emit: bool,
+        reasoning_parser: ReasoningParser | None = None,
+        tool_parser: ToolParser | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> None:
         self.ctx = ctx
         self.request = request
         self.response_id = response_id
@@ -214,8 +280,9 @@ class ResponseBuilder:
 
     def add(self, delta: ChoiceDelta) -> None:
         if delta.logprobs and self.params.logprobs is not None:
-            self.pending_logprobs += chat_logprobs(delta.token_ids, delta.logprobs, self.texts,
-                                                   self.num_top).content or []
+            self.pending_logprobs += (
+                chat_logprobs(delta.token_ids, delta.logprobs, self.texts, self.num_top).content or []
+            )
         parser = self.reasoning_parser
         if parser is not None and not parser.reasoning_ended:
             self.num_reasoning_tokens += len(delta.token_ids)  # tokens sampled while thinking (its end included)
@@ -282,19 +349,25 @@ class ResponseBuilder:
             part = item.content[0]
             part.logprobs += self.pending_logprobs  # an EOS token ends the list, as in chat
             self.pending_logprobs = []
-            self._event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
-                        text=part.text, logprobs=part.logprobs)
-            self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
-                        part=part)
+            self._event(
+                "response.output_text.done",
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                text=part.text,
+                logprobs=part.logprobs,
+            )
+            self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part)
         elif isinstance(item, ReasoningOutput):
             part = item.content[0]
-            self._event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
-                        text=part.text)
-            self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
-                        part=part)
+            self._event(
+                "response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text
+            )
+            self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part)
         else:
-            self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                        arguments=item.arguments)
+            self._event(
+                "response.function_call_arguments.done", item_id=item.id, output_index=index, arguments=item.arguments
+            )
         item.status = status
         self._event("response.output_item.done", output_index=index, item=item)
         self.current = None
@@ -305,15 +378,22 @@ class ResponseBuilder:
             message = OutputMessage(id=new_id("msg"), status="in_progress", content=[])
             index = self._open(message)
             part = OutputText(text="")
-            self._event("response.content_part.added", item_id=message.id, output_index=index, content_index=0,
-                        part=part)
+            self._event(
+                "response.content_part.added", item_id=message.id, output_index=index, content_index=0, part=part
+            )
             message.content.append(part)
         part = message.content[0]
         logprobs, self.pending_logprobs = self.pending_logprobs, []
         part.text += text
         part.logprobs += logprobs
-        self._event("response.output_text.delta", item_id=message.id, output_index=len(self.output) - 1,
-                    content_index=0, delta=text, logprobs=logprobs)
+        self._event(
+            "response.output_text.delta",
+            item_id=message.id,
+            output_index=len(self.output) - 1,
+            content_index=0,
+            delta=text,
+            logprobs=logprobs,
+        )
 
     def _reasoning(self, text: str) -> None:
         if not text:
@@ -324,25 +404,34 @@ class ResponseBuilder:
             item = ReasoningOutput(id=new_id("rs"), status="in_progress", content=[])
             index = self._open(item)
             part = ReasoningText(text="")
-            self._event("response.content_part.added", item_id=item.id, output_index=index, content_index=0,
-                        part=part)
+            self._event("response.content_part.added", item_id=item.id, output_index=index, content_index=0, part=part)
             item.content.append(part)
         item.content[0].text += text
-        self._event("response.reasoning_text.delta", item_id=item.id, output_index=len(self.output) - 1,
-                    content_index=0, delta=text)
+        self._event(
+            "response.reasoning_text.delta",
+            item_id=item.id,
+            output_index=len(self.output) - 1,
+            content_index=0,
+            delta=text,
+        )
 
     def _call(self, piece: ToolCallDelta) -> None:
         self.pending_logprobs = []
         item = self.current
         if piece.name is not None:  # a call's first piece
-            item = FunctionCallOutput(id=new_id("fc"), call_id=piece.id or new_id("call"), name=piece.name,
-                                      arguments="", status="in_progress")
+            item = FunctionCallOutput(
+                id=new_id("fc"), call_id=piece.id or new_id("call"), name=piece.name, arguments="", status="in_progress"
+            )
             self._open(item)
         if not isinstance(item, FunctionCallOutput) or not piece.arguments:
             return
         item.arguments += piece.arguments
-        self._event("response.function_call_arguments.delta", item_id=item.id, output_index=len(self.output) - 1,
-                    delta=piece.arguments)
+        self._event(
+            "response.function_call_arguments.delta",
+            item_id=item.id,
+            output_index=len(self.output) - 1,
+            delta=piece.arguments,
+        )
 
     def finish(self) -> ResponseObject:
         """Close the open item and send (or return) the final response."""
@@ -356,27 +445,41 @@ class ResponseBuilder:
     def usage(self) -> ResponseUsage:
         usage = usage_info(self.choices)
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
-        return ResponseUsage(input_tokens=usage.prompt_tokens,
-                             input_tokens_details=InputTokensDetails(cached_tokens=cached),
-                             output_tokens=usage.completion_tokens,
-                             output_tokens_details=OutputTokensDetails(reasoning_tokens=self.num_reasoning_tokens),
-                             total_tokens=usage.total_tokens)
+        return ResponseUsage(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=self.num_reasoning_tokens),
+            total_tokens=usage.total_tokens,
+        )
 
     def response(self, status: str) -> ResponseObject:
         request = self.request
         done = status != "in_progress"
         text_format = request.text.format if request.text is not None else TextFormat(type="text")
         return ResponseObject(
-            id=self.response_id, created_at=self.created_at, status=status,
+            id=self.response_id,
+            created_at=self.created_at,
+            status=status,
             completed_at=now() if status == "completed" else None,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
-            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
-            model=self.ctx.model_name, output=list(self.output) if done else [],
-            parallel_tool_calls=request.parallel_tool_calls, temperature=self.params.temperature,
-            text=TextConfig(format=text_format, verbosity="medium"), tool_choice=request.tool_choice,
-            tools=self.tools, top_logprobs=request.top_logprobs or 0, top_p=self.params.top_p,
-            usage=self.usage() if done else None, user=request.user, metadata=request.metadata or {},
-            prompt_cache_key=request.prompt_cache_key, safety_identifier=request.safety_identifier)
+            instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens,
+            model=self.ctx.model_name,
+            output=list(self.output) if done else [],
+            parallel_tool_calls=request.parallel_tool_calls,
+            temperature=self.params.temperature,
+            text=TextConfig(format=text_format, verbosity="medium"),
+            tool_choice=request.tool_choice,
+            tools=self.tools,
+            top_logprobs=request.top_logprobs or 0,
+            top_p=self.params.top_p,
+            usage=self.usage() if done else None,
+            user=request.user,
+            metadata=request.metadata or {},
+            prompt_cache_key=request.prompt_cache_key,
+            safety_identifier=request.safety_identifier,
+        )
 
 
 async def response_not_stored(ctx: ServingContext, http_request: web.Request) -> web.StreamResponse:

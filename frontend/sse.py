@@ -32,10 +32,13 @@ async def send_event(response: web.StreamResponse, payload: bytes) -> None:
     await response.write(b"data: " + payload + b"\n\n")
 
 
-async def stream_deltas(request: web.Request, deltas: AsyncIterator[ChoiceDelta],
-                        render: Callable[[ChoiceDelta], bytes | None],
-                        preamble: Callable[[], list[bytes]] = list,
-                        epilogue: Callable[[], bytes | None] = lambda: None) -> web.StreamResponse:
+async def stream_deltas(
+    request: web.Request,
+    deltas: AsyncIterator[ChoiceDelta],
+    render: Callable[[ChoiceDelta], bytes | None],
+    preamble: Callable[[], list[bytes]] = list,
+    epilogue: Callable[[], bytes | None] = lambda: None,
+) -> web.StreamResponse:
     """Send `preamble()`, then `render(delta)` for each delta (None: nothing to send), then `epilogue()` (also after
     an error event)."""
     async with aclosing(deltas):

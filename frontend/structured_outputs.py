@@ -18,8 +18,7 @@ from tokenmill.frontend.errors import APIError
 from tokenmill.grammars import GrammarError, validate
 from tokenmill.messages import StructuredOutputsParams, encode
 
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 BACKENDS = (None, "auto", "guidance", "llguidance")
 
@@ -57,8 +56,12 @@ def requested_structured_outputs(request: Any) -> tuple[StructuredOutputsParams,
         if value is not None:
             found.append((_convert({key: value}, name), name))
     if len(found) > 1:
-        raise APIError(400, f"Only one structured-output constraint may be set; this request sets "
-                            f"{', '.join(source for _, source in found)}.", found[1][1])
+        raise APIError(
+            400,
+            f"Only one structured-output constraint may be set; this request sets "
+            f"{', '.join(source for _, source in found)}.",
+            found[1][1],
+        )
     return found[0] if found else None
 
 
@@ -85,25 +88,37 @@ def _from_response_format(value: Any) -> StructuredOutputsParams | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise APIError(400, "response_format of type json_schema needs `json_schema.schema`, an object",
-                           "response_format.json_schema")
+            raise APIError(
+                400,
+                "response_format of type json_schema needs `json_schema.schema`, an object",
+                "response_format.json_schema",
+            )
         return StructuredOutputsParams(json=spec["schema"])
     if kind == "structural_tag":
         tag = {k: v for k, v in value.items() if k != "type"}
         return StructuredOutputsParams(structural_tag=tag)
-    raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, json_schema, "
-                        f"structural_tag)", "response_format.type")
+    raise APIError(
+        400,
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema, structural_tag)",
+        "response_format.type",
+    )
 
 
 def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
     params = _convert(value, "structured_outputs")
     field = msgspec.convert(value, StructuredOutputsField)
     if field.backend not in BACKENDS:
-        raise APIError(400, f"structured_outputs backend {field.backend!r} is not available: this server uses "
-                            f"llguidance", "structured_outputs.backend")
+        raise APIError(
+            400,
+            f"structured_outputs backend {field.backend!r} is not available: this server uses llguidance",
+            "structured_outputs.backend",
+        )
     if field.disable_additional_properties:
-        raise APIError(400, "disable_additional_properties is not implemented; set `additionalProperties: false` "
-                            "in the schema", "structured_outputs.disable_additional_properties")
+        raise APIError(
+            400,
+            "disable_additional_properties is not implemented; set `additionalProperties: false` in the schema",
+            "structured_outputs.disable_additional_properties",
+        )
     return params
 
 
@@ -126,8 +141,9 @@ async def structured_outputs_params(ctx: Any, request: Any) -> StructuredOutputs
     return await checked_constraint(ctx, requested_structured_outputs(request))
 
 
-async def checked_constraint(ctx: Any, found: tuple[StructuredOutputsParams, str] | None
-                             ) -> StructuredOutputsParams | None:
+async def checked_constraint(
+    ctx: Any, found: tuple[StructuredOutputsParams, str] | None
+) -> StructuredOutputsParams | None:
     """A (constraint, field) pair's constraint, validated on a template thread (a 400 naming the field)."""
     if found is None:
         return None

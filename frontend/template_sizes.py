@@ -105,8 +105,12 @@ def json_depth(value: Any) -> int:
     """How deep lists and dicts nest in `value` (iteratively: a deep value must not exhaust the stack)."""
     depth, level = 0, [value]
     while level:
-        level = [child for v in level if isinstance(v, (list, tuple, dict))
-                 for child in (v.values() if isinstance(v, dict) else v)]
+        level = [
+            child
+            for v in level
+            if isinstance(v, (list, tuple, dict))
+            for child in (v.values() if isinstance(v, dict) else v)
+        ]
         depth += 1 if level else 0
     return depth
 
@@ -139,7 +143,9 @@ def filter_chars(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> in
         return printf_chars(value, kwargs or tuple(rest))
     if name == "replace" and isinstance(arg(0, "old", None), str) and isinstance(arg(1, "new", None), str):
         count = arg(2, "count", None)
-        return replace_chars(str(value), arg(0, "old", ""), arg(1, "new", ""), count if isinstance(count, int) else None)
+        return replace_chars(
+            str(value), arg(0, "old", ""), arg(1, "new", ""), count if isinstance(count, int) else None
+        )
     if name == "indent":
         width, text = arg(0, "width", 4), str(value)
         return len(text) + (text.count("\n") + 1) * (width if isinstance(width, int) else len(str(width)))

@@ -93,22 +93,36 @@ def server_chat_template(tokenizer: Any, tools: list[dict[str, Any]] | None = No
     if isinstance(source, dict):
         source = source.get("tool_use") if tools and "tool_use" in source else source.get("default")
     if not source:
-        raise ValueError("This model has no chat template; use /v1/completions or start the server with "
-                         "--chat-template.")
+        raise ValueError(
+            "This model has no chat template; use /v1/completions or start the server with --chat-template."
+        )
     return compile_chat_template(source)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None, template: ChatTemplate | None = None,
-                limits: RenderLimits = DEFAULT_LIMITS) -> str:
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    template: ChatTemplate | None = None,
+    limits: RenderLimits = DEFAULT_LIMITS,
+) -> str:
     """The prompt text for a conversation, through `template` (default: the server's) in the bounded sandbox.
     Raises ValueError when the model has no chat template; Jinja errors (a template's `raise_exception`, e.g. roles
     that must alternate; RenderLimitError past the limits) propagate as jinja2 TemplateError."""
     template = template or server_chat_template(tokenizer, tools)
-    return template.render(messages, limits=limits, special_tokens=tokenizer.special_tokens_map,
-                           add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, tools=tools, kwargs=template_kwargs)
+    return template.render(
+        messages,
+        limits=limits,
+        special_tokens=tokenizer.special_tokens_map,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tools=tools,
+        kwargs=template_kwargs,
+    )
 
 
 def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:

@@ -25,11 +25,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.reasoning_parsers import (ReasoningParser, end_marker_ids, get_reasoning_parser,
-                                                  thinking_closed_by_prompt)
+from tokenmill.frontend.reasoning_parsers import (
+    ReasoningParser,
+    end_marker_ids,
+    get_reasoning_parser,
+    thinking_closed_by_prompt,
+)
 from tokenmill.frontend.structured_outputs import check_structured_outputs
-from tokenmill.frontend.tool_parsers import (NamedToolCallParser, RequiredToolCallsParser, ToolParser,
-                                             get_tool_parser)
+from tokenmill.frontend.tool_parsers import NamedToolCallParser, RequiredToolCallsParser, ToolParser, get_tool_parser
 from tokenmill.messages import SamplingParams, StructuredOutputsParams
 
 CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -81,8 +84,11 @@ def plan_tool_calling(request: Any, server: Any) -> ToolPlan:
         raise APIError(400, "When using `tool_choice`, `tools` must be set.", "tool_choice")
     if choice == "auto":
         if not (server.enable_auto_tool_choice and server.tool_call_parser):
-            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-                                'set', "tool_choice")
+            raise APIError(
+                400,
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                "tool_choice",
+            )
         return replace(plan, mode="auto", tool_parser=get_tool_parser(server.tool_call_parser)) if tools else plan
     if choice == "required":
         if not tools:
@@ -90,19 +96,31 @@ def plan_tool_calling(request: Any, server: Any) -> ToolPlan:
         return _forced(request, replace(plan, mode="required", schema=required_schema(tools, plan.parallel)))
     name = _named_function(choice)
     if name not in tools:
-        raise APIError(400, f"The function {name!r} in `tool_choice` is not among the request's `tools` "
-                            f"({', '.join(tools) or 'none'}).", "tool_choice")
+        raise APIError(
+            400,
+            f"The function {name!r} in `tool_choice` is not among the request's `tools` "
+            f"({', '.join(tools) or 'none'}).",
+            "tool_choice",
+        )
     return _forced(request, replace(plan, mode="named", function_name=name, schema=tools[name]))
 
 
 def _named_function(choice: Any) -> str:
     if isinstance(choice, dict):
         function = choice.get("function")
-        if choice.get("type", "function") == "function" and isinstance(function, dict) and \
-                isinstance(function.get("name"), str) and function["name"]:
+        if (
+            choice.get("type", "function") == "function"
+            and isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and function["name"]
+        ):
             return function["name"]
-    raise APIError(400, 'Invalid `tool_choice`: it must be "none", "auto", "required" or {"type": "function", '
-                        '"function": {"name": ...}} naming one of the tools.', "tool_choice")
+    raise APIError(
+        400,
+        'Invalid `tool_choice`: it must be "none", "auto", "required" or {"type": "function", '
+        '"function": {"name": ...}} naming one of the tools.',
+        "tool_choice",
+    )
 
 
 def _forced(request: Any, plan: ToolPlan) -> ToolPlan:
@@ -111,9 +129,13 @@ def _forced(request: Any, plan: ToolPlan) -> ToolPlan:
     if response_format is not None and response_format != {"type": "text"}:
         others.insert(0, "response_format")
     if others:
-        raise APIError(400, f"tool_choice {'required' if plan.mode == 'required' else 'naming a function'} is "
-                            f"enforced with structured outputs, so it cannot be combined with {others[0]} (one "
-                            f"constraint per request).", "tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice {'required' if plan.mode == 'required' else 'naming a function'} is "
+            f"enforced with structured outputs, so it cannot be combined with {others[0]} (one "
+            f"constraint per request).",
+            "tool_choice",
+        )
     return plan
 
 
@@ -125,12 +147,14 @@ def function_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, An
             raise APIError(400, 'Each tool must be {"type": "function", "function": {...}}.', f"tools[{i}].type")
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise APIError(400, "A tool's `function` must be an object with a non-empty `name`.",
-                           f"tools[{i}].function")
+            raise APIError(
+                400, "A tool's `function` must be an object with a non-empty `name`.", f"tools[{i}].function"
+            )
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise APIError(400, "A function's `parameters` must be a JSON schema object.",
-                           f"tools[{i}].function.parameters")
+            raise APIError(
+                400, "A function's `parameters` must be a JSON schema object.", f"tools[{i}].function.parameters"
+            )
         found[function["name"]] = parameters or EMPTY_PARAMETERS
     return found
 
@@ -144,11 +168,19 @@ def required_schema(tools: dict[str, dict[str, Any]], parallel: bool) -> dict[st
         parameters = copy.deepcopy(parameters)
         for key, definition in (parameters.pop("$defs", None) or {}).items():
             if definitions.setdefault(key, definition) != definition:
-                raise APIError(400, f"Tools define `$defs` {key!r} differently; tool_choice required needs one "
-                                    f"definition of each.", "tools")
-        variants.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                          "parameters": parameters},
-                         "required": ["name", "parameters"], "additionalProperties": False})
+                raise APIError(
+                    400,
+                    f"Tools define `$defs` {key!r} differently; tool_choice required needs one definition of each.",
+                    "tools",
+                )
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
     if not parallel:
         schema["maxItems"] = 1
@@ -192,7 +224,8 @@ def tool_calls_for_template(tool_calls: Any, message_index: int) -> Any:
             try:
                 arguments = json.loads(arguments)
             except (ValueError, RecursionError) as exc:
-                raise APIError(400, f"A tool call's arguments must be JSON: {exc}",
-                               f"{where}.function.arguments") from None
+                raise APIError(
+                    400, f"A tool call's arguments must be JSON: {exc}", f"{where}.function.arguments"
+                ) from None
         parsed.append({**call, "function": {**function, "arguments": arguments}})
     return parsed

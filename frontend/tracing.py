@@ -20,8 +20,7 @@ from typing import Any
 from aiohttp import web
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
-MISSING_EXTRA = ("--otlp-traces-endpoint needs OpenTelemetry, which is not installed: "
-                 "pip install 'tokenmill[tracing]'")
+MISSING_EXTRA = "--otlp-traces-endpoint needs OpenTelemetry, which is not installed: pip install 'tokenmill[tracing]'"
 
 
 @dataclass
@@ -69,15 +68,21 @@ def span_attributes(trace: RequestTrace, request_id: str | None, model: str, end
     if request_id is not None:
         attributes["gen_ai.request.id"] = request_id
     if trace.params is not None:
-        attributes.update({"gen_ai.request.n": len(trace.choices), "gen_ai.request.temperature":
-                           trace.params.temperature, "gen_ai.request.top_p": trace.params.top_p})
+        attributes.update(
+            {
+                "gen_ai.request.n": len(trace.choices),
+                "gen_ai.request.temperature": trace.params.temperature,
+                "gen_ai.request.top_p": trace.params.top_p,
+            }
+        )
         if trace.params.max_tokens is not None:
             attributes["gen_ai.request.max_tokens"] = trace.params.max_tokens
     if trace.first_token_at:
         attributes["gen_ai.latency.time_to_first_token"] = trace.first_token_at - trace.received_at
         # from the engine's start on it to its first token, less the wait for a place in the batch
         attributes["gen_ai.latency.time_in_model_prefill"] = max(
-            trace.first_token_at - trace.sent_at - trace.queue_time_s, 0.0)
+            trace.first_token_at - trace.sent_at - trace.queue_time_s, 0.0
+        )
         attributes["gen_ai.latency.time_in_model_decode"] = end - trace.first_token_at
     return attributes
 
@@ -94,9 +99,9 @@ class RequestTracer:
 
     def middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
         @web.middleware
-        async def tracing_middleware(request: web.Request,
-                                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                                     ) -> web.StreamResponse:
+        async def tracing_middleware(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
             if request.method != "POST" or request.path not in TRACED_PATHS:
                 return await handler(request)
             trace = RequestTrace(received_at=time.monotonic())
@@ -117,8 +122,9 @@ class RequestTracer:
 
         parent = self.propagator.extract(carrier=dict(request.headers))
         end = time.monotonic()
-        span = self.tracer.start_span(f"llm_request {request.path}", context=parent, kind=SpanKind.SERVER,
-                                      start_time=start_ns)
+        span = self.tracer.start_span(
+            f"llm_request {request.path}", context=parent, kind=SpanKind.SERVER, start_time=start_ns
+        )
         span.set_attributes(span_attributes(trace, request_id_var.get(), self.model, end))
         span.end(end_time=start_ns + int((end - trace.received_at) * 1e9))
 

@@ -37,8 +37,29 @@ FP8_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}  # KV cache dtypes (k
 _PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "tm_omp_max_threads": [],
-    "tm_decode_attention": [_I32, _I32, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-                            _I64, _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_float],
+    "tm_decode_attention": [
+        _I32,
+        _I32,
+        _PTR,
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _I64,
+        _I64,
+        ctypes.c_float,
+        _I64,
+        ctypes.c_float,
+        ctypes.c_float,
+    ],
     "tm_write_kv": [_I32, _I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_float],
     "tm_fp8_convert": [_I32, _I32, _PTR, _PTR, _I64],
     "tm_rms_norm": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float],
@@ -78,8 +99,17 @@ def require_private(path: Path) -> None:
 def library_name(compiler: str, source: Path | None = None, flags: tuple[str, ...] | None = None) -> str:
     """The cached library's file name: it names the source, the compiler, the flags and the CPU."""
     source, flags = source or SOURCE, flags or FLAGS
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), compiler.encode(), " ".join(flags).encode(),
-                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                source.read_bytes(),
+                compiler.encode(),
+                " ".join(flags).encode(),
+                platform.machine().encode(),
+                _cpu_signature().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     return f"{source.stem}-{key}.so"
 
 
@@ -209,11 +239,29 @@ def decode_attention(
     assert query.dtype == out.dtype and k_cache.dtype == v_cache.dtype and num_heads % num_kv_heads == 0
     query = _heads_contiguous(query)
     block_tables = _rows(block_tables)
-    _call_kv("tm_decode_attention", query.dtype, k_cache.dtype, out.data_ptr(), query.data_ptr(), query.stride(0),
-             k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_kv_heads, num_heads, head_dim,
-             block_tables.data_ptr(), block_tables.stride(0), query_start_loc.contiguous().data_ptr(),
-             seq_lens.contiguous().data_ptr(), seq_lens.shape[0], max_query_len, scale, sliding_window or 0,
-             *_kv_scales(k_cache.dtype, k_scale, v_scale))
+    _call_kv(
+        "tm_decode_attention",
+        query.dtype,
+        k_cache.dtype,
+        out.data_ptr(),
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_size,
+        num_kv_heads,
+        num_heads,
+        head_dim,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        query_start_loc.contiguous().data_ptr(),
+        seq_lens.contiguous().data_ptr(),
+        seq_lens.shape[0],
+        max_query_len,
+        scale,
+        sliding_window or 0,
+        *_kv_scales(k_cache.dtype, k_scale, v_scale),
+    )
     return out
 
 
@@ -231,9 +279,21 @@ def write_kv(
     assert key.dtype == value.dtype and k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     key, value = _heads_contiguous(key), _heads_contiguous(value)
-    _call_kv("tm_write_kv", key.dtype, k_cache.dtype, key.data_ptr(), key.stride(0), value.data_ptr(),
-             value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(),
-             key.shape[0], key.shape[1] * key.shape[2], *_kv_scales(k_cache.dtype, k_scale, v_scale))
+    _call_kv(
+        "tm_write_kv",
+        key.dtype,
+        k_cache.dtype,
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.contiguous().data_ptr(),
+        key.shape[0],
+        key.shape[1] * key.shape[2],
+        *_kv_scales(k_cache.dtype, k_scale, v_scale),
+    )
 
 
 def rms_norm(
@@ -244,10 +304,22 @@ def rms_norm(
     out = torch.empty(x.shape, dtype=x.dtype)
     residual_out = x if residual is None else torch.empty(x.shape, dtype=x.dtype)
     residual_in = None if residual is None else _rows(residual)
-    _call("tm_rms_norm", x.dtype, out.data_ptr(), out.stride(0), residual_out.data_ptr(), residual_out.stride(0),
-          x.data_ptr(), x.stride(0), 0 if residual_in is None else residual_in.data_ptr(),
-          0 if residual_in is None else residual_in.stride(0), weight.contiguous().data_ptr(), x.shape[0],
-          x.shape[1], eps)
+    _call(
+        "tm_rms_norm",
+        x.dtype,
+        out.data_ptr(),
+        out.stride(0),
+        residual_out.data_ptr(),
+        residual_out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        0 if residual_in is None else residual_in.data_ptr(),
+        0 if residual_in is None else residual_in.stride(0),
+        weight.contiguous().data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+    )
     return out, residual_out
 
 
@@ -259,8 +331,21 @@ def rotary(
     assert q.dtype == k.dtype and cos_sin_table.dtype == torch.float32 and cos_sin_table.is_contiguous()
     assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == q.shape[2], "rotate views in place"
     positions = positions.to(torch.int64).contiguous()
-    _call("tm_rotary", q.dtype, q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
-          q.shape[2], positions.data_ptr(), cos_sin_table.data_ptr(), cos_sin_table.shape[1], q.shape[0])
+    _call(
+        "tm_rotary",
+        q.dtype,
+        q.data_ptr(),
+        q.stride(0),
+        q.shape[1],
+        k.data_ptr(),
+        k.stride(0),
+        k.shape[1],
+        q.shape[2],
+        positions.data_ptr(),
+        cos_sin_table.data_ptr(),
+        cos_sin_table.shape[1],
+        q.shape[0],
+    )
     return q, k
 
 
@@ -281,5 +366,13 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask, mask_rows: list[int], log
         raise ValueError("apply_token_bitmask needs float32 logits with contiguous rows")
     mask_index = torch.tensor(mask_rows, dtype=torch.int64)
     logit_index = torch.tensor(logit_rows, dtype=torch.int64)
-    library().tm_apply_token_bitmask(logits.data_ptr(), logits.stride(0), logits.shape[1], bitmask.ctypes.data,
-                                     bitmask.shape[1], mask_index.data_ptr(), logit_index.data_ptr(), len(mask_rows))
+    library().tm_apply_token_bitmask(
+        logits.data_ptr(),
+        logits.stride(0),
+        logits.shape[1],
+        bitmask.ctypes.data,
+        bitmask.shape[1],
+        mask_index.data_ptr(),
+        logit_index.data_ptr(),
+        len(mask_rows),
+    )

@@ -49,8 +49,12 @@ def weight_scale_per_row(weight_scale: torch.Tensor, out_features: int) -> torch
 
 
 def fp8_gemm_ref(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
-    weight_only: bool = False, dtype: torch.dtype = torch.float64,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    weight_only: bool = False,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Torch reference for `fp8_gemm`, computed in `dtype` and returned in it (float64: the exact result)."""
     w = weight.to(dtype) * weight_scale_per_row(weight_scale, weight.shape[0]).to(dtype)[:, None]
@@ -131,7 +135,10 @@ def pick_method(x: torch.Tensor, out_features: int) -> str:
 
 
 def fp8_gemm(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
     method: str = "auto",
 ) -> torch.Tensor:
     """x `[..., K]` (fp16/bf16/fp32) @ (weight `[N, K]` e4m3 * weight_scale).T -> `[..., N]` in x's dtype.
@@ -165,8 +172,21 @@ def fp8_gemm(
     if method == "triton_weight_only":
         weight = weight.view(torch.uint8)  # decoded in the kernel (no fp8 type before sm_89)
     _fp8_gemm_kernel[(triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))](
-        operand, x_scale, weight, w_scale, out, x2.shape[0], n, k, operand.stride(0), weight.stride(0), out.stride(0),
-        FP8_DOT=method == "triton", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        operand,
+        x_scale,
+        weight,
+        w_scale,
+        out,
+        x2.shape[0],
+        n,
+        k,
+        operand.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        FP8_DOT=method == "triton",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         IEEE_DOT=method == "triton_weight_only" and x.dtype == torch.float32,
     )
     return out.reshape(out_shape)

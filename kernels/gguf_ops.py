@@ -45,11 +45,22 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
 
-SUPPORTED_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-))
+SUPPORTED_TYPES: frozenset[int] = frozenset(
+    int(t)
+    for t in (
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.IQ4_NL,
+        GGMLQuantizationType.Q2_K,
+        GGMLQuantizationType.Q3_K,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    )
+)
 
 ISA_CODES = {"scalar": 0, "neon": 1, "avx2": 2, "avx512": 3}
 _ISA_NAMES = {code: name for name, code in ISA_CODES.items()}
@@ -74,12 +85,25 @@ _U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64]}
 
 # The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
 # come first).
-REPACK_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.IQ4_NL))
-_QUANTS_OFFSET = {int(GGMLQuantizationType.Q4_0): 2, int(GGMLQuantizationType.Q4_1): 4,
-                  int(GGMLQuantizationType.Q5_0): 2, int(GGMLQuantizationType.Q5_1): 4,  # their qh is a 4-byte group
-                  int(GGMLQuantizationType.Q8_0): 2, int(GGMLQuantizationType.IQ4_NL): 2}
+REPACK_TYPES: frozenset[int] = frozenset(
+    int(t)
+    for t in (
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.IQ4_NL,
+    )
+)
+_QUANTS_OFFSET = {
+    int(GGMLQuantizationType.Q4_0): 2,
+    int(GGMLQuantizationType.Q4_1): 4,
+    int(GGMLQuantizationType.Q5_0): 2,
+    int(GGMLQuantizationType.Q5_1): 4,  # their qh is a 4-byte group
+    int(GGMLQuantizationType.Q8_0): 2,
+    int(GGMLQuantizationType.IQ4_NL): 2,
+}
 REPACK_ROWS = 8  # output rows per repacked group
 
 ACTIVATION_MODES = ("float", "int8")
@@ -144,8 +168,12 @@ def library() -> ctypes.CDLL | None:
     forced = os.environ.get("TOKENMILL_CPU_ISA")
     if forced:
         if forced not in ISA_CODES or lib.tm_gguf_set_isa(ISA_CODES[forced]) != 0:
-            log.warning("TOKENMILL_CPU_ISA=%s is not available here (available: %s); using %s", forced,
-                        ", ".join(_available(lib)), _ISA_NAMES[lib.tm_gguf_isa()])
+            log.warning(
+                "TOKENMILL_CPU_ISA=%s is not available here (available: %s); using %s",
+                forced,
+                ", ".join(_available(lib)),
+                _ISA_NAMES[lib.tm_gguf_isa()],
+            )
     return lib
 
 
@@ -183,22 +211,27 @@ def row_bytes(qtype: int, in_features: int) -> int:
         raise ValueError(f"qtype {qtype} is not one of the supported GGML types {sorted(SUPPORTED_TYPES)}")
     block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     if in_features <= 0 or in_features % block_elems:
-        raise ValueError(f"in_features {in_features} is not a multiple of {GGMLQuantizationType(qtype).name}'s "
-                         f"block of {block_elems}")
+        raise ValueError(
+            f"in_features {in_features} is not a multiple of {GGMLQuantizationType(qtype).name}'s "
+            f"block of {block_elems}"
+        )
     return in_features // block_elems * block_bytes
 
 
 def _check_blocks(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> None:
     expected = (out_features, row_bytes(qtype, in_features))
     if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or blocks.shape != expected:
-        raise ValueError(f"blocks must be a uint8 CPU tensor of shape {expected}, got {blocks.dtype} "
-                         f"{tuple(blocks.shape)} on {blocks.device}")
+        raise ValueError(
+            f"blocks must be a uint8 CPU tensor of shape {expected}, got {blocks.dtype} "
+            f"{tuple(blocks.shape)} on {blocks.device}"
+        )
     if not blocks.is_contiguous():
         raise ValueError("blocks must be contiguous")
 
 
-def dequantize_rows(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
-                    repacked: bool = False) -> torch.Tensor:
+def dequantize_rows(
+    blocks: torch.Tensor, qtype: int, out_features: int, in_features: int, repacked: bool = False
+) -> torch.Tensor:
     """The float32 `[out_features, in_features]` weights the blocks (plain, or `repacked`) encode (the `gguf`
     package's dequantizer)."""
     _check_blocks(blocks, qtype, out_features, in_features)
@@ -214,8 +247,12 @@ def _group_permutation(qtype: int) -> np.ndarray:
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
     quants = _QUANTS_OFFSET[qtype]
     perm = [r * block_bytes + h + i for h in range(0, quants, 2) for r in range(REPACK_ROWS) for i in range(2)]
-    perm += [r * block_bytes + quants + 4 * j + i for j in range((block_bytes - quants) // 4)
-             for r in range(REPACK_ROWS) for i in range(4)]
+    perm += [
+        r * block_bytes + quants + 4 * j + i
+        for j in range((block_bytes - quants) // 4)
+        for r in range(REPACK_ROWS)
+        for i in range(4)
+    ]
     return np.array(perm, dtype=np.int64)
 
 
@@ -235,12 +272,18 @@ def repack_wanted(qtype: int, out_features: int) -> bool:
     """Whether a weight of this type and height should be repacked here: TOKENMILL_GGUF_REPACK allows it, the type
     has the layout, the activations are int8 (the float mode gains nothing from it), at least one whole group
     of 8 rows, and the kernels in use are an x86 version (where the repacked kernel is the fast one)."""
-    return (repack_enabled() and qtype in REPACK_TYPES and DEFAULT_ACTIVATIONS == "int8"
-            and out_features >= REPACK_ROWS and isa() in ("avx512", "avx2"))
+    return (
+        repack_enabled()
+        and qtype in REPACK_TYPES
+        and DEFAULT_ACTIVATIONS == "int8"
+        and out_features >= REPACK_ROWS
+        and isa() in ("avx512", "avx2")
+    )
 
 
-def repack_rows(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
-                numpy: bool = False) -> torch.Tensor:
+def repack_rows(
+    blocks: torch.Tensor, qtype: int, out_features: int, in_features: int, numpy: bool = False
+) -> torch.Tensor:
     """The plain blocks `[out_features, row_bytes]` in the repacked layout (same shape and bytes, reordered within
     each group of 8 rows; the last `out_features % 8` rows unchanged): `gguf_matmul(..., repacked=True)`'s input.
     By the compiled kernels' byte moves where they are loaded, else (or with `numpy`) by numpy indexing."""
@@ -261,8 +304,9 @@ def repack_rows(blocks: torch.Tensor, qtype: int, out_features: int, in_features
     return torch.from_numpy(out)
 
 
-def gather_rows(blocks: torch.Tensor, qtype: int, in_features: int, ids: torch.Tensor,
-                repacked: bool = False, numpy: bool = False) -> torch.Tensor:
+def gather_rows(
+    blocks: torch.Tensor, qtype: int, in_features: int, ids: torch.Tensor, repacked: bool = False, numpy: bool = False
+) -> torch.Tensor:
     """Rows `ids` (any shape, flattened) of the weight as plain blocks `[ids.numel(), row_bytes]`, from plain or
     repacked blocks (by the compiled kernels where they are loaded, else or with `numpy` by numpy indexing)."""
     ids = ids.reshape(-1).long()
@@ -275,8 +319,9 @@ def gather_rows(blocks: torch.Tensor, qtype: int, in_features: int, ids: torch.T
     if lib is not None and not numpy:
         ids = ids.contiguous()
         out = torch.empty((ids.numel(), blocks.shape[1]), dtype=torch.uint8)
-        status = lib.tm_gguf_unpack_rows(qtype, blocks.data_ptr(), out_features, in_features, ids.data_ptr(),
-                                         ids.numel(), out.data_ptr())
+        status = lib.tm_gguf_unpack_rows(
+            qtype, blocks.data_ptr(), out_features, in_features, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
         if status == -3:
             raise IndexError(f"row ids out of range for {out_features} rows")
         if status != 0:
@@ -294,8 +339,11 @@ def gather_rows(blocks: torch.Tensor, qtype: int, in_features: int, ids: torch.T
         # byte i of row r's plain block sits at inverse[r, i] in its group's repacked block
         inverse = _group_inverse(qtype)
         picked = index[in_groups]
-        out[in_groups] = groups[(picked // REPACK_ROWS)[:, None, None], np.arange(nb)[None, :, None],
-                                inverse[picked % REPACK_ROWS][:, None, :]]
+        out[in_groups] = groups[
+            (picked // REPACK_ROWS)[:, None, None],
+            np.arange(nb)[None, :, None],
+            inverse[picked % REPACK_ROWS][:, None, :],
+        ]
     if (~in_groups).any():
         out[~in_groups] = blocks.numpy()[index[~in_groups]].reshape(-1, nb, block_bytes)
     return torch.from_numpy(out.reshape(index.size, -1))
@@ -312,8 +360,9 @@ def _log_fallback_once() -> None:
     log.warning("gguf_matmul: no compiled kernels, dequantizing the weights to float on every call (slow)")
 
 
-def int8_matmul_on(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
-                   repacked: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def int8_matmul_on(
+    blocks: torch.Tensor, qtype: int, out_features: int, in_features: int, repacked: bool = False
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """`gguf_matmul(x, blocks, ..., activations="int8", repacked=repacked)` as a function of x alone, the blocks
     checked once (a weight's per-call Python cost was as much as a small layer's kernel time); None without the
     kernels. Keeps `blocks` alive; x of any other kind than float32 / bfloat16 [T, in_features] with unit column
@@ -332,16 +381,36 @@ def int8_matmul_on(blocks: torch.Tensor, qtype: int, out_features: int, in_featu
         if dtype_code is None or x.ndim != 2 or x.shape[1] != in_features or x.stride(1) != 1 or not x.is_cpu:
             return gguf_matmul(x, blocks, qtype, out_features, in_features, activations="int8", repacked=repacked)
         out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
-        if kernel(qtype, dtype_code, x.data_ptr(), x.stride(0), pointer, x.shape[0], out_features, in_features,
-                  out.data_ptr(), out_features) != 0:
+        if (
+            kernel(
+                qtype,
+                dtype_code,
+                x.data_ptr(),
+                x.stride(0),
+                pointer,
+                x.shape[0],
+                out_features,
+                in_features,
+                out.data_ptr(),
+                out_features,
+            )
+            != 0
+        ):
             raise ValueError(f"tm_gguf_matmul refused qtype {qtype}, dtype {x.dtype}, in_features {in_features}")
         return out
 
     return matmul
 
 
-def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
-                activations: str | None = None, repacked: bool = False) -> torch.Tensor:
+def gguf_matmul(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    out_features: int,
+    in_features: int,
+    activations: str | None = None,
+    repacked: bool = False,
+) -> torch.Tensor:
     """`x [T, in_features] @ W^T` -> `[T, out_features]` in x's dtype (float32 or bfloat16), W being the GGUF
     blocks `[out_features, row_bytes]` (uint8, contiguous). x's rows may be strided; the sum is taken in float32.
     `activations`: "float" multiplies the float activations with the weights dequantized in registers, "int8"
@@ -356,8 +425,10 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features:
         _check_repack_type(qtype)
     dtype_code = _DTYPE_CODES.get(x.dtype)
     if x.dim() != 2 or x.shape[1] != in_features or dtype_code is None or x.device.type != "cpu":
-        raise ValueError(f"x must be a float32 or bfloat16 CPU tensor [T, {in_features}], got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")
+        raise ValueError(
+            f"x must be a float32 or bfloat16 CPU tensor [T, {in_features}], got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}"
+        )
     lib = library()
     if lib is None:
         _log_fallback_once()
@@ -367,8 +438,17 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features:
         xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
         matmul = lib.tm_gguf_matmul_float_repacked if repacked else lib.tm_gguf_matmul_float
-        status = matmul(qtype, xf.data_ptr(), xf.stride(0), blocks.data_ptr(), xf.shape[0], out_features, in_features,
-                        out.data_ptr(), out_features)
+        status = matmul(
+            qtype,
+            xf.data_ptr(),
+            xf.stride(0),
+            blocks.data_ptr(),
+            xf.shape[0],
+            out_features,
+            in_features,
+            out.data_ptr(),
+            out_features,
+        )
         if status != 0:
             raise ValueError(f"tm_gguf_matmul_float refused qtype {qtype}, in_features {in_features}")
         return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -376,8 +456,18 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features:
         x = x.contiguous()
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
     matmul = lib.tm_gguf_matmul_repacked if repacked else lib.tm_gguf_matmul
-    status = matmul(qtype, dtype_code, x.data_ptr(), x.stride(0), blocks.data_ptr(), x.shape[0], out_features,
-                    in_features, out.data_ptr(), out_features)
+    status = matmul(
+        qtype,
+        dtype_code,
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data_ptr(),
+        x.shape[0],
+        out_features,
+        in_features,
+        out.data_ptr(),
+        out_features,
+    )
     if status != 0:
         raise ValueError(f"tm_gguf_matmul refused qtype {qtype}, dtype {x.dtype}, in_features {in_features}")
     return out

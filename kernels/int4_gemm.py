@@ -61,7 +61,10 @@ def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = PLAIN_O
 
 
 def awq_dequantize_ref(
-    qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor, group_size: int,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    scales: torch.Tensor,
+    group_size: int,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """The dense `[K, N]` matrix of an AWQ weight, in `dtype` (see the module docstring)."""
@@ -76,8 +79,13 @@ def awq_dequantize_ref(
 
 
 def gptq_dequantize_ref(
-    qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor, group_size: int,
-    g_idx: torch.Tensor | None = None, zero_offset: int = 1, dtype: torch.dtype = torch.float64,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    scales: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    zero_offset: int = 1,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """The dense `[K, N]` matrix of a GPTQ weight, in `dtype` (see the module docstring)."""
     codes = unpack_int4(qweight, 0).to(dtype)
@@ -169,8 +177,9 @@ def _int4_gemm_kernel(
                 groups = ks // group_size
             scales = tl.load(scales_ptr + groups[:, None] * N + cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
             if HAS_ZEROS:
-                packed_zeros = tl.load(qzeros_ptr + groups[:, None] * packed_cols + (cols // 8)[None, :], mask=w_mask,
-                                       other=0)
+                packed_zeros = tl.load(
+                    qzeros_ptr + groups[:, None] * packed_cols + (cols // 8)[None, :], mask=w_mask, other=0
+                )
                 zeros = (((packed_zeros >> col_shift[None, :]) & 0xF) + ZERO_OFFSET).to(tl.float32)
             else:
                 zeros = 8.0
@@ -204,11 +213,26 @@ def _int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, n, awq, zero_offse
     block_m, block_n, block_k, group_per_tile = tile_shape(x2.shape[0], group_size, g_idx is not None)
     grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](
-        x2, qweight.contiguous(), qzeros.contiguous() if qzeros is not None else qweight, scales.contiguous(),
-        g_idx.to(torch.int32).contiguous() if g_idx is not None else qweight, out,
-        x2.shape[0], n, k, group_size, x2.stride(0), out.stride(0),
-        AWQ=awq, HAS_ZEROS=qzeros is not None, HAS_G_IDX=g_idx is not None, ZERO_OFFSET=zero_offset,
-        GROUP_PER_TILE=group_per_tile, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x2,
+        qweight.contiguous(),
+        qzeros.contiguous() if qzeros is not None else qweight,
+        scales.contiguous(),
+        g_idx.to(torch.int32).contiguous() if g_idx is not None else qweight,
+        out,
+        x2.shape[0],
+        n,
+        k,
+        group_size,
+        x2.stride(0),
+        out.stride(0),
+        AWQ=awq,
+        HAS_ZEROS=qzeros is not None,
+        HAS_G_IDX=g_idx is not None,
+        ZERO_OFFSET=zero_offset,
+        GROUP_PER_TILE=group_per_tile,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         IEEE_DOT=x.dtype == torch.float32,
     )
     return out.reshape(*x.shape[:-1], n)
@@ -222,8 +246,13 @@ def awq_gemm(
 
 
 def gptq_gemm(
-    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor, group_size: int,
-    g_idx: torch.Tensor | None = None, zero_offset: int = 1,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    scales: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    zero_offset: int = 1,
 ) -> torch.Tensor:
     """x `[..., K]` (fp16/bf16/fp32) @ the GPTQ weight -> `[..., N]` in x's dtype; g_idx for act-order."""
     return _int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, scales.shape[1], False, zero_offset)

@@ -98,5 +98,7 @@ def check_kv_cache_device(dtype: torch.dtype, device: torch.device) -> None:
     """Raise ValueError where the kernels cannot run an fp8 cache: Triton converts fp8 on CUDA from sm_89 on."""
     if is_fp8(dtype) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(f"kv_cache_dtype {dtype} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for "
-                         f"the Triton kernels' fp8 conversions; this one is {major}.{minor}: use kv_cache_dtype='auto'")
+        raise ValueError(
+            f"kv_cache_dtype {dtype} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for "
+            f"the Triton kernels' fp8 conversions; this one is {major}.{minor}: use kv_cache_dtype='auto'"
+        )

@@ -55,8 +55,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) 
     sorted_pair_ids[padded_start[sorted_experts] + rank_in_expert] = order.to(torch.int32)
     tile_starts = torch.arange(max_tiles, device=device) * block_m
     tile_experts = torch.searchsorted(padded_end, tile_starts, right=True).clamp_(max=num_experts - 1)
-    return MoeAlignment(sorted_pair_ids, tile_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_pairs,
-                        block_m)
+    return MoeAlignment(
+        sorted_pair_ids, tile_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_pairs, block_m
+    )
 
 
 @triton.jit
@@ -99,8 +100,9 @@ def _grouped_gemm_kernel(
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a_row + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_a_row + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
         w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if IEEE_DOT:
             acc += tl.dot(a, w, input_precision="ieee")
@@ -140,10 +142,26 @@ def grouped_gemm(
     max_tiles = align.tile_experts.numel()
     weights = pair_weights.reshape(-1) if pair_weights is not None else align.sorted_pair_ids  # unused if no weights
     _grouped_gemm_kernel[(max_tiles, triton.cdiv(n, block_n))](
-        a, w, out, align.sorted_pair_ids, align.tile_experts, align.num_padded, weights,
-        align.num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ROWS_PER_PAIR=rows_per_pair, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_WEIGHTS=pair_weights is not None, IEEE_DOT=a.dtype == torch.float32,
+        a,
+        w,
+        out,
+        align.sorted_pair_ids,
+        align.tile_experts,
+        align.num_padded,
+        weights,
+        align.num_pairs,
+        n,
+        k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        ROWS_PER_PAIR=rows_per_pair,
+        BLOCK_M=align.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        HAS_WEIGHTS=pair_weights is not None,
+        IEEE_DOT=a.dtype == torch.float32,
     )
     return out
 

@@ -455,9 +455,7 @@ def paged_attention_prefill(
     return out
 
 
-def _gather_sequence_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def _gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """`[seq_len, Hkv, D]` K or V of one sequence, gathered through its block table."""
     block_size = cache.shape[1]
     num_blocks = math.ceil(seq_len / block_size)

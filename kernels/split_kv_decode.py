@@ -133,8 +133,11 @@ def _attend_rows(
     offsets_in_block = key_positions % BLOCK_SIZE
     kv_mask = key_mask[:, None] & dim_mask[None, :]
     k = tl.load(
-        k_cache_ptr + physical_blocks[:, None] * stride_k_block + offsets_in_block[:, None] * stride_k_offset
-        + kv_head * stride_k_head + dims[None, :],
+        k_cache_ptr
+        + physical_blocks[:, None] * stride_k_block
+        + offsets_in_block[:, None] * stride_k_offset
+        + kv_head * stride_k_head
+        + dims[None, :],
         mask=kv_mask,
         other=0.0,
     ).to(tl.float32)
@@ -145,8 +148,11 @@ def _attend_rows(
     correction = tl.exp2(running_max - new_max)
     running_sum = running_sum * correction + tl.sum(probs, axis=1)
     v = tl.load(
-        v_cache_ptr + physical_blocks[:, None] * stride_v_block + offsets_in_block[:, None] * stride_v_offset
-        + kv_head * stride_v_head + dims[None, :],
+        v_cache_ptr
+        + physical_blocks[:, None] * stride_v_block
+        + offsets_in_block[:, None] * stride_v_offset
+        + kv_head * stride_v_head
+        + dims[None, :],
         mask=kv_mask,
         other=0.0,
     ).to(tl.float32)
@@ -284,8 +290,11 @@ def _split_kv_reduce_kernel(
         other=0.0,
     )
     out = tl.sum(partials * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_out_token + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dim_mask)
+    tl.store(
+        out_ptr + seq * stride_out_token + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
 
 
 def split_kv_decode(
@@ -315,8 +324,9 @@ def split_kv_decode(
     partial_out = out  # unused with one split (the kernel writes `out` itself)
     partial_lse = out
     if num_splits > 1:
-        partial_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
-                                  device=query.device)
+        partial_out = torch.empty(
+            (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
     _split_kv_partial_kernel[(num_seqs, k_cache.shape[2], num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,

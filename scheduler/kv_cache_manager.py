@@ -74,16 +74,18 @@ class KVCacheManager:
             parent_id = block.content_id
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[Block] = (),
-                       num_lookahead_tokens: int = 0) -> list[int] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[Block] = (), num_lookahead_tokens: int = 0
+    ) -> list[int] | None:
         """Give the request blocks for `num_new_tokens` more tokens after its computed ones (and after
         `cached_blocks`, prefix hits of a request being scheduled from scratch), plus `num_lookahead_tokens` slots
         past them that the step writes without computing them (the draft model's KV, as vLLM's
         num_lookahead_tokens). Returns the ids of the blocks added to its table, or None, changing nothing, when the
         pool is short."""
         blocks = self.req_blocks.get(request.request_id, [])
-        num_tokens_after = (request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-                            + num_lookahead_tokens)
+        num_tokens_after = (
+            request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens + num_lookahead_tokens
+        )
         num_table_blocks = len(blocks) + self.num_freed_blocks.get(request.request_id, 0)
         num_fresh = self.num_blocks_for(num_tokens_after) - num_table_blocks - len(cached_blocks)
         # hits that sit in the free queue stop being allocatable once we take them
@@ -95,8 +97,9 @@ class KVCacheManager:
         if request.request_id not in self.req_blocks:
             self.req_blocks[request.request_id] = blocks
             self.num_indexed_blocks[request.request_id] = len(cached_blocks)
-            self.last_indexed_id[request.request_id] = (cached_blocks[-1].content_id if cached_blocks
-                                                         else ROOT_CONTENT_ID)
+            self.last_indexed_id[request.request_id] = (
+                cached_blocks[-1].content_id if cached_blocks else ROOT_CONTENT_ID
+            )
         blocks.extend(added)
         return [b.block_id for b in added]
 
@@ -117,8 +120,9 @@ class KVCacheManager:
             self.last_indexed_id[request_id] = None
             return
         for i in range(start, num_full):
-            holder = self.pool.cache(blocks[i - num_freed], request.block_hashes[i],
-                                     self._content(request, i, parent_id))
+            holder = self.pool.cache(
+                blocks[i - num_freed], request.block_hashes[i], self._content(request, i, parent_id)
+            )
             parent_id = holder.content_id if holder is not None else None
             if parent_id is None:
                 break
@@ -155,11 +159,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // size):
             parent, salt = (hashes[i - 1], None) if i else (self.pool.root_hash, request.cache_salt)
-            hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], salt))
+            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size], salt))
 
     def _content(self, request: Request, index: int, parent_id: int) -> BlockContent:
         """What block `index` of the request holds, after the indexed block `parent_id` holding its prefix (the salt
         is the first block's alone: a later block's parent, unique per indexing, carries it)."""
         size = self.block_size
         salt = request.cache_salt if index == 0 else None
-        return parent_id, tuple(request.all_token_ids[index * size:(index + 1) * size]), salt
+        return parent_id, tuple(request.all_token_ids[index * size : (index + 1) * size]), salt

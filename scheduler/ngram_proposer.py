@@ -42,8 +42,9 @@ class TokenBuffer:
 class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
-                             f"({prompt_lookup_max})")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max ({prompt_lookup_max})"
+            )
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 

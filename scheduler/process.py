@@ -80,8 +80,9 @@ class SchedulerLoop:
         self.num_steps = 0
         # the dashboard's feed: every step recorded, a StepSummary sent while a WatchSteps asks for them
         self.spec_log = SpecDecodeLogger(log) if config.speculative.method is not None else None
-        self.summaries = StepSummarizer(lambda summary: self.to_frontend.send(encode(summary)),
-                                        engine_index=config.parallel.data_parallel_rank)
+        self.summaries = StepSummarizer(
+            lambda summary: self.to_frontend.send(encode(summary)), engine_index=config.parallel.data_parallel_rank
+        )
 
     # ------------------------------------------------------------------ start-up
 
@@ -101,15 +102,26 @@ class SchedulerLoop:
         first = readies[0]
         grammars = None
         if first.vocab_size:  # a language model: structured outputs can constrain it
-            grammars = GrammarCompiler(lambda: grammar_tokenizer(self.config.model, first.vocab_size,
-                                                                 first.eos_token_ids),
-                                       cache_bytes=self.config.scheduler.structured_outputs_cache_bytes)
-        self.scheduler = Scheduler(self.config, num_blocks, first.eos_token_ids, grammars=grammars,
-                                   sliding_window=first.sliding_window)
-        self.to_frontend.send(encode(EngineReady(
-            num_kv_blocks=num_blocks, block_size=self.config.cache.block_size,
-            max_model_len=self.config.model.max_model_len, weight_bytes=sum(r.weight_bytes for r in readies),
-            device=first.device, dtype=first.dtype, architecture=first.architecture)))
+            grammars = GrammarCompiler(
+                lambda: grammar_tokenizer(self.config.model, first.vocab_size, first.eos_token_ids),
+                cache_bytes=self.config.scheduler.structured_outputs_cache_bytes,
+            )
+        self.scheduler = Scheduler(
+            self.config, num_blocks, first.eos_token_ids, grammars=grammars, sliding_window=first.sliding_window
+        )
+        self.to_frontend.send(
+            encode(
+                EngineReady(
+                    num_kv_blocks=num_blocks,
+                    block_size=self.config.cache.block_size,
+                    max_model_len=self.config.model.max_model_len,
+                    weight_bytes=sum(r.weight_bytes for r in readies),
+                    device=first.device,
+                    dtype=first.dtype,
+                    architecture=first.architecture,
+                )
+            )
+        )
 
     # ------------------------------------------------------------------ messages from the frontend
 
@@ -118,8 +130,18 @@ class SchedulerLoop:
         if isinstance(msg, EngineRequest):
             rejection = self.scheduler.add_request(msg)
             if rejection is not None:  # every choice learns why
-                self.publish([RequestOutput(choice.request_id, [], finish_reason="error", error=rejection.message,
-                                            error_kind=rejection.kind) for choice in choice_requests(msg)])
+                self.publish(
+                    [
+                        RequestOutput(
+                            choice.request_id,
+                            [],
+                            finish_reason="error",
+                            error=rejection.message,
+                            error_kind=rejection.kind,
+                        )
+                        for choice in choice_requests(msg)
+                    ]
+                )
         elif isinstance(msg, AbortRequest):
             self.publish(self.scheduler.abort_requests(msg.request_ids))
         elif isinstance(msg, Ping):
@@ -150,8 +172,11 @@ class SchedulerLoop:
         if now - self.last_stats_time >= STATS_INTERVAL_S or any(o.finish_reason for o in outputs):
             assert self.scheduler is not None, "outputs are published only once the scheduler runs"
             stats = msgspec.structs.replace(
-                self.scheduler.stats(), num_steps=self.steps_since_report,
-                step_time_s=self.step_time_since_report, model_time_s=self.model_time_since_report)
+                self.scheduler.stats(),
+                num_steps=self.steps_since_report,
+                step_time_s=self.step_time_since_report,
+                model_time_s=self.model_time_since_report,
+            )
             self.steps_since_report, self.step_time_since_report, self.model_time_since_report = 0, 0.0, 0.0
             if self.spec_log is not None:
                 self.spec_log.observe(stats)
@@ -178,8 +203,10 @@ class SchedulerLoop:
             if deadline is not None:
                 wait_ms = math.ceil((deadline - time.monotonic()) * 1000)
                 if wait_ms <= 0:
-                    raise WorkerFailed(f"no worker answered step {step_id} within {timeout:g} s "
-                                       f"(--worker-step-timeout); treating the worker as dead")
+                    raise WorkerFailed(
+                        f"no worker answered step {step_id} within {timeout:g} s "
+                        f"(--worker-step-timeout); treating the worker as dead"
+                    )
             for sock, _ in poller.poll(wait_ms):
                 if sock is self.from_workers:
                     msg = decode_or_drop(self.worker_decoder, sock.recv(), self.log, "a worker")

@@ -26,10 +26,28 @@ class Request:
     """Mutable per-request state, owned by the Scheduler."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling", "task", "priority", "cache_salt", "arrival_seq",
-        "enqueue_time", "max_tokens", "all_token_ids", "num_computed_tokens", "num_cached_tokens", "status",
-        "finish_reason", "block_hashes", "num_preemptions", "on_worker", "num_tokens_on_worker",
-        "num_blocks_on_worker", "grammar", "spec", "deadline",
+        "request_id",
+        "prompt_token_ids",
+        "sampling",
+        "task",
+        "priority",
+        "cache_salt",
+        "arrival_seq",
+        "enqueue_time",
+        "max_tokens",
+        "all_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "status",
+        "finish_reason",
+        "block_hashes",
+        "num_preemptions",
+        "on_worker",
+        "num_tokens_on_worker",
+        "num_blocks_on_worker",
+        "grammar",
+        "spec",
+        "deadline",
         "first_scheduled_time",
     )
 
@@ -75,7 +93,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def is_embedding(self) -> bool:
@@ -96,5 +114,7 @@ class Request:
         self.num_blocks_on_worker = 0
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, outputs={self.num_output_tokens}/{self.max_tokens})")
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, outputs={self.num_output_tokens}/{self.max_tokens})"
+        )

@@ -56,8 +56,10 @@ def make_speculator(config: SpeculativeConfig) -> Speculator | None:
         return DraftModelSpeculator(config)
     return None
 
+
 # a prompt that asks for prompt logprobs is computed at most max_num_batched_tokens / this per step (at least 16)
 PROMPT_LOGPROBS_CHUNK_DIVISOR = 8
+
 
 class Rejection(NamedTuple):
     """Why a request was refused: one sentence for the client, and whether retrying later can help."""
@@ -67,9 +69,16 @@ class Rejection(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: list[int],
-                 clock: Callable[[], float] = time.monotonic, policy: SchedulingPolicy | None = None,
-                 grammars: GrammarCompiler | None = None, sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_kv_blocks: int,
+        eos_token_ids: list[int],
+        clock: Callable[[], float] = time.monotonic,
+        policy: SchedulingPolicy | None = None,
+        grammars: GrammarCompiler | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         self.config = config
         # every layer's window is at most this (None: some layer attends to everything): blocks older are freed,
         # so a request is no longer bounded by the pool's size
@@ -121,8 +130,10 @@ class Scheduler:
         refused: "overloaded" when the waiting queue is full, "invalid" when it can never run."""
         choices = choice_requests(request)
         if len(self.waiting) + len(choices) > self.config.scheduler.max_waiting_requests:
-            return Rejection(f"The server is overloaded: {len(self.waiting)} requests are already waiting; retry "
-                             f"later.", "overloaded")
+            return Rejection(
+                f"The server is overloaded: {len(self.waiting)} requests are already waiting; retry later.",
+                "overloaded",
+            )
         for choice in choices:
             reason = self._admission_error(choice)
             if reason is not None:
@@ -155,26 +166,36 @@ class Scheduler:
             return "Structured outputs are not available on this engine."
         if request.task == "embed":
             if num_prompt > self.max_model_len:
-                return (f"The input has {num_prompt} tokens, more than the model's maximum context length "
-                        f"of {self.max_model_len}.")
+                return (
+                    f"The input has {num_prompt} tokens, more than the model's maximum context length "
+                    f"of {self.max_model_len}."
+                )
             if num_prompt > self.max_num_batched_tokens:
-                return (f"The input has {num_prompt} tokens, more than max_num_batched_tokens "
-                        f"({self.max_num_batched_tokens}); embedding inputs are never split.")
+                return (
+                    f"The input has {num_prompt} tokens, more than max_num_batched_tokens "
+                    f"({self.max_num_batched_tokens}); embedding inputs are never split."
+                )
             return None
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
             return f"max_tokens must be at least 1, got {max_tokens}."
         total = num_prompt + (max_tokens if max_tokens is not None else 1)
         if total > self.max_model_len:
-            return (f"This model's maximum context length is {self.max_model_len} tokens, but the request needs "
-                    f"{total} ({num_prompt} in the prompt + {total - num_prompt} to generate).")
+            return (
+                f"This model's maximum context length is {self.max_model_len} tokens, but the request needs "
+                f"{total} ({num_prompt} in the prompt + {total - num_prompt} to generate)."
+            )
         # only the prompt must fit: blocks are taken as tokens are scheduled, and preemption handles pressure
         if self.kv.num_blocks_for(num_prompt) > self.kv.num_blocks:
-            return (f"The prompt has {num_prompt} tokens, more than the whole KV cache holds "
-                    f"({self.kv.num_blocks} blocks of {self.block_size} tokens).")
+            return (
+                f"The prompt has {num_prompt} tokens, more than the whole KV cache holds "
+                f"({self.kv.num_blocks} blocks of {self.block_size} tokens)."
+            )
         if not self.chunked_prefill and num_prompt > self.max_num_batched_tokens:
-            return (f"The prompt has {num_prompt} tokens, more than max_num_batched_tokens "
-                    f"({self.max_num_batched_tokens}) with chunked prefill disabled.")
+            return (
+                f"The prompt has {num_prompt} tokens, more than max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) with chunked prefill disabled."
+            )
         return None
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
@@ -185,9 +206,16 @@ class Scheduler:
             if req is None:
                 continue
             self._finish(req, "abort")
-            outputs.append(RequestOutput(request_id, [], "abort", num_prompt_tokens=req.num_prompt_tokens,
-                                         num_cached_tokens=max(req.num_cached_tokens, 0),
-                                         queue_time_s=self._queue_time(req)))
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    [],
+                    "abort",
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    queue_time_s=self._queue_time(req),
+                )
+            )
         if outputs:
             self._drop_finished_from_queues()
         return outputs
@@ -261,20 +289,34 @@ class Scheduler:
             req = self.requests.get(heapq.heappop(self._deadlines)[1])
             if req is not None and 0 < req.deadline <= now:  # not a later request that reused a finished one's id
                 self._finish(req, "length")
-                self._pending_outputs.append(RequestOutput(
-                    req.request_id, [], "length", num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=max(req.num_cached_tokens, 0), stop_reason="timeout",
-                    queue_time_s=self._queue_time(req)))
+                self._pending_outputs.append(
+                    RequestOutput(
+                        req.request_id,
+                        [],
+                        "length",
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                        stop_reason="timeout",
+                        queue_time_s=self._queue_time(req),
+                    )
+                )
                 ended = True
         if self.max_queue_time > 0:
             for req in self.waiting:
                 waited = now - req.enqueue_time
                 if req.num_cached_tokens < 0 and waited > self.max_queue_time and req.status is RequestStatus.WAITING:
                     self._finish(req, "error")
-                    self._pending_outputs.append(RequestOutput(
-                        req.request_id, [], "error", num_prompt_tokens=req.num_prompt_tokens, error_kind="queue_timeout",
-                        error=f"The request waited {waited:.1f} s to start, longer than the server's "
-                              f"--max-queue-time of {self.max_queue_time:g} s; retry later."))
+                    self._pending_outputs.append(
+                        RequestOutput(
+                            req.request_id,
+                            [],
+                            "error",
+                            num_prompt_tokens=req.num_prompt_tokens,
+                            error_kind="queue_timeout",
+                            error=f"The request waited {waited:.1f} s to start, longer than the server's "
+                            f"--max-queue-time of {self.max_queue_time:g} s; retry later.",
+                        )
+                    )
                     ended = True
         if ended:
             self._drop_finished_from_queues()
@@ -351,8 +393,11 @@ class Scheduler:
     def _chunk(self, req: Request, num_new: int) -> int:
         """`num_new`, capped at `prompt_logprobs_chunk` while a request that asks for prompt logprobs is in its
         prompt (with chunked prefill on)."""
-        if (self.chunked_prefill and req.sampling.prompt_logprobs is not None
-                and req.num_computed_tokens < req.num_prompt_tokens):
+        if (
+            self.chunked_prefill
+            and req.sampling.prompt_logprobs is not None
+            and req.num_computed_tokens < req.num_prompt_tokens
+        ):
             return min(num_new, self.prompt_logprobs_chunk)
         return num_new
 
@@ -365,9 +410,16 @@ class Scheduler:
             return True
         except GrammarError as exc:
             self._finish(req, "error")
-            self._pending_outputs.append(RequestOutput(
-                req.request_id, [], "error", num_prompt_tokens=req.num_prompt_tokens,
-                error=f"The structured-output constraint cannot be used: {exc}", error_kind="invalid"))
+            self._pending_outputs.append(
+                RequestOutput(
+                    req.request_id,
+                    [],
+                    "error",
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    error=f"The structured-output constraint cannot be used: {exc}",
+                    error_kind="invalid",
+                )
+            )
             return False
 
     def take_pending_outputs(self) -> list[RequestOutput]:
@@ -425,15 +477,30 @@ class Scheduler:
             blocks = self.kv.req_blocks.get(request_id, ())
             num_freed = self.kv.num_freed_blocks.get(request_id, 0)  # sliding window: freed leading blocks
             if not req.on_worker:
-                new_requests.append(NewRequestData(
-                    request_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling,
-                    [b.block_id for b in blocks], req.num_computed_tokens, num_scheduled, req.task))
+                new_requests.append(
+                    NewRequestData(
+                        request_id,
+                        list(req.all_token_ids),
+                        req.num_prompt_tokens,
+                        req.sampling,
+                        [b.block_id for b in blocks],
+                        req.num_computed_tokens,
+                        num_scheduled,
+                        req.task,
+                    )
+                )
                 req.on_worker = True
             else:
-                running.append(RunningRequestData(
-                    request_id, req.all_token_ids[req.num_tokens_on_worker:],
-                    [b.block_id for b in blocks[req.num_blocks_on_worker - num_freed:]], req.num_computed_tokens,
-                    num_scheduled, self._step_drafts.get(request_id, [])))
+                running.append(
+                    RunningRequestData(
+                        request_id,
+                        req.all_token_ids[req.num_tokens_on_worker :],
+                        [b.block_id for b in blocks[req.num_blocks_on_worker - num_freed :]],
+                        req.num_computed_tokens,
+                        num_scheduled,
+                        self._step_drafts.get(request_id, []),
+                    )
+                )
             req.num_tokens_on_worker = req.num_tokens
             req.num_blocks_on_worker = num_freed + len(blocks)
             # drafts are not computed tokens until update() knows how many were accepted
@@ -447,8 +514,11 @@ class Scheduler:
     def _add_grammar_bitmask(self, plan: StepPlan, scheduled: dict[str, int]) -> None:
         """The allowed-token bitmask of every constrained request that samples this step, one row each."""
         constrained = [self.requests[request_id] for request_id in scheduled]
-        grammars = [(r.request_id, r.grammar) for r in constrained if r.grammar is not None and r.grammar.active
-                    and r.num_computed_tokens == r.num_tokens]
+        grammars = [
+            (r.request_id, r.grammar)
+            for r in constrained
+            if r.grammar is not None and r.grammar.active and r.num_computed_tokens == r.num_tokens
+        ]
         if grammars and self.grammars is not None:
             bitmask = self.grammars.fill_bitmask([grammar for _, grammar in grammars])
             plan.grammar_request_ids = [request_id for request_id, _ in grammars]
@@ -473,8 +543,13 @@ class Scheduler:
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
             req = self.requests.get(request_id)
             # only a request whose scheduled tokens reached its end samples; anything else is stale
-            if (req is None or req.status is not RequestStatus.RUNNING or req.is_embedding
-                    or req.num_computed_tokens != req.num_tokens or request_id in answered):
+            if (
+                req is None
+                or req.status is not RequestStatus.RUNNING
+                or req.is_embedding
+                or req.num_computed_tokens != req.num_tokens
+                or request_id in answered
+            ):
                 continue
             answered.add(request_id)
             # speculative decoding: the accepted drafts then the token sampled after them; stop conditions are checked
@@ -503,11 +578,21 @@ class Scheduler:
                 self.kv.cache_computed_blocks(req)
             if finish_reason is None and result.draft_token_ids is not None and self.speculator is not None:
                 self.speculator.receive(req, result.draft_token_ids[i])
-            outputs.append(RequestOutput(
-                request_id, new_token_ids, finish_reason, stop_token_id, req.num_prompt_tokens,
-                max(req.num_cached_tokens, 0), [logprobs[i]] if logprobs and len(new_token_ids) == 1 else None,
-                error=error, stop_reason=stop_reason, prompt_logprobs=prompt_logprobs.get(request_id),
-                queue_time_s=self._queue_time(req) if finish_reason is not None else 0.0))
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    new_token_ids,
+                    finish_reason,
+                    stop_token_id,
+                    req.num_prompt_tokens,
+                    max(req.num_cached_tokens, 0),
+                    [logprobs[i]] if logprobs and len(new_token_ids) == 1 else None,
+                    error=error,
+                    stop_reason=stop_reason,
+                    prompt_logprobs=prompt_logprobs.get(request_id),
+                    queue_time_s=self._queue_time(req) if finish_reason is not None else 0.0,
+                )
+            )
             if finish_reason is not None:
                 self._finish(req, finish_reason)
 
@@ -515,15 +600,23 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is None or not req.is_embedding or req.status is not RequestStatus.RUNNING:
                 continue
-            outputs.append(RequestOutput(request_id, [], "stop", num_prompt_tokens=req.num_prompt_tokens,
-                                         embedding=embedding))
+            outputs.append(
+                RequestOutput(request_id, [], "stop", num_prompt_tokens=req.num_prompt_tokens, embedding=embedding)
+            )
             self._finish(req, "stop")
 
         # a request that reached its end but got nothing back would otherwise wait forever
         for req in planned_alive:
             if req.status is RequestStatus.RUNNING and req.num_computed_tokens >= req.num_tokens:
-                outputs.append(RequestOutput(req.request_id, [], "error", num_prompt_tokens=req.num_prompt_tokens,
-                                             error="The worker returned no result for this request."))
+                outputs.append(
+                    RequestOutput(
+                        req.request_id,
+                        [],
+                        "error",
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        error="The worker returned no result for this request.",
+                    )
+                )
                 self._finish(req, "error")
 
         self._drop_finished_from_queues()
@@ -562,13 +655,21 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """Queue sizes and KV usage now; prefix-cache and preemption counters since the last call."""
         stats = SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage,
-            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits,
             num_preemptions=self._num_preemptions,
-            grammar_mask_time_s=self.grammars.take_mask_time() if self.grammars is not None else 0.0)
+            grammar_mask_time_s=self.grammars.take_mask_time() if self.grammars is not None else 0.0,
+        )
         if self.speculator is not None:
-            (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
-             stats.spec_accepted_per_pos) = self.speculator.take_stats()
+            (
+                stats.spec_num_drafts,
+                stats.spec_num_draft_tokens,
+                stats.spec_num_accepted_tokens,
+                stats.spec_accepted_per_pos,
+            ) = self.speculator.take_stats()
         self._reported_counters = self.counter_totals()
         self._prefix_queries = self._prefix_hits = self._num_preemptions = 0
         return stats

@@ -62,16 +62,24 @@ class Speculator:
 
     def begin_step(self, num_running: int) -> None:
         """A new step is being planned with `num_running` running requests: reset the step's draft-token budget."""
-        self.step_draft_budget = (max(0, STEP_TOKEN_BUDGET - num_running)
-                                  if num_running <= self.max_speculating_batch else 0)
+        self.step_draft_budget = (
+            max(0, STEP_TOKEN_BUDGET - num_running) if num_running <= self.max_speculating_batch else 0
+        )
 
     @staticmethod
     def allowed(req: Request) -> bool:
         """Whether verification reproduces this request's sampling exactly (else it runs without drafts)."""
         s = req.sampling
-        return (req.grammar is None and s.structured_outputs is None and s.logprobs is None
-                and s.prompt_logprobs is None and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
-                and s.repetition_penalty == 1.0 and not req.is_embedding)
+        return (
+            req.grammar is None
+            and s.structured_outputs is None
+            and s.logprobs is None
+            and s.prompt_logprobs is None
+            and s.presence_penalty == 0.0
+            and s.frequency_penalty == 0.0
+            and s.repetition_penalty == 1.0
+            and not req.is_embedding
+        )
 
     @property
     def lookahead_slots(self) -> int:
@@ -141,8 +149,7 @@ class NgramSpeculator(Speculator):
 class SpecDecodeLogger:
     """The periodic speculative-decoding log line (as vLLM's SpecDecodingLogging), from the stats reports."""
 
-    def __init__(self, log: logging.Logger, interval_s: float = 10.0,
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, log: logging.Logger, interval_s: float = 10.0, clock: Callable[[], float] | None = None) -> None:
         self.log = log
         self.interval_s = interval_s
         self.clock = clock or time.monotonic
@@ -168,12 +175,14 @@ class SpecDecodeLogger:
             return None
         elapsed = now - self.last_log_time
         rates = ", ".join(f"{count / self.num_drafts:.3f}" for count in self.accepted_per_pos)
-        line = (f"SpecDecoding metrics: Mean acceptance length: {1 + self.num_accepted_tokens / self.num_drafts:.2f}, "
-                f"Accepted throughput: {self.num_accepted_tokens / elapsed:.2f} tokens/s, "
-                f"Drafted throughput: {self.num_draft_tokens / elapsed:.2f} tokens/s, "
-                f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
-                f"Per-position acceptance rate: {rates}, "
-                f"Avg Draft acceptance rate: {100 * self.num_accepted_tokens / self.num_draft_tokens:.1f}%")
+        line = (
+            f"SpecDecoding metrics: Mean acceptance length: {1 + self.num_accepted_tokens / self.num_drafts:.2f}, "
+            f"Accepted throughput: {self.num_accepted_tokens / elapsed:.2f} tokens/s, "
+            f"Drafted throughput: {self.num_draft_tokens / elapsed:.2f} tokens/s, "
+            f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+            f"Per-position acceptance rate: {rates}, "
+            f"Avg Draft acceptance rate: {100 * self.num_accepted_tokens / self.num_draft_tokens:.1f}%"
+        )
         self.log.info("%s", line)
         self.last_log_time = now
         self._reset()

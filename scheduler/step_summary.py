@@ -58,9 +58,14 @@ def request_color(arrival_seq: int) -> int:
 class StepSummarizer:
     """Owned by the scheduler loop: `record` every step, `maybe_publish` after it (and while idle)."""
 
-    def __init__(self, send: Callable[[StepSummary], None], engine_index: int = 0,
-                 clock: Callable[[], float] = time.perf_counter, wall_clock: Callable[[], float] = time.time,
-                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
+    def __init__(
+        self,
+        send: Callable[[StepSummary], None],
+        engine_index: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+        wall_clock: Callable[[], float] = time.time,
+        cpu_clock: Callable[[], float] = time.thread_time,
+    ) -> None:
         self.send = send
         self.engine_index = engine_index
         self.clock = clock
@@ -91,8 +96,14 @@ class StepSummarizer:
     def record(self, plan: StepPlan, step_time_s: float, preemptions_total: int) -> None:
         """One finished step; `preemptions_total` is the scheduler's count since start-up."""
         prefill, decode = split_tokens(plan)
-        record = (plan.step_id, prefill, decode, len(plan.new_requests) + len(plan.running), step_time_s,
-                  preemptions_total - self.preemptions_seen)
+        record = (
+            plan.step_id,
+            prefill,
+            decode,
+            len(plan.new_requests) + len(plan.running),
+            step_time_s,
+            preemptions_total - self.preemptions_seen,
+        )
         self.preemptions_seen = preemptions_total
         self.last_step_id = plan.step_id
         self.history.append(record)
@@ -125,21 +136,53 @@ class StepSummarizer:
             color = request_color(req.arrival_seq)
             for block in req_blocks.get(req.request_id, ()):
                 block_map[block.block_id] = color
-            queue.append(QueueEntry(req.request_id, True, min(req.num_computed_tokens, req.num_prompt_tokens),
-                                    req.num_prompt_tokens, req.num_output_tokens, req.max_tokens, req.priority,
-                                    req.num_preemptions, color))
-        for req in scheduler.waiting[:MAX_QUEUE_ENTRIES - len(queue)]:
-            queue.append(QueueEntry(req.request_id, False, min(req.num_computed_tokens, req.num_prompt_tokens),
-                                    req.num_prompt_tokens, req.num_output_tokens, req.max_tokens, req.priority,
-                                    req.num_preemptions, 0))
+            queue.append(
+                QueueEntry(
+                    req.request_id,
+                    True,
+                    min(req.num_computed_tokens, req.num_prompt_tokens),
+                    req.num_prompt_tokens,
+                    req.num_output_tokens,
+                    req.max_tokens,
+                    req.priority,
+                    req.num_preemptions,
+                    color,
+                )
+            )
+        for req in scheduler.waiting[: MAX_QUEUE_ENTRIES - len(queue)]:
+            queue.append(
+                QueueEntry(
+                    req.request_id,
+                    False,
+                    min(req.num_computed_tokens, req.num_prompt_tokens),
+                    req.num_prompt_tokens,
+                    req.num_output_tokens,
+                    req.max_tokens,
+                    req.priority,
+                    req.num_preemptions,
+                    0,
+                )
+            )
         steps = list(self.pending) if self.pending is not None else []
         if self.pending is not None:
             self.pending.clear()
         queries, hits, preemptions = scheduler.counter_totals()
         return StepSummary(
-            engine=self.engine_index, step_id=self.last_step_id, time=self.wall_clock(), steps=steps,
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), queue=queue,
-            num_blocks=pool.num_blocks, block_size=kv.block_size, num_free_blocks=pool.num_free_blocks,
-            num_cached_blocks=pool.state.count(BLOCK_CACHED), block_map=bytes(block_map),
-            kv_cache_usage=pool.usage, prefix_cache_queries=queries, prefix_cache_hits=hits,
-            num_preemptions=preemptions, summary_time_s=self.summary_time_s)
+            engine=self.engine_index,
+            step_id=self.last_step_id,
+            time=self.wall_clock(),
+            steps=steps,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            queue=queue,
+            num_blocks=pool.num_blocks,
+            block_size=kv.block_size,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.state.count(BLOCK_CACHED),
+            block_map=bytes(block_map),
+            kv_cache_usage=pool.usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=preemptions,
+            summary_time_s=self.summary_time_s,
+        )

@@ -52,13 +52,17 @@ def grammar_tokenizer(model: ModelConfig, vocab_size: int, eos_token_ids: list[i
     from tokenmill.frontend.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    return from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
-                          eos_token=list(eos_token_ids) or None)
+    return from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)), eos_token=list(eos_token_ids) or None)
 
 
 class GrammarCompiler:
-    def __init__(self, load_tokenizer: Callable[[], llguidance.LLTokenizer], *, threads: int = COMPILE_THREADS,
-                 cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], llguidance.LLTokenizer],
+        *,
+        threads: int = COMPILE_THREADS,
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._tokenizer: Future[llguidance.LLTokenizer] = self._pool.submit(load_tokenizer)
         self._cache: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
@@ -107,7 +111,8 @@ class GrammarCompiler:
         bitmask = llguidance.numpy.allocate_token_bitmask(len(grammars), self.vocab_size)
         try:
             llguidance.numpy.fill_next_token_bitmask_par(
-                self._executor, [(g.started_matcher, i) for i, g in enumerate(grammars)], bitmask)
+                self._executor, [(g.started_matcher, i) for i, g in enumerate(grammars)], bitmask
+            )
         except Exception:
             log.exception("filling the structured-output bitmask failed; filling it row by row")
             for i, grammar in enumerate(grammars):

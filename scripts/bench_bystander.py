@@ -36,8 +36,15 @@ import numpy as np
 
 from benchlib.launch import launched_server
 from benchlib.stats import summarize
-from benchlib.streaming import (StreamTiming, completion_payload, http_session, random_token_ids, served_model_name,
-                                split_gaps_at_window, stream_completion)
+from benchlib.streaming import (
+    StreamTiming,
+    completion_payload,
+    http_session,
+    random_token_ids,
+    served_model_name,
+    split_gaps_at_window,
+    stream_completion,
+)
 
 KINDS = ("plain", "cache_salt", "prompt_logprobs", "structured_outputs", "stop_and_bias")
 
@@ -45,8 +52,9 @@ KINDS = ("plain", "cache_salt", "prompt_logprobs", "structured_outputs", "stop_a
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default=None, help="a running server (its limits given below); default: launch")
-    parser.add_argument("--serve-args", default="", help="`tokenmill serve` flags when launching (the limits below "
-                                                         "are added)")
+    parser.add_argument(
+        "--serve-args", default="", help="`tokenmill serve` flags when launching (the limits below are added)"
+    )
     parser.add_argument("--kinds", default=",".join(KINDS), help="which hostile requests, comma-separated")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -58,8 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-logit-bias", type=int, default=1024)
     parser.add_argument("--idle-tokens", type=int, default=24, help="bystander tokens before the hostile request")
     parser.add_argument("--bystander-tokens", type=int, default=400, help="the bystander's max_tokens")
-    parser.add_argument("--server-threads", type=int, default=1,
-                        help="OMP_NUM_THREADS of a launched server (torch threads; 1 on a shared machine)")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of a launched server (torch threads; 1 on a shared machine)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench_bystander-server.log")
     return parser.parse_args(argv)
@@ -67,8 +79,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def limit_flags(args: argparse.Namespace) -> list[str]:
     """The limits as `tokenmill serve` flags."""
-    names = ("max_model_len", "max_num_batched_tokens", "max_n", "max_logprobs", "max_cache_salt_bytes",
-             "max_prompt_logprobs_elements", "max_stop_token_ids", "max_logit_bias")
+    names = (
+        "max_model_len",
+        "max_num_batched_tokens",
+        "max_n",
+        "max_logprobs",
+        "max_cache_salt_bytes",
+        "max_prompt_logprobs_elements",
+        "max_stop_token_ids",
+        "max_logit_bias",
+    )
     return [part for name in names for part in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
 
 
@@ -83,15 +103,22 @@ def hostile_body(kind: str, model: str, args: argparse.Namespace, rng: np.random
         num_prompt = min(args.max_model_len - 2, args.max_prompt_logprobs_elements // (args.max_logprobs + 1))
         body = {"prompt": whole_context[:num_prompt], "prompt_logprobs": args.max_logprobs, "max_tokens": 1}
     elif kind == "structured_outputs":
-        properties = {f"field_{i}": {"type": "string", "maxLength": 8, "description": "d" * 10_000}
-                      for i in range(200)}
+        properties = {f"field_{i}": {"type": "string", "maxLength": 8, "description": "d" * 10_000} for i in range(200)}
         schema = {"type": "object", "properties": properties, "required": list(properties)[:20]}
-        body = {"prompt": whole_context[:64], "max_tokens": 32, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
+        body = {
+            "prompt": whole_context[:64],
+            "max_tokens": 32,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+        }
     elif kind == "stop_and_bias":
-        body = {"prompt": whole_context[:64], "n": args.max_n, "max_tokens": 32, "ignore_eos": True,
-                "stop_token_ids": list(range(1, args.max_stop_token_ids + 1)),
-                "logit_bias": {str(1000 + i): 0.5 for i in range(args.max_logit_bias)}}
+        body = {
+            "prompt": whole_context[:64],
+            "n": args.max_n,
+            "max_tokens": 32,
+            "ignore_eos": True,
+            "stop_token_ids": list(range(1, args.max_stop_token_ids + 1)),
+            "logit_bias": {str(1000 + i): 0.5 for i in range(args.max_logit_bias)},
+        }
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return {"model": model, "temperature": 1.0, **body}
@@ -102,12 +129,16 @@ async def send_hostile(session: aiohttp.ClientSession, url: str, body: dict) -> 
         return response.status, (await response.text())[:200]
 
 
-async def one_kind(session: aiohttp.ClientSession, url: str, model: str, body: dict,
-                   args: argparse.Namespace, rng: np.random.Generator) -> dict:
+async def one_kind(
+    session: aiohttp.ClientSession, url: str, model: str, body: dict, args: argparse.Namespace, rng: np.random.Generator
+) -> dict:
     """The bystander's gaps before and during one hostile request."""
     bystander = StreamTiming("bystander", 0.0)
-    task = asyncio.create_task(stream_completion(
-        session, url, completion_payload(model, random_token_ids(rng, 16), args.bystander_tokens), timing=bystander))
+    task = asyncio.create_task(
+        stream_completion(
+            session, url, completion_payload(model, random_token_ids(rng, 16), args.bystander_tokens), timing=bystander
+        )
+    )
     while bystander.num_tokens < args.idle_tokens:
         if task.done():
             raise RuntimeError(f"the bystander ended early: {bystander.error}")
@@ -120,10 +151,13 @@ async def one_kind(session: aiohttp.ClientSession, url: str, model: str, body: d
         raise RuntimeError(bystander.error or "the bystander ended inside the window; raise --bystander-tokens")
     during, idle = split_gaps_at_window([bystander], start, end)
     idle = idle[1:]  # the first gap can hold the bystander's own admission
-    return {"status": status, "answer": answer if status != 200 else "", "window_s": end - start,
-            "idle_ms": summarize(idle, 1000.0) | {"max": 1000.0 * max(idle), "per_token": 1000.0 * mean_gap(idle)},
-            "during_ms": summarize(during, 1000.0) | {"max": 1000.0 * max(during),
-                                                      "per_token": 1000.0 * mean_gap(during)}}
+    return {
+        "status": status,
+        "answer": answer if status != 200 else "",
+        "window_s": end - start,
+        "idle_ms": summarize(idle, 1000.0) | {"max": 1000.0 * max(idle), "per_token": 1000.0 * mean_gap(idle)},
+        "during_ms": summarize(during, 1000.0) | {"max": 1000.0 * max(during), "per_token": 1000.0 * mean_gap(during)},
+    }
 
 
 def mean_gap(gaps: list[float]) -> float:
@@ -145,13 +179,17 @@ async def run(url: str, args: argparse.Namespace, kinds: list[str]) -> dict[str,
 
 def report(results: dict[str, dict], print_line: Callable[[str], None] = print) -> None:
     """One line per kind: the bystander's gaps (ms) idle and during the hostile request, and their ratios."""
-    print_line(f"{'kind':<20}{'status':>7}{'window s':>10}{'idle mean':>10}{'idle p99':>10}{'during mean':>12}"
-               f"{'during p99':>12}{'max':>9}{'mean ratio':>11}{'p99 ratio':>11}")
+    print_line(
+        f"{'kind':<20}{'status':>7}{'window s':>10}{'idle mean':>10}{'idle p99':>10}{'during mean':>12}"
+        f"{'during p99':>12}{'max':>9}{'mean ratio':>11}{'p99 ratio':>11}"
+    )
     for kind, r in results.items():
         idle, during = r["idle_ms"], r["during_ms"]
-        print_line(f"{kind:<20}{r['status']:>7}{r['window_s']:>10.2f}{idle['per_token']:>10.1f}{idle['p99']:>10.1f}"
-                   f"{during['per_token']:>12.1f}{during['p99']:>12.1f}{during['max']:>9.1f}"
-                   f"{during['per_token'] / idle['per_token']:>11.2f}{during['p99'] / idle['p99']:>11.2f}")
+        print_line(
+            f"{kind:<20}{r['status']:>7}{r['window_s']:>10.2f}{idle['per_token']:>10.1f}{idle['p99']:>10.1f}"
+            f"{during['per_token']:>12.1f}{during['p99']:>12.1f}{during['max']:>9.1f}"
+            f"{during['per_token'] / idle['per_token']:>11.2f}{during['p99'] / idle['p99']:>11.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

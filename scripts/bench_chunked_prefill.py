@@ -30,8 +30,15 @@ from tqdm import tqdm
 from benchlib.launch import launched_server
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
-from benchlib.streaming import (StreamTiming, completion_payload, http_session, random_token_ids, served_model_name,
-                                split_gaps_at_window, stream_completion)
+from benchlib.streaming import (
+    StreamTiming,
+    completion_payload,
+    http_session,
+    random_token_ids,
+    served_model_name,
+    split_gaps_at_window,
+    stream_completion,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,17 +48,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-streams", type=int, default=8, help="decode streams running when the prompt arrives")
     parser.add_argument("--decode-prompt-len", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=256, help="tokens each decode stream generates")
-    parser.add_argument("--tokens-before", type=int, default=8,
-                        help="send the long prompt once every stream has this many tokens")
+    parser.add_argument(
+        "--tokens-before", type=int, default=8, help="send the long prompt once every stream has this many tokens"
+    )
     parser.add_argument("--long-prompt-len", type=int, default=4000)
     parser.add_argument("--chunk-budget", type=int, default=256, help="--max-num-batched-tokens when chunked")
-    parser.add_argument("--max-model-len", type=int, default=4608,
-                        help="for both servers; the unchunked one uses it as its token budget")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4608,
+        help="for both servers; the unchunked one uses it as its token budget",
+    )
     parser.add_argument("--modes", default="chunked,unchunked", help="which of chunked,unchunked to run, in order")
-    parser.add_argument("--serve-args", default="--kv-cache-memory-bytes 1GiB",
-                        help="extra `tokenmill serve` flags for both servers")
-    parser.add_argument("--server-threads", type=int, default=None,
-                        help="OMP_NUM_THREADS for the servers (torch threads); 1 avoids oversubscribing a shared CPU")
+    parser.add_argument(
+        "--serve-args", default="--kv-cache-memory-bytes 1GiB", help="extra `tokenmill serve` flags for both servers"
+    )
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for the servers (torch threads); 1 avoids oversubscribing a shared CPU",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-root", type=Path, default=REPO_ROOT / "bench_results")
     return parser.parse_args(argv)
@@ -65,16 +82,25 @@ def mode_flags(mode: str, args: argparse.Namespace) -> list[str]:
     raise ValueError(f"unknown mode {mode!r}")
 
 
-async def run_scenario(url: str, args: argparse.Namespace, rng: np.random.Generator,
-                       desc: str) -> tuple[list[StreamTiming], StreamTiming]:
+async def run_scenario(
+    url: str, args: argparse.Namespace, rng: np.random.Generator, desc: str
+) -> tuple[list[StreamTiming], StreamTiming]:
     """Start the decode streams, send the long prompt once they are all decoding, wait for everything to end."""
     async with http_session() as session:
         model = await served_model_name(session, url)
         await stream_completion(session, url, completion_payload(model, random_token_ids(rng, 16), 2), "warm-up")
         streams = [StreamTiming(f"decode {i}", 0.0) for i in range(args.num_streams)]
-        tasks = [asyncio.create_task(stream_completion(
-            session, url, completion_payload(model, random_token_ids(rng, args.decode_prompt_len), args.decode_tokens),
-            timing=timing)) for timing in streams]
+        tasks = [
+            asyncio.create_task(
+                stream_completion(
+                    session,
+                    url,
+                    completion_payload(model, random_token_ids(rng, args.decode_prompt_len), args.decode_tokens),
+                    timing=timing,
+                )
+            )
+            for timing in streams
+        ]
         long_payload = completion_payload(model, random_token_ids(rng, args.long_prompt_len), 1)
         long_task = None
         with tqdm(total=args.num_streams * args.decode_tokens, desc=desc, unit="tok") as progress:
@@ -132,20 +158,29 @@ def main(argv: list[str] | None = None) -> int:
         results["p99_itl_ratio_unchunked_over_chunked"] = unchunked["p99"] / chunked["p99"]
     path = save_json(results_dir, results)
 
-    print(f"\n{args.num_streams} decode streams x {args.decode_tokens} tokens; a {args.long_prompt_len}-token prompt "
-          f"arrives after {args.tokens_before} tokens each")
-    print(f"{'mode':<10} {'ITL p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'n':>5} {'baseline p50':>13} "
-          f"{'long TTFT':>10}")
+    print(
+        f"\n{args.num_streams} decode streams x {args.decode_tokens} tokens; a {args.long_prompt_len}-token prompt "
+        f"arrives after {args.tokens_before} tokens each"
+    )
+    print(
+        f"{'mode':<10} {'ITL p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'n':>5} {'baseline p50':>13} {'long TTFT':>10}"
+    )
     for mode, r in per_mode.items():
         w, b = r["itl_in_window_ms"], r["itl_before_ms"]
-        print(f"{mode:<10} {w['median']:>7.0f}ms {w['p90']:>7.0f}ms {w['p99']:>7.0f}ms {w['max']:>7.0f}ms "
-              f"{w['count']:>5} {b['median']:>11.0f}ms {r['long_prompt_ttft_s']:>9.1f}s")
+        print(
+            f"{mode:<10} {w['median']:>7.0f}ms {w['p90']:>7.0f}ms {w['p99']:>7.0f}ms {w['max']:>7.0f}ms "
+            f"{w['count']:>5} {b['median']:>11.0f}ms {r['long_prompt_ttft_s']:>9.1f}s"
+        )
         if r["decode_streams_ended_inside_window"]:
-            print(f"  warning: {r['decode_streams_ended_inside_window']} decode streams ended before the long "
-                  f"prompt's first token; raise --decode-tokens")
+            print(
+                f"  warning: {r['decode_streams_ended_inside_window']} decode streams ended before the long "
+                f"prompt's first token; raise --decode-tokens"
+            )
     if "p99_itl_ratio_unchunked_over_chunked" in results:
-        print(f"p99 ITL while the long prompt is prefilled: {results['p99_itl_ratio_unchunked_over_chunked']:.1f}x "
-              f"lower chunked")
+        print(
+            f"p99 ITL while the long prompt is prefilled: {results['p99_itl_ratio_unchunked_over_chunked']:.1f}x "
+            f"lower chunked"
+        )
     print(f"results: {path}")
     return 0
 

@@ -43,8 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4, help="generate() calls per mode, the modes alternating")
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between summaries when on (20/s)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30,
-                        help="KV budget: the block map's size (4 GiB: ~5,800 blocks of SmolLM2)")
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=4 << 30,
+        help="KV budget: the block map's size (4 GiB: ~5,800 blocks of SmolLM2)",
+    )
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--results-root", type=Path, default=REPO_ROOT / "bench_results")
     return parser.parse_args(argv)
@@ -78,9 +82,14 @@ def run_rounds(llm, args: argparse.Namespace) -> dict:
         if mode == "on":
             llm.watch_steps(None)
         assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outputs)
-        record = {"mode": mode, "steps": stats.num_steps, "step_time_s": stats.step_time_s,
-                  "mean_step_ms": 1000 * stats.step_time_s / stats.num_steps, "wall_s": wall,
-                  "summaries": len(summaries)}
+        record = {
+            "mode": mode,
+            "steps": stats.num_steps,
+            "step_time_s": stats.step_time_s,
+            "mean_step_ms": 1000 * stats.step_time_s / stats.num_steps,
+            "wall_s": wall,
+            "summaries": len(summaries),
+        }
         if summaries:
             # summary_time_s is the scheduler's running total before each summary was built: between the first and
             # the last it grew by the cost of the summaries before the last, which carried these steps
@@ -90,8 +99,11 @@ def run_rounds(llm, args: argparse.Namespace) -> dict:
             record["max_batch_seen"] = max(len(s.queue) for s in summaries)
             record["num_blocks"] = summaries[-1].num_blocks
         rounds[mode].append(record)
-        print(f"round {index + 1}/{len(order)} {mode:>3}: {stats.num_steps} steps, mean step "
-              f"{record['mean_step_ms']:.1f} ms, {len(summaries)} summaries", flush=True)
+        print(
+            f"round {index + 1}/{len(order)} {mode:>3}: {stats.num_steps} steps, mean step "
+            f"{record['mean_step_ms']:.1f} ms, {len(summaries)} summaries",
+            flush=True,
+        )
     return rounds
 
 
@@ -102,15 +114,23 @@ def micro_timings(num_blocks: int, args: argparse.Namespace) -> dict:
     from tokenmill.scheduler.scheduler import Scheduler
     from tokenmill.scheduler.step_summary import StepSummarizer
 
-    config = EngineConfig(model=ModelConfig(max_model_len=args.max_model_len), cache=CacheConfig(),
-                          scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=1 << 20))
+    config = EngineConfig(
+        model=ModelConfig(max_model_len=args.max_model_len),
+        cache=CacheConfig(),
+        scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=1 << 20),
+    )
     sched = Scheduler(config, num_blocks, [])
     from tokenmill import SamplingParams
     from tokenmill.messages import EngineRequest
 
     for i, prompt in enumerate(prompts(args, 0)):
-        sched.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt,
-                                        sampling=SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)))
+        sched.add_request(
+            EngineRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+            )
+        )
     plan = None
     for _ in range(args.max_tokens // 2):  # prefill, then decode to mid-generation
         plan = sched.schedule()
@@ -131,9 +151,14 @@ def micro_timings(num_blocks: int, args: argparse.Namespace) -> dict:
         summarizer.maybe_publish(sched)
     build_us = 1e6 * (time.perf_counter() - start) / n
     summary = summarizer.build(sched)
-    return {"record_us": record_us, "build_and_encode_us": build_us, "batch": len(plan.running),
-            "in_use_blocks": summary.num_blocks - summary.num_free_blocks, "num_blocks": num_blocks,
-            "encoded_bytes": len(encode(summary))}
+    return {
+        "record_us": record_us,
+        "build_and_encode_us": build_us,
+        "batch": len(plan.running),
+        "in_use_blocks": summary.num_blocks - summary.num_free_blocks,
+        "num_blocks": num_blocks,
+        "encoded_bytes": len(encode(summary)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,8 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill import LLM
 
     folder = make_results_dir(args.results_root, "dashboard")
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, max_model_len=args.max_model_len,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.batch,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    )
     try:
         rounds = run_rounds(llm, args)
         num_blocks = llm.engine_info.num_kv_blocks
@@ -158,14 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     summary_cpu_s = sum(r.get("summary_cpu_s", 0.0) for r in rounds["on"])
     summary_ms_per_step = 1000 * summary_cpu_s / max(summary_steps, 1)
     result = {
-        "args": args_as_json(args), "rounds": rounds, "micro": micro,
+        "args": args_as_json(args),
+        "rounds": rounds,
+        "micro": micro,
         "mean_step_ms": {"off": off_ms, "on": on_ms},
         "ratio_on_off": on_ms / off_ms,
         # the fastest round of each mode is the one the machine disturbed least
-        "ratio_fastest_rounds": min(r["mean_step_ms"] for r in rounds["on"]) / min(
-            r["mean_step_ms"] for r in rounds["off"]),
+        "ratio_fastest_rounds": min(r["mean_step_ms"] for r in rounds["on"])
+        / min(r["mean_step_ms"] for r in rounds["off"]),
         "round_ratios_median": statistics.median(
-            on["mean_step_ms"] / off["mean_step_ms"] for on, off in zip(rounds["on"], rounds["off"])),
+            on["mean_step_ms"] / off["mean_step_ms"] for on, off in zip(rounds["on"], rounds["off"])
+        ),
         "summary_cpu_ms_per_step": summary_ms_per_step,
         "summary_fraction_of_step": summary_ms_per_step / on_ms,
         "summaries_per_s": statistics.mean(r["summaries_per_s"] for r in rounds["on"]),
@@ -173,15 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     save_json(folder, result)
     print(f"\nbatch {args.batch}, {num_blocks} KV blocks, {args.rounds} rounds per mode ({folder})")
-    print(f"engine step time (scheduler's own timing): off {off_ms:.1f} ms, on {on_ms:.1f} ms -> "
-          f"on/off = {result['ratio_on_off']:.4f} (median of per-round pairs {result['round_ratios_median']:.4f}, "
-          f"fastest rounds {result['ratio_fastest_rounds']:.4f})")
-    print(f"summaries: {result['summaries_per_s']:.1f}/s, scheduler CPU {summary_ms_per_step * 1000:.0f} us per step "
-          f"= {100 * result['summary_fraction_of_step']:.3f} % of step time")
-    print(f"in-process: record {micro['record_us']:.1f} us per step (always on, "
-          f"{100 * result['record_fraction_of_step']:.4f} % of a step), build + encode "
-          f"{micro['build_and_encode_us']:.0f} us per summary ({micro['encoded_bytes']} bytes, "
-          f"{micro['in_use_blocks']} blocks in use)")
+    print(
+        f"engine step time (scheduler's own timing): off {off_ms:.1f} ms, on {on_ms:.1f} ms -> "
+        f"on/off = {result['ratio_on_off']:.4f} (median of per-round pairs {result['round_ratios_median']:.4f}, "
+        f"fastest rounds {result['ratio_fastest_rounds']:.4f})"
+    )
+    print(
+        f"summaries: {result['summaries_per_s']:.1f}/s, scheduler CPU {summary_ms_per_step * 1000:.0f} us per step "
+        f"= {100 * result['summary_fraction_of_step']:.3f} % of step time"
+    )
+    print(
+        f"in-process: record {micro['record_us']:.1f} us per step (always on, "
+        f"{100 * result['record_fraction_of_step']:.4f} % of a step), build + encode "
+        f"{micro['build_and_encode_us']:.0f} us per summary ({micro['encoded_bytes']} bytes, "
+        f"{micro['in_use_blocks']} blocks in use)"
+    )
     return 0
 
 

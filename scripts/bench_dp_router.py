@@ -33,8 +33,14 @@ from tqdm import tqdm
 from benchlib.launch import launched_server
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
-from benchlib.streaming import (StreamTiming, completion_payload, http_session, random_token_ids, served_model_name,
-                                stream_completion)
+from benchlib.streaming import (
+    StreamTiming,
+    completion_payload,
+    http_session,
+    random_token_ids,
+    served_model_name,
+    stream_completion,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_HIT_RATE_RATIO = 1.5
@@ -50,8 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     parser.add_argument("--data-parallel-size", type=int, default=2)
     parser.add_argument("--policies", default="cache-aware,round-robin")
-    parser.add_argument("--serve-args", default="--max-model-len 1024 --num-gpu-blocks-override 80",
-                        help="extra `tokenmill serve` flags for every server (model, dtype, cache size, ...)")
+    parser.add_argument(
+        "--serve-args",
+        default="--max-model-len 1024 --num-gpu-blocks-override 80",
+        help="extra `tokenmill serve` flags for every server (model, dtype, cache size, ...)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-root", type=Path, default=REPO_ROOT / "bench_results")
     return parser.parse_args(argv)
@@ -71,16 +80,19 @@ async def scrape(session, url: str) -> dict[tuple[str, str], float]:
 
 
 def delta(after: dict, before: dict, name: str) -> dict[str, float]:
-    return {engine: value - before.get((sample, engine), 0.0)
-            for (sample, engine), value in after.items() if sample == name}
+    return {
+        engine: value - before.get((sample, engine), 0.0) for (sample, engine), value in after.items() if sample == name
+    }
 
 
-async def run_workload(url: str, args: argparse.Namespace, prompts: list[list[int]], warmups: list[list[int]],
-                       progress: tqdm) -> tuple[list[StreamTiming], float, dict, dict]:
+async def run_workload(
+    url: str, args: argparse.Namespace, prompts: list[list[int]], warmups: list[list[int]], progress: tqdm
+) -> tuple[list[StreamTiming], float, dict, dict]:
     async with http_session() as session:
         model = await served_model_name(session, url)
-        warm = await asyncio.gather(*(stream_completion(session, url, completion_payload(model, ids, 2), "warm-up")
-                                      for ids in warmups))  # at once: one per replica, whatever the policy
+        warm = await asyncio.gather(
+            *(stream_completion(session, url, completion_payload(model, ids, 2), "warm-up") for ids in warmups)
+        )  # at once: one per replica, whatever the policy
         if any(t.error for t in warm):
             raise RuntimeError(f"warm-up failed: {[t.error for t in warm if t.error]}")
         await asyncio.sleep(1.0)  # the schedulers report their counters at least every half second
@@ -91,9 +103,9 @@ async def run_workload(url: str, args: argparse.Namespace, prompts: list[list[in
         async def client() -> None:
             while queue:
                 index, ids = queue.pop(0)
-                timings[index] = await stream_completion(session, url,
-                                                         completion_payload(model, ids, args.max_tokens),
-                                                         f"request {index}")
+                timings[index] = await stream_completion(
+                    session, url, completion_payload(model, ids, args.max_tokens), f"request {index}"
+                )
                 progress.update(1)
 
         started = time.perf_counter()
@@ -104,10 +116,16 @@ async def run_workload(url: str, args: argparse.Namespace, prompts: list[list[in
     return timings, elapsed, before, after
 
 
-def measure_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]], warmups: list[list[int]],
-                   results_dir: Path) -> dict:
-    serve_args = [*shlex.split(args.serve_args), "--data-parallel-size", str(args.data_parallel_size),
-                  "--data-parallel-routing", policy]
+def measure_policy(
+    policy: str, args: argparse.Namespace, prompts: list[list[int]], warmups: list[list[int]], results_dir: Path
+) -> dict:
+    serve_args = [
+        *shlex.split(args.serve_args),
+        "--data-parallel-size",
+        str(args.data_parallel_size),
+        "--data-parallel-routing",
+        policy,
+    ]
     print(f"[{policy}] tokenmill serve {shlex.join(serve_args)}", file=sys.stderr)
     with launched_server(serve_args, results_dir / f"server-{policy}.log") as url:
         with tqdm(total=len(prompts), desc=policy, unit="req") as progress:
@@ -117,8 +135,11 @@ def measure_policy(policy: str, args: argparse.Namespace, prompts: list[list[int
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
     queries = delta(after, before, "vllm:prefix_cache_queries_total")
     hits = delta(after, before, "vllm:prefix_cache_hits_total")
-    routed = {key: value for key, value in delta(after, before, "tokenmill:data_parallel_routed_requests_total")
-              .items() if value}
+    routed = {
+        key: value
+        for key, value in delta(after, before, "tokenmill:data_parallel_routed_requests_total").items()
+        if value
+    }
     total_queries, total_hits = sum(queries.values()), sum(hits.values())
     prompt_tokens = sum(len(ids) for ids in prompts)
     return {
@@ -140,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     systems = [random_token_ids(rng, args.system_len) for _ in range(args.num_system_prompts)]
-    prompts = [systems[s] + random_token_ids(rng, args.question_len)
-               for s in range(args.num_system_prompts) for _ in range(args.requests_per_prompt)]
+    prompts = [
+        systems[s] + random_token_ids(rng, args.question_len)
+        for s in range(args.num_system_prompts)
+        for _ in range(args.requests_per_prompt)
+    ]
     prompts = [prompts[i] for i in rng.permutation(len(prompts))]
     warmups = [random_token_ids(rng, 8) for _ in range(args.data_parallel_size)]
     results_dir = make_results_dir(args.results_root, "dp-router")
@@ -154,21 +178,28 @@ def main(argv: list[str] | None = None) -> int:
         ratio = aware["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
         results["hit_rate_ratio"] = ratio
         results["throughput_ratio"] = aware["request_throughput"] / rr["request_throughput"]
-        results["targets"] = {"hit_rate_ratio": {"value": ratio, "target": TARGET_HIT_RATE_RATIO,
-                                                 "met": ratio >= TARGET_HIT_RATE_RATIO}}
+        results["targets"] = {
+            "hit_rate_ratio": {"value": ratio, "target": TARGET_HIT_RATE_RATIO, "met": ratio >= TARGET_HIT_RATE_RATIO}
+        }
     path = save_json(results_dir, results)
 
-    print(f"\n{args.num_system_prompts} system prompts x {args.requests_per_prompt} requests ({args.system_len} + "
-          f"{args.question_len} prompt tokens, {args.max_tokens} generated), {args.concurrency} in flight, "
-          f"{args.data_parallel_size} replicas")
+    print(
+        f"\n{args.num_system_prompts} system prompts x {args.requests_per_prompt} requests ({args.system_len} + "
+        f"{args.question_len} prompt tokens, {args.max_tokens} generated), {args.concurrency} in flight, "
+        f"{args.data_parallel_size} replicas"
+    )
     print(f"{'routing':<12} {'hit rate':>9} {'per replica':>20} {'req/s':>7} {'prompt tok/s':>13} {'mean TTFT':>10}")
     for policy, r in per_policy.items():
         per_replica = " ".join(f"{rate:.0%}" for _, rate in sorted(r["per_replica_hit_rate"].items()))
-        print(f"{policy:<12} {r['hit_rate']:>9.1%} {per_replica:>20} {r['request_throughput']:>7.2f} "
-              f"{r['prompt_token_throughput']:>13.0f} {r['ttft_ms']['mean']:>8.0f}ms")
+        print(
+            f"{policy:<12} {r['hit_rate']:>9.1%} {per_replica:>20} {r['request_throughput']:>7.2f} "
+            f"{r['prompt_token_throughput']:>13.0f} {r['ttft_ms']['mean']:>8.0f}ms"
+        )
     if "hit_rate_ratio" in results:
-        print(f"cache-aware / round-robin: hit rate {results['hit_rate_ratio']:.2f}x (target "
-              f">= {TARGET_HIT_RATE_RATIO}x), throughput {results['throughput_ratio']:.2f}x")
+        print(
+            f"cache-aware / round-robin: hit rate {results['hit_rate_ratio']:.2f}x (target "
+            f">= {TARGET_HIT_RATE_RATIO}x), throughput {results['throughput_ratio']:.2f}x"
+        )
     print(f"results: {path}")
     return 0
 

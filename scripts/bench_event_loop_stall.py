@@ -32,8 +32,15 @@ import numpy as np
 
 from benchlib.launch import launched_server
 from benchlib.stats import summarize
-from benchlib.streaming import (StreamTiming, completion_payload, http_session, random_token_ids, served_model_name,
-                                split_gaps_at_window, stream_completion)
+from benchlib.streaming import (
+    StreamTiming,
+    completion_payload,
+    http_session,
+    random_token_ids,
+    served_model_name,
+    split_gaps_at_window,
+    stream_completion,
+)
 
 WORDS = ("alpha", "river", "stone", "quantum", "mill", "token", "seven", "blue", "carbon", "lattice", "orbit", "paper")
 TOKENS_PER_WORD = 4  # SmolLM2: a word plus a number of up to three digits is about four tokens
@@ -42,19 +49,29 @@ TOKENS_PER_WORD = 4  # SmolLM2: a word plus a number of up to three digits is ab
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default=None, help="a running server; default: launch one")
-    parser.add_argument("--serve-args", default="--kv-cache-memory-bytes 1GiB",
-                        help="`tokenmill serve` flags when launching")
+    parser.add_argument(
+        "--serve-args", default="--kv-cache-memory-bytes 1GiB", help="`tokenmill serve` flags when launching"
+    )
     parser.add_argument("--num-streams", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=256)
-    parser.add_argument("--tokens-before", type=int, default=16, help="send the huge prompts once every stream has "
-                                                                      "this many tokens")
+    parser.add_argument(
+        "--tokens-before", type=int, default=16, help="send the huge prompts once every stream has this many tokens"
+    )
     parser.add_argument("--num-large", type=int, default=4, help="how many huge prompts")
     parser.add_argument("--large-tokens", type=int, default=100_000, help="about how many tokens each one has")
-    parser.add_argument("--server-threads", type=int, default=None,
-                        help="OMP_NUM_THREADS for a launched server (torch threads); 1 leaves a core to the frontend")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for a launched server (torch threads); 1 leaves a core to the frontend",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench_event_loop_stall-server.log",
-                        help="the launched server's log")
+    parser.add_argument(
+        "--log",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "bench_event_loop_stall-server.log",
+        help="the launched server's log",
+    )
     return parser.parse_args(argv)
 
 
@@ -67,8 +84,10 @@ def large_text(rng: np.random.Generator, num_tokens: int) -> str:
 def large_request(model: str, text: str, chat: bool) -> tuple[str, bytes]:
     """(path, JSON body) of one huge prompt, encoded up front so the client's own loop does not stall either."""
     if chat:
-        path, body = "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": text}],
-                                              "max_tokens": 1}
+        path, body = (
+            "/v1/chat/completions",
+            {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1},
+        )
     else:
         path, body = "/v1/completions", {"model": model, "prompt": text, "max_tokens": 1}
     return path, json.dumps(body).encode()
@@ -100,9 +119,17 @@ async def run(url: str, args: argparse.Namespace) -> dict:
         large = [large_request(model, text, chat=i % 2 == 1) for i, text in enumerate(texts)]
         await stream_completion(session, url, completion_payload(model, random_token_ids(rng, 16), 2), "warm-up")
         streams = [StreamTiming(f"stream {i}", 0.0) for i in range(args.num_streams)]
-        tasks = [asyncio.create_task(stream_completion(
-            session, url, completion_payload(model, random_token_ids(rng, 32), args.decode_tokens), timing=timing))
-            for timing in streams]
+        tasks = [
+            asyncio.create_task(
+                stream_completion(
+                    session,
+                    url,
+                    completion_payload(model, random_token_ids(rng, 32), args.decode_tokens),
+                    timing=timing,
+                )
+            )
+            for timing in streams
+        ]
         while not all(s.num_tokens >= args.tokens_before for s in streams):
             if all(task.done() for task in tasks):
                 failed = [s.error for s in streams if s.error]
@@ -123,10 +150,13 @@ async def run(url: str, args: argparse.Namespace) -> dict:
     if any(s.chunk_times[-1] < end for s in streams):
         raise RuntimeError("a stream ended inside the window; raise --decode-tokens")
     inside, before = split_gaps_at_window(streams, start, end)
-    return {"window_s": end - start, "large_answers": answers,
-            "gap_in_window_ms": summarize(inside, scale=1000.0) | {"max": 1000.0 * max(inside)},
-            "gap_before_ms": summarize(before, scale=1000.0) | {"max": 1000.0 * max(before, default=0.0)},
-            "version_probe_ms": summarize(probe_latencies, scale=1000.0) | {"max": 1000.0 * max(probe_latencies)}}
+    return {
+        "window_s": end - start,
+        "large_answers": answers,
+        "gap_in_window_ms": summarize(inside, scale=1000.0) | {"max": 1000.0 * max(inside)},
+        "gap_before_ms": summarize(before, scale=1000.0) | {"max": 1000.0 * max(before, default=0.0)},
+        "version_probe_ms": summarize(probe_latencies, scale=1000.0) | {"max": 1000.0 * max(probe_latencies)},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,17 +168,26 @@ def main(argv: list[str] | None = None) -> int:
     with launch as url:
         result = asyncio.run(run(url, args))
     inside, before = result["gap_in_window_ms"], result["gap_before_ms"]
-    print(f"{args.num_streams} streams; {args.num_large} prompts of ~{args.large_tokens} tokens sent after "
-          f"{args.tokens_before} tokens each; window {result['window_s'] * 1000:.0f} ms", file=sys.stderr)
+    print(
+        f"{args.num_streams} streams; {args.num_large} prompts of ~{args.large_tokens} tokens sent after "
+        f"{args.tokens_before} tokens each; window {result['window_s'] * 1000:.0f} ms",
+        file=sys.stderr,
+    )
     for status, text in result["large_answers"]:
         print(f"  huge prompt -> {status} {text[:100]}", file=sys.stderr)
-    print(f"inter-chunk gap while huge prompts arrive: p50 {inside['median']:.1f} ms, p99 {inside['p99']:.1f} ms, "
-          f"max {inside['max']:.1f} ms (n={inside['count']})")
-    print(f"inter-chunk gap before:                    p50 {before['median']:.1f} ms, p99 {before['p99']:.1f} ms, "
-          f"max {before['max']:.1f} ms (n={before['count']})")
+    print(
+        f"inter-chunk gap while huge prompts arrive: p50 {inside['median']:.1f} ms, p99 {inside['p99']:.1f} ms, "
+        f"max {inside['max']:.1f} ms (n={inside['count']})"
+    )
+    print(
+        f"inter-chunk gap before:                    p50 {before['median']:.1f} ms, p99 {before['p99']:.1f} ms, "
+        f"max {before['max']:.1f} ms (n={before['count']})"
+    )
     probe = result["version_probe_ms"]
-    print(f"GET /version latency in the window:        p50 {probe['median']:.1f} ms, p99 {probe['p99']:.1f} ms, "
-          f"max {probe['max']:.1f} ms (n={probe['count']})")
+    print(
+        f"GET /version latency in the window:        p50 {probe['median']:.1f} ms, p99 {probe['p99']:.1f} ms, "
+        f"max {probe['max']:.1f} ms (n={probe['count']})"
+    )
     print(json.dumps(result))
     return 0
 

@@ -37,14 +37,35 @@ TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K
 # (out_features, in_features) of each projection: SmolLM2-135M (hidden 576, 9 + 3 + 3 heads of 64, MLP 1536, vocab
 # 49152) and Qwen2.5-0.5B (hidden 896, 14 + 2 + 2 heads of 64, MLP 4864, vocab 151936)
 MODELS = {
-    "smollm2-135m": {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-                     "lm_head": (49152, 576)},
-    "qwen2.5-0.5b": {"qkv": (1152, 896), "o_proj": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
-                     "lm_head": (151936, 896)},
+    "smollm2-135m": {
+        "qkv": (960, 576),
+        "o_proj": (576, 576),
+        "gate_up": (3072, 576),
+        "down": (576, 1536),
+        "lm_head": (49152, 576),
+    },
+    "qwen2.5-0.5b": {
+        "qkv": (1152, 896),
+        "o_proj": (896, 896),
+        "gate_up": (9728, 896),
+        "down": (896, 4864),
+        "lm_head": (151936, 896),
+    },
 }
 # byte offsets of each block type's fp16 scales (d, and a min where there is one)
-SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
-                 "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+SCALE_OFFSETS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "IQ4_NL": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 STREAM_BYTES = 512 << 20
 
 
@@ -67,8 +88,9 @@ def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> n
     block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, size=(n, k // block_elems, block_bytes), dtype=np.uint8)
     for offset in SCALE_OFFSETS[type_name]:
-        raw[:, :, offset:offset + 2] = rng.uniform(0.0, 0.01, size=raw.shape[:2]).astype(np.float16)[..., None].view(
-            np.uint8)
+        raw[:, :, offset : offset + 2] = (
+            rng.uniform(0.0, 0.01, size=raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        )
     return raw.reshape(n, -1)
 
 
@@ -97,8 +119,15 @@ class Rates:
     repacked: bool
 
 
-def measure(lib: ctypes.CDLL, stream: np.ndarray, type_name: str, n: int, k: int, args: argparse.Namespace,
-            rng: np.random.Generator) -> Rates:
+def measure(
+    lib: ctypes.CDLL,
+    stream: np.ndarray,
+    type_name: str,
+    n: int,
+    k: int,
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+) -> Rates:
     """The stream and GEMV rates of one type and shape, timed alternately."""
     pool, repacked = weight_pool(type_name, n, k, int(args.pool_mb * 2**20), rng)
     pointers = (ctypes.c_void_p * len(pool))(*[blocks.data_ptr() for blocks in pool])
@@ -108,8 +137,18 @@ def measure(lib: ctypes.CDLL, stream: np.ndarray, type_name: str, n: int, k: int
     calls = passes * len(pool)
 
     def gemv() -> None:
-        status = lib.tm_gguf_matmul_cycle(int(GGMLQuantizationType[type_name]), int(repacked), x.ctypes.data, pointers, len(pool), calls,
-                                          1, n, k, y.ctypes.data)
+        status = lib.tm_gguf_matmul_cycle(
+            int(GGMLQuantizationType[type_name]),
+            int(repacked),
+            x.ctypes.data,
+            pointers,
+            len(pool),
+            calls,
+            1,
+            n,
+            k,
+            y.ctypes.data,
+        )
         if status != 0:
             raise ValueError(f"tm_gguf_matmul_cycle refused {type_name} {n}x{k}: {status}")
 
@@ -119,8 +158,13 @@ def measure(lib: ctypes.CDLL, stream: np.ndarray, type_name: str, n: int, k: int
         bandwidth.time(lambda: lib.tm_gguf_stream_sum(stream.ctypes.data, stream.nbytes))
         kernel.time(gemv)
     weight_bytes = calls * pool[0].numel()
-    return Rates(stream.nbytes / bandwidth.wall, stream.nbytes / bandwidth.cpu, weight_bytes / kernel.wall,
-                 weight_bytes / kernel.cpu, repacked)
+    return Rates(
+        stream.nbytes / bandwidth.wall,
+        stream.nbytes / bandwidth.cpu,
+        weight_bytes / kernel.wall,
+        weight_bytes / kernel.cpu,
+        repacked,
+    )
 
 
 def main() -> None:
@@ -128,8 +172,12 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--shapes", nargs="+", default=None, help="only these projections (qkv, o_proj, ...)")
-    parser.add_argument("--isa", nargs="+", default=None, help="versions to run (default: avx512 and avx2 where "
-                        "available, else the best one)")
+    parser.add_argument(
+        "--isa",
+        nargs="+",
+        default=None,
+        help="versions to run (default: avx512 and avx2 where available, else the best one)",
+    )
     parser.add_argument("--reps", type=int, default=5, help="alternated timings of bandwidth and GEMV, best kept")
     parser.add_argument("--pool-mb", type=float, default=128.0, help="weight bytes cycled through per GEMV timing")
     parser.add_argument("--min-bytes", type=float, default=256.0, help="MiB of weights read per GEMV timing")
@@ -142,10 +190,14 @@ def main() -> None:
     isas = args.isa or [name for name in ("avx512", "avx2") if name in available] or [gguf_ops.isa()]
     stream = np.ones(STREAM_BYTES, dtype=np.uint8)
     rng = np.random.default_rng(0)
-    print(f"one thread; kernels available: {', '.join(available)}; ratio = GEMV weight bytes/s over stream read "
-          f"bytes/s, best of {args.reps} alternated timings (cpu: per CPU-second of this thread)")
-    print(f"{'isa':7} {'model':13} {'shape':8} {'N x K':>12} {'type':7} {'layout':8} {'MiB':>6} {'stream':>6} "
-          f"{'GB/s':>6} {'ratio':>6} {'cpu ratio':>9}")
+    print(
+        f"one thread; kernels available: {', '.join(available)}; ratio = GEMV weight bytes/s over stream read "
+        f"bytes/s, best of {args.reps} alternated timings (cpu: per CPU-second of this thread)"
+    )
+    print(
+        f"{'isa':7} {'model':13} {'shape':8} {'N x K':>12} {'type':7} {'layout':8} {'MiB':>6} {'stream':>6} "
+        f"{'GB/s':>6} {'ratio':>6} {'cpu ratio':>9}"
+    )
     summary: dict[tuple[str, str], list[float]] = {}
     for isa in isas:
         gguf_ops.set_isa(isa)
@@ -160,9 +212,12 @@ def main() -> None:
                     ratio, cpu_ratio = rates.gemv_wall / rates.stream_wall, rates.gemv_cpu / rates.stream_cpu
                     summary.setdefault((isa, type_name), []).append(cpu_ratio)
                     mib = n * gguf_ops.row_bytes(int(GGMLQuantizationType[type_name]), k) / 2**20
-                    print(f"{isa:7} {model:13} {shape:8} {f'{n} x {k}':>12} {type_name:7} "
-                          f"{'repacked' if rates.repacked else 'plain':8} {mib:6.2f} {rates.stream_wall / 1e9:6.1f} {rates.gemv_wall / 1e9:6.1f} "
-                          f"{ratio:6.2f} {cpu_ratio:9.2f}", flush=True)
+                    print(
+                        f"{isa:7} {model:13} {shape:8} {f'{n} x {k}':>12} {type_name:7} "
+                        f"{'repacked' if rates.repacked else 'plain':8} {mib:6.2f} {rates.stream_wall / 1e9:6.1f} {rates.gemv_wall / 1e9:6.1f} "
+                        f"{ratio:6.2f} {cpu_ratio:9.2f}",
+                        flush=True,
+                    )
         gguf_ops.set_isa(None)
     print("\nworst cpu ratio over the shapes, per type and isa (>= 0.70 is the target)")
     for (isa, type_name), ratios in summary.items():

@@ -33,22 +33,33 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tokenmill.kernels import gguf_ops
 
-SHAPES = {"mlp_up 1536x576": (1536, 576), "mlp_down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576),
-          "big 16384x1536": (16384, 1536),  # an LM-head-sized matrix whose K suits the k-quants too
-          # the default model's fused projections (SmolLM2-135M: hidden 576, 9 + 3 + 3 heads of 64, MLP 1536)
-          "qkv 960x576": (960, 576), "o_proj 576x576": (576, 576), "gate_up 3072x576": (3072, 576)}
+SHAPES = {
+    "mlp_up 1536x576": (1536, 576),
+    "mlp_down 576x1536": (576, 1536),
+    "lm_head 49152x576": (49152, 576),
+    "big 16384x1536": (16384, 1536),  # an LM-head-sized matrix whose K suits the k-quants too
+    # the default model's fused projections (SmolLM2-135M: hidden 576, 9 + 3 + 3 heads of 64, MLP 1536)
+    "qkv 960x576": (960, 576),
+    "o_proj 576x576": (576, 576),
+    "gate_up 3072x576": (3072, 576),
+}
 
 
 def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random bytes with small finite fp16 scales where each block type keeps them (timing does not need more)."""
     block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n, k // block_elems, block_bytes), dtype=np.uint8)
-    scale_offsets = {GGMLQuantizationType.Q4_0: [0], GGMLQuantizationType.Q8_0: [0], GGMLQuantizationType.Q4_1: [0, 2],
-                     GGMLQuantizationType.Q4_K: [0, 2], GGMLQuantizationType.Q5_K: [0, 2],
-                     GGMLQuantizationType.Q6_K: [208]}[qtype]
+    scale_offsets = {
+        GGMLQuantizationType.Q4_0: [0],
+        GGMLQuantizationType.Q8_0: [0],
+        GGMLQuantizationType.Q4_1: [0, 2],
+        GGMLQuantizationType.Q4_K: [0, 2],
+        GGMLQuantizationType.Q5_K: [0, 2],
+        GGMLQuantizationType.Q6_K: [208],
+    }[qtype]
     for offset in scale_offsets:
         halves = rng.uniform(-0.01, 0.01, size=raw.shape[:2]).astype(np.float16)
-        raw[:, :, offset:offset + 2] = halves[..., None].view(np.uint8)
+        raw[:, :, offset : offset + 2] = halves[..., None].view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -83,8 +94,10 @@ def read_bandwidth() -> tuple[float, float]:
 def compare_repacked(args: argparse.Namespace, threads: int, rng: np.random.Generator) -> None:
     """Plain against repacked int8 kernels at each token count (CPU time at one thread, wall time otherwise)."""
     tokens = args.tokens
-    print(f"{'type':6} {'shape':20} {'T':>3} {'plain us':>9} {'repack us':>9} {'plain/rep':>9} "
-          f"{'plain/T1':>8} {'rep/T1':>7}")
+    print(
+        f"{'type':6} {'shape':20} {'T':>3} {'plain us':>9} {'repack us':>9} {'plain/rep':>9} "
+        f"{'plain/T1':>8} {'rep/T1':>7}"
+    )
     for type_name in args.types:
         qtype = GGMLQuantizationType[type_name]
         if int(qtype) not in gguf_ops.REPACK_TYPES:
@@ -102,13 +115,19 @@ def compare_repacked(args: argparse.Namespace, threads: int, rng: np.random.Gene
                 times = []
                 for pool, repacked in ((plain, False), (packed, True)):
                     wall, cpu = seconds_per_call(
-                        lambda i: gguf_ops.gguf_matmul(x, pool[i], int(qtype), n, k, activations="int8",
-                                                       repacked=repacked), copies, args.seconds)
+                        lambda i: gguf_ops.gguf_matmul(
+                            x, pool[i], int(qtype), n, k, activations="int8", repacked=repacked
+                        ),
+                        copies,
+                        args.seconds,
+                    )
                     times.append(cpu if threads == 1 else wall)
                 first.setdefault("plain", times[0])
                 first.setdefault("repacked", times[1])
-                print(f"{type_name:6} {shape_name:20} {t:3d} {times[0] * 1e6:9.1f} {times[1] * 1e6:9.1f} "
-                      f"{times[0] / times[1]:9.2f} {times[0] / first['plain']:8.2f} {times[1] / first['repacked']:7.2f}")
+                print(
+                    f"{type_name:6} {shape_name:20} {t:3d} {times[0] * 1e6:9.1f} {times[1] * 1e6:9.1f} "
+                    f"{times[0] / times[1]:9.2f} {times[0] / first['plain']:8.2f} {times[1] / first['repacked']:7.2f}"
+                )
             del plain, packed
 
 
@@ -121,11 +140,21 @@ def main() -> None:
     parser.add_argument("--pool-mb", type=float, default=96.0, help="weight bytes cycled through per matrix")
     parser.add_argument("--batch", type=int, default=32, help="the batch compared with that many batch-1 calls")
     parser.add_argument("--seconds", type=float, default=0.5, help="minimum timing per figure")
-    parser.add_argument("--activations", nargs="+", default=list(gguf_ops.ACTIVATION_MODES),
-                        choices=list(gguf_ops.ACTIVATION_MODES), help="gguf_matmul's activation modes to time")
+    parser.add_argument(
+        "--activations",
+        nargs="+",
+        default=list(gguf_ops.ACTIVATION_MODES),
+        choices=list(gguf_ops.ACTIVATION_MODES),
+        help="gguf_matmul's activation modes to time",
+    )
     parser.add_argument("--repack", action="store_true", help="compare the plain and the repacked int8 kernels")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8],
-                        help="activation rows for --repack (the first is the ratios' base)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="activation rows for --repack (the first is the ratios' base)",
+    )
     args = parser.parse_args()
 
     gguf_ops.set_isa(args.isa) if args.isa else None
@@ -134,14 +163,18 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         bandwidth, bandwidth_cpu = read_bandwidth()
-        print(f"\nthreads={threads}  memory read bandwidth (torch sum): {bandwidth / 1e9:.1f} GB/s wall"
-              + (f", {bandwidth_cpu / 1e9:.1f} GB/s per CPU-second" if threads == 1 else ""))
+        print(
+            f"\nthreads={threads}  memory read bandwidth (torch sum): {bandwidth / 1e9:.1f} GB/s wall"
+            + (f", {bandwidth_cpu / 1e9:.1f} GB/s per CPU-second" if threads == 1 else "")
+        )
         if args.repack:
             compare_repacked(args, threads, rng)
             continue
-        print(f"{'type':6} {'shape':20} {'act':5} {'bytes':>9} {'b1 us':>8} {'GB/s':>6} {'% bw':>5} "
-              + (f"{'cpu us':>8} {'GB/s':>6} {'% bw':>5} " if threads == 1 else "")
-              + f"{'b' + str(args.batch) + ' us':>10} {'vs ' + str(args.batch) + 'xb1':>8}")
+        print(
+            f"{'type':6} {'shape':20} {'act':5} {'bytes':>9} {'b1 us':>8} {'GB/s':>6} {'% bw':>5} "
+            + (f"{'cpu us':>8} {'GB/s':>6} {'% bw':>5} " if threads == 1 else "")
+            + f"{'b' + str(args.batch) + ' us':>10} {'vs ' + str(args.batch) + 'xb1':>8}"
+        )
         for type_name in args.types:
             qtype = GGMLQuantizationType[type_name]
             for shape_name in args.shapes:
@@ -157,14 +190,20 @@ def main() -> None:
                 times = {}
                 for mode in args.activations:
                     t1, c1 = seconds_per_call(
-                        lambda i: gguf_ops.gguf_matmul(x1, pool[i], int(qtype), n, k, activations=mode), copies,
-                        args.seconds)
+                        lambda i: gguf_ops.gguf_matmul(x1, pool[i], int(qtype), n, k, activations=mode),
+                        copies,
+                        args.seconds,
+                    )
                     tb, cb = seconds_per_call(
-                        lambda i: gguf_ops.gguf_matmul(xb, pool[i], int(qtype), n, k, activations=mode), copies,
-                        args.seconds)
+                        lambda i: gguf_ops.gguf_matmul(xb, pool[i], int(qtype), n, k, activations=mode),
+                        copies,
+                        args.seconds,
+                    )
                     rate, rate_cpu = one.numel() / t1, one.numel() / c1
-                    line = f"{type_name:6} {shape_name:20} {mode:5} {one.numel():9d} {t1 * 1e6:8.1f} " \
-                           f"{rate / 1e9:6.2f} {100 * rate / bandwidth:4.0f}% "
+                    line = (
+                        f"{type_name:6} {shape_name:20} {mode:5} {one.numel():9d} {t1 * 1e6:8.1f} "
+                        f"{rate / 1e9:6.2f} {100 * rate / bandwidth:4.0f}% "
+                    )
                     if threads == 1:  # batch ratio from CPU time too: both are one thread's work
                         line += f"{c1 * 1e6:8.1f} {rate_cpu / 1e9:6.2f} {100 * rate_cpu / bandwidth_cpu:4.0f}% "
                         line += f"{cb * 1e6:10.1f} {cb / (args.batch * c1):8.3f}"
@@ -174,9 +213,12 @@ def main() -> None:
                         times[mode] = (t1, tb)
                     print(line)
                 if len(times) == 2:
-                    print(f"{'':27} float/int8: b1 {times['float'][0] / times['int8'][0]:.2f}x, "
-                          f"b{args.batch} {times['float'][1] / times['int8'][1]:.2f}x")
+                    print(
+                        f"{'':27} float/int8: b1 {times['float'][0] / times['int8'][0]:.2f}x, "
+                        f"b{args.batch} {times['float'][1] / times['int8'][1]:.2f}x"
+                    )
                 del pool
+
 
 if __name__ == "__main__":
     main()

@@ -87,13 +87,19 @@ def main() -> None:
     use(True)
     for repacked in (False, True):
         median = {t: float(np.median(times[repacked, t])) * 1e3 for t in TOKENS}
-        print(f"{'repacked' if repacked else 'plain':8}  " + "  ".join(
-            f"T={t}: {median[t]:6.2f} ms ({median[t] / median[1]:.2f}x)" for t in TOKENS))
+        print(
+            f"{'repacked' if repacked else 'plain':8}  "
+            + "  ".join(f"T={t}: {median[t]:6.2f} ms ({median[t] / median[1]:.2f}x)" for t in TOKENS)
+        )
         if args.matmul:
-            print(f"{'':8}  GGUFWeight.matmul: " + "  ".join(
-                f"T={t}: {float(np.median(matmul[repacked, t])) * 1e3:.2f} ms" for t in TOKENS))
-    print("plain / repacked: " + "  ".join(
-        f"T={t}: {np.median(times[False, t]) / np.median(times[True, t]):.2f}x" for t in TOKENS))
+            print(
+                f"{'':8}  GGUFWeight.matmul: "
+                + "  ".join(f"T={t}: {float(np.median(matmul[repacked, t])) * 1e3:.2f} ms" for t in TOKENS)
+            )
+    print(
+        "plain / repacked: "
+        + "  ".join(f"T={t}: {np.median(times[False, t]) / np.median(times[True, t]):.2f}x" for t in TOKENS)
+    )
 
 
 if __name__ == "__main__":

@@ -33,10 +33,16 @@ from benchlib.workload import BenchRequest, LengthRange, build_workload, load_to
 
 def decode_attention(args: argparse.Namespace) -> list[bench_kernels.Result]:
     """bench_kernels' decode benchmark at the requested batch sizes and context length."""
-    kernel_args = bench_kernels.parse_args([
-        "--dtype", "bf16", "--context-len", str(args.context_len),
-        "--batch-sizes", ",".join(str(b) for b in args.attention_batch_sizes),
-    ])
+    kernel_args = bench_kernels.parse_args(
+        [
+            "--dtype",
+            "bf16",
+            "--context-len",
+            str(args.context_len),
+            "--batch-sizes",
+            ",".join(str(b) for b in args.attention_batch_sizes),
+        ]
+    )
     peak = bench_kernels.peak_tbps(torch.cuda.get_device_name())
     return bench_kernels.bench_decode(kernel_args, torch.bfloat16, peak)
 
@@ -45,8 +51,13 @@ def run_engine(args: argparse.Namespace, requests: list[BenchRequest], enforce_e
     """One engine: a warm-up, then one timed `generate` over every request."""
     from tokenmill import LLM, SamplingParams
 
-    engine_args = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, enforce_eager=enforce_eager,
-                       gpu_memory_utilization=args.gpu_memory_utilization, device="cuda")
+    engine_args = dict(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device="cuda",
+    )
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in requests]
     with LLM(args.model, **engine_args) as llm:
         llm.generate([r.prompt_ids for r in requests[:8]], params[:8], use_tqdm=False)  # warm-up
@@ -58,9 +69,15 @@ def run_engine(args: argparse.Namespace, requests: list[BenchRequest], enforce_e
     wanted = sum(r.output_len for r in requests)
     if generated != wanted:
         raise RuntimeError(f"tokenmill generated {generated} tokens where {wanted} were asked for")
-    return {"elapsed_s": elapsed, "output_tokens": generated, "output_throughput": generated / elapsed,
-            "request_throughput": len(requests) / elapsed, "dtype": info.dtype, "num_kv_blocks": info.num_kv_blocks,
-            "enforce_eager": enforce_eager}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": generated,
+        "output_throughput": generated / elapsed,
+        "request_throughput": len(requests) / elapsed,
+        "dtype": info.dtype,
+        "num_kv_blocks": info.num_kv_blocks,
+        "enforce_eager": enforce_eager,
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,8 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--also-eager", action="store_true", help="also time the engine with enforce_eager=True")
     parser.add_argument("--skip-baseline", action="store_true")
-    parser.add_argument("--attention-batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 8, 32, 128])
+    parser.add_argument(
+        "--attention-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128]
+    )
     parser.add_argument("--context-len", type=int, default=2048, help="decode attention benchmark context")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="bench_results")
@@ -114,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         del model
         gc.collect()
 
-    rows = [(f"decode attention {r.config} (GB/s, of peak):",
-             f"{r.gbps:.0f}, {r.peak_fraction:.1%}" if r.peak_fraction else f"{r.gbps:.0f}") for r in attention]
+    rows = [
+        (
+            f"decode attention {r.config} (GB/s, of peak):",
+            f"{r.gbps:.0f}, {r.peak_fraction:.1%}" if r.peak_fraction else f"{r.gbps:.0f}",
+        )
+        for r in attention
+    ]
     for engine in engines:
         label = "tokenmill eager" if engine["enforce_eager"] else "tokenmill (CUDA graphs)"
         rows.append((f"{label} output tokens/s:", f"{engine['output_throughput']:.0f}"))
@@ -125,14 +148,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("tokenmill / transformers:", f"{speedup:.2f}x"))
     print(format_table(f"GPU benchmark on {device_name}", rows))
 
-    save_json(folder, {
-        "device": device_name,
-        "config": args_as_json(args),
-        "decode_attention": [asdict(r) for r in attention],
-        "engines": engines,
-        "transformers": None if baseline is None else {**asdict(baseline),
-                                                       "output_throughput": baseline.output_throughput},
-    })
+    save_json(
+        folder,
+        {
+            "device": device_name,
+            "config": args_as_json(args),
+            "decode_attention": [asdict(r) for r in attention],
+            "engines": engines,
+            "transformers": None
+            if baseline is None
+            else {**asdict(baseline), "output_throughput": baseline.output_throughput},
+        },
+    )
     print(f"results in {folder}")
     return 0
 

@@ -196,15 +196,30 @@ def bench_quantized_gemm(args, dtype: torch.dtype, peak: float | None) -> list[R
     fp8_scale = torch.rand(n, device="cuda") * 1e-2 + 1e-3
     int4_bytes = k * n // 2 + scales.nbytes + qzeros.nbytes
     cases = [
-        ("awq_gemm", int4_bytes, lambda x: awq_gemm(x, awq_qweight, qzeros, scales, group),
-         awq_dequantize_ref(awq_qweight, qzeros, scales, group, dtype)),
-        ("gptq_gemm", int4_bytes, lambda x: gptq_gemm(x, gptq_qweight, qzeros, scales, group),
-         gptq_dequantize_ref(gptq_qweight, qzeros, scales, group, None, 1, dtype)),
-        ("gptq_gemm act-order", int4_bytes + 4 * k,
-         lambda x: gptq_gemm(x, gptq_qweight, qzeros, scales, group, g_idx),
-         gptq_dequantize_ref(gptq_qweight, qzeros, scales, group, g_idx, 1, dtype)),
-        ("fp8_gemm", k * n + 4 * n, lambda x: fp8_gemm(x, fp8_weight, fp8_scale),
-         (fp8_weight.float() * fp8_scale[:, None]).to(dtype).T),
+        (
+            "awq_gemm",
+            int4_bytes,
+            lambda x: awq_gemm(x, awq_qweight, qzeros, scales, group),
+            awq_dequantize_ref(awq_qweight, qzeros, scales, group, dtype),
+        ),
+        (
+            "gptq_gemm",
+            int4_bytes,
+            lambda x: gptq_gemm(x, gptq_qweight, qzeros, scales, group),
+            gptq_dequantize_ref(gptq_qweight, qzeros, scales, group, None, 1, dtype),
+        ),
+        (
+            "gptq_gemm act-order",
+            int4_bytes + 4 * k,
+            lambda x: gptq_gemm(x, gptq_qweight, qzeros, scales, group, g_idx),
+            gptq_dequantize_ref(gptq_qweight, qzeros, scales, group, g_idx, 1, dtype),
+        ),
+        (
+            "fp8_gemm",
+            k * n + 4 * n,
+            lambda x: fp8_gemm(x, fp8_weight, fp8_scale),
+            (fp8_weight.float() * fp8_scale[:, None]).to(dtype).T,
+        ),
     ]
     results = []
     for batch in args.batch_sizes:
@@ -218,8 +233,17 @@ def bench_quantized_gemm(args, dtype: torch.dtype, peak: float | None) -> list[R
                 label = name
             kernel_us, reference_us = time_us(lambda: kernel(x), args.iters), time_us(lambda: x @ dense, args.iters)
             gbps = (weight_bytes + 2 * batch * (k + n) * x.element_size()) / kernel_us / 1e3
-            results.append(Result(label, f"M={batch} K={k} N={n} G={group}", kernel_us, reference_us, gbps,
-                                  gbps / (peak * 1e3) if peak else None, check))
+            results.append(
+                Result(
+                    label,
+                    f"M={batch} K={k} N={n} G={group}",
+                    kernel_us,
+                    reference_us,
+                    gbps,
+                    gbps / (peak * 1e3) if peak else None,
+                    check,
+                )
+            )
     return results
 
 
@@ -269,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"device": device_name, "peak_tbps": peak, "results": [asdict(r) for r in results]}, out, indent=2)
+            json.dump(
+                {"device": device_name, "peak_tbps": peak, "results": [asdict(r) for r in results]}, out, indent=2
+            )
     return 0 if all(r.matches_reference is not False for r in results) else 1
 
 

@@ -44,9 +44,13 @@ def build_runner(kv_cache_dtype: str, num_blocks: int):
     from tokenmill.model_source import resolve_config
     from tokenmill.workers.worker import Worker
 
-    config = resolve_config(EngineConfig(model=ModelConfig(model="", dtype="float32"),
-                                         cache=CacheConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
-                                         parallel=ParallelConfig(device="cpu")))
+    config = resolve_config(
+        EngineConfig(
+            model=ModelConfig(model="", dtype="float32"),
+            cache=CacheConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
+            parallel=ParallelConfig(device="cpu"),
+        )
+    )
     runner = Worker(config)
     runner.load_model()
     return runner
@@ -63,8 +67,15 @@ def forward(runner, input_ids, query_lens, seq_lens, block_tables) -> torch.Tens
     from tokenmill.workers.attention import build_attention_metadata, token_positions
     from tokenmill.workers.backends import attention_backend
 
-    meta = build_attention_metadata(query_lens, seq_lens, block_tables, runner.block_size, runner.device,
-                                    attention_backend("cpu"), runner.decode_chunk_tokens())
+    meta = build_attention_metadata(
+        query_lens,
+        seq_lens,
+        block_tables,
+        runner.block_size,
+        runner.device,
+        attention_backend("cpu"),
+        runner.decode_chunk_tokens(),
+    )
     positions = torch.from_numpy(token_positions(query_lens, seq_lens))
     hidden = runner.model(input_ids, positions, meta, runner.kv_caches)
     last_rows = torch.from_numpy(np.cumsum(query_lens) - 1)
@@ -147,22 +158,35 @@ def main() -> None:
         with_kv_cache_dtype(runner, name)
         log_probs = teacher_forced_log_probs(runner, ids, args.prefill_tokens)
         step = steps[name]
-        row = {"kv_cache_dtype": name, "kv_block_bytes": runner.kv_block_bytes(), "decode_step_ms": step * 1e3,
-               "decode_tokens_per_s": args.batch_size / step}
+        row = {
+            "kv_cache_dtype": name,
+            "kv_block_bytes": runner.kv_block_bytes(),
+            "decode_step_ms": step * 1e3,
+            "decode_tokens_per_s": args.batch_size / step,
+        }
         if reference is None:
             reference = log_probs
         else:
             kl = (reference.exp() * (reference - log_probs)).sum(-1)
-            row.update(mean_kl=float(kl.mean()), max_kl=float(kl.max()),
-                       top1_agreement=float((reference.argmax(-1) == log_probs.argmax(-1)).double().mean()))
+            row.update(
+                mean_kl=float(kl.mean()),
+                max_kl=float(kl.max()),
+                top1_agreement=float((reference.argmax(-1) == log_probs.argmax(-1)).double().mean()),
+            )
         figures[name] = row
         print(json.dumps(row), flush=True)
     base = figures[args.kv_cache_dtypes[0]]["decode_tokens_per_s"]
     for name, row in figures.items():
-        print(f"{name:>9}: block {row['kv_block_bytes']} B, decode {row['decode_tokens_per_s']:.1f} tok/s "
-              f"({row['decode_tokens_per_s'] / base:.2f}x) at batch {args.batch_size}, context {args.context_len}"
-              + (f"; KL {row['mean_kl']:.2e} mean / {row['max_kl']:.2e} max over {len(ids) - args.prefill_tokens} "
-                 f"positions, top-1 agrees {row['top1_agreement']:.1%}" if "mean_kl" in row else ""))
+        print(
+            f"{name:>9}: block {row['kv_block_bytes']} B, decode {row['decode_tokens_per_s']:.1f} tok/s "
+            f"({row['decode_tokens_per_s'] / base:.2f}x) at batch {args.batch_size}, context {args.context_len}"
+            + (
+                f"; KL {row['mean_kl']:.2e} mean / {row['max_kl']:.2e} max over {len(ids) - args.prefill_tokens} "
+                f"positions, top-1 agrees {row['top1_agreement']:.1%}"
+                if "mean_kl" in row
+                else ""
+            )
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "figures": figures}, f, indent=1)

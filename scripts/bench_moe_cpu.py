@@ -43,8 +43,10 @@ def main() -> None:
     w13 = torch.randn(args.experts, 2 * args.inter, args.hidden, generator=g) / args.hidden**0.5
     w2 = torch.randn(args.experts, args.hidden, args.inter, generator=g) / args.inter**0.5
     router = torch.randn(args.experts, args.hidden, generator=g)
-    print(f"{args.experts} experts, top-{args.top_k}, hidden {args.hidden}, inter {args.inter}, "
-          f"{torch.get_num_threads()} threads, float32")
+    print(
+        f"{args.experts} experts, top-{args.top_k}, hidden {args.hidden}, inter {args.inter}, "
+        f"{torch.get_num_threads()} threads, float32"
+    )
     with torch.inference_mode():
         for label, tokens in [("decode batch 32", 32), ("prefill 512 tokens", 512)]:
             x = torch.randn(tokens, args.hidden, generator=g)

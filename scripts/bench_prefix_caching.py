@@ -27,8 +27,14 @@ from tqdm import tqdm
 from benchlib.launch import launched_server
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
-from benchlib.streaming import (StreamTiming, completion_payload, http_session, random_token_ids, served_model_name,
-                                stream_completion)
+from benchlib.streaming import (
+    StreamTiming,
+    completion_payload,
+    http_session,
+    random_token_ids,
+    served_model_name,
+    stream_completion,
+)
 
 MODE_FLAGS = {"on": ["--enable-prefix-caching"], "off": ["--no-enable-prefix-caching"]}
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -40,20 +46,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix-len", type=int, default=1000, help="tokens every request shares")
     parser.add_argument("--suffix-len", type=int, default=16, help="distinct tokens after the prefix, per request")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens each request generates")
-    parser.add_argument("--warmup", choices=["prefix", "none"], default="prefix",
-                        help="send the shared prefix alone before the burst (default), or send the burst cold")
+    parser.add_argument(
+        "--warmup",
+        choices=["prefix", "none"],
+        default="prefix",
+        help="send the shared prefix alone before the burst (default), or send the burst cold",
+    )
     parser.add_argument("--modes", default="on,off", help="which of on,off to run, in this order")
-    parser.add_argument("--serve-args", default="--kv-cache-memory-bytes 1GiB",
-                        help="extra `tokenmill serve` flags for both servers (model, dtype, budgets, ...)")
-    parser.add_argument("--server-threads", type=int, default=None,
-                        help="OMP_NUM_THREADS for the servers (torch threads); 1 avoids oversubscribing a shared CPU")
+    parser.add_argument(
+        "--serve-args",
+        default="--kv-cache-memory-bytes 1GiB",
+        help="extra `tokenmill serve` flags for both servers (model, dtype, budgets, ...)",
+    )
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for the servers (torch threads); 1 avoids oversubscribing a shared CPU",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-root", type=Path, default=REPO_ROOT / "bench_results")
     return parser.parse_args(argv)
 
 
-async def run_burst(url: str, args: argparse.Namespace, prefix: list[int], suffixes: list[list[int]],
-                    progress: tqdm) -> list[StreamTiming]:
+async def run_burst(
+    url: str, args: argparse.Namespace, prefix: list[int], suffixes: list[list[int]], progress: tqdm
+) -> list[StreamTiming]:
     """Warm the server up, then send every request at once; returns their timings in request order."""
     async with http_session() as session:
         model = await served_model_name(session, url)
@@ -72,8 +90,9 @@ async def run_burst(url: str, args: argparse.Namespace, prefix: list[int], suffi
         return await asyncio.gather(*(one(i) for i in range(len(suffixes))))
 
 
-def measure_mode(mode: str, args: argparse.Namespace, prefix: list[int], suffixes: list[list[int]],
-                 results_dir: Path) -> dict:
+def measure_mode(
+    mode: str, args: argparse.Namespace, prefix: list[int], suffixes: list[list[int]], results_dir: Path
+) -> dict:
     serve_args = [*shlex.split(args.serve_args), *MODE_FLAGS[mode]]
     print(f"[{mode}] tokenmill serve {shlex.join(serve_args)}", file=sys.stderr)
     with launched_server(serve_args, results_dir / f"server-{mode}.log") as url:
@@ -110,16 +129,24 @@ def main(argv: list[str] | None = None) -> int:
         results["speedup_median_ttft"] = off["median"] / on["median"]
     path = save_json(results_dir, results)
 
-    print(f"\n{args.num_requests} requests at once, {args.prefix_len}-token shared prefix + {args.suffix_len}-token "
-          f"suffix each, warm-up: {args.warmup}")
-    print(f"{'caching':<8} {'mean TTFT':>10} {'median':>9} {'p90':>9} {'p99':>9} {'last 1st tok':>13} {'cached/req':>11}")
+    print(
+        f"\n{args.num_requests} requests at once, {args.prefix_len}-token shared prefix + {args.suffix_len}-token "
+        f"suffix each, warm-up: {args.warmup}"
+    )
+    print(
+        f"{'caching':<8} {'mean TTFT':>10} {'median':>9} {'p90':>9} {'p99':>9} {'last 1st tok':>13} {'cached/req':>11}"
+    )
     for mode, r in per_mode.items():
         t = r["ttft_ms"]
-        print(f"{mode:<8} {t['mean']:>8.0f}ms {t['median']:>7.0f}ms {t['p90']:>7.0f}ms {t['p99']:>7.0f}ms "
-              f"{r['last_first_token_after_s']:>12.2f}s {r['mean_cached_tokens']:>11.0f}")
+        print(
+            f"{mode:<8} {t['mean']:>8.0f}ms {t['median']:>7.0f}ms {t['p90']:>7.0f}ms {t['p99']:>7.0f}ms "
+            f"{r['last_first_token_after_s']:>12.2f}s {r['mean_cached_tokens']:>11.0f}"
+        )
     if "speedup_mean_ttft" in results:
-        print(f"prefix caching speed-up: {results['speedup_mean_ttft']:.1f}x mean TTFT, "
-              f"{results['speedup_median_ttft']:.1f}x median TTFT")
+        print(
+            f"prefix caching speed-up: {results['speedup_mean_ttft']:.1f}x mean TTFT, "
+            f"{results['speedup_median_ttft']:.1f}x median TTFT"
+        )
     print(f"results: {path}")
     return 0
 

@@ -45,9 +45,13 @@ def build_runner(quantization: str, dtype: str, num_blocks: int, memory: dict | 
     from tokenmill.model_source import resolve_config
     from tokenmill.workers.worker import Worker
 
-    config = resolve_config(EngineConfig(model=ModelConfig(quantization=quantization, dtype=dtype),
-                                         cache=CacheConfig(num_kv_blocks=num_blocks, block_size=BLOCK_SIZE),
-                                         parallel=ParallelConfig(device="cpu")))
+    config = resolve_config(
+        EngineConfig(
+            model=ModelConfig(quantization=quantization, dtype=dtype),
+            cache=CacheConfig(num_kv_blocks=num_blocks, block_size=BLOCK_SIZE),
+            parallel=ParallelConfig(device="cpu"),
+        )
+    )
     runner = Worker(config)
     memory = {} if memory is None else memory
     memory["rss_before_load"] = rss_bytes()
@@ -93,6 +97,7 @@ def measure(name: str, threads: int, context: int, steps: int) -> dict:
     quantization, dtype = CONFIGS[name]
     if name in GGUF_ACTIVATIONS:
         from tokenmill.kernels import gguf_ops
+
         gguf_ops.DEFAULT_ACTIVATIONS = GGUF_ACTIVATIONS[name]
     batches = (1, 32)
     blocks_each = -(-(context + steps + 4) // BLOCK_SIZE)
@@ -102,22 +107,33 @@ def measure(name: str, threads: int, context: int, steps: int) -> dict:
     rss = rss_bytes()
     bandwidth = memory_bandwidth()
     kv_bytes = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
-    return {"name": name, "threads": threads, **speeds, "rss": rss, **memory, "kv_bytes": kv_bytes,
-            "weight_bytes": runner.weight_bytes,
-            "bandwidth": bandwidth,
-            "bandwidth_fraction": runner.weight_bytes * speeds["batch1"] / bandwidth}
+    return {
+        "name": name,
+        "threads": threads,
+        **speeds,
+        "rss": rss,
+        **memory,
+        "kv_bytes": kv_bytes,
+        "weight_bytes": runner.weight_bytes,
+        "bandwidth": bandwidth,
+        "bandwidth_fraction": runner.weight_bytes * speeds["batch1"] / bandwidth,
+    }
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| threads | configuration | decode tok/s batch 1 | decode tok/s batch 32 | weights MiB | RSS MiB "
-             "(loading added) | KV cache MiB | batch-1 share of bandwidth bound | measured bandwidth GB/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| threads | configuration | decode tok/s batch 1 | decode tok/s batch 32 | weights MiB | RSS MiB "
+        "(loading added) | KV cache MiB | batch-1 share of bandwidth bound | measured bandwidth GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         mib = 2**20
-        lines.append(f"| {r['threads']} | {r['name']} | {r['batch1']:.1f} | {r['batch32']:.1f} "
-                     f"| {r['weight_bytes'] / mib:.0f} | {r['rss'] / mib:.0f} "
-                     f"({(r['rss_loaded'] - r['rss_before_load']) / mib:+.0f}) | {r['kv_bytes'] / mib:.0f} "
-                     f"| {100 * r['bandwidth_fraction']:.0f}% | {r['bandwidth'] / 1e9:.1f} |")
+        lines.append(
+            f"| {r['threads']} | {r['name']} | {r['batch1']:.1f} | {r['batch32']:.1f} "
+            f"| {r['weight_bytes'] / mib:.0f} | {r['rss'] / mib:.0f} "
+            f"({(r['rss_loaded'] - r['rss_before_load']) / mib:+.0f}) | {r['kv_bytes'] / mib:.0f} "
+            f"| {100 * r['bandwidth_fraction']:.0f}% | {r['bandwidth'] / 1e9:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -129,13 +145,17 @@ def ratios(results: list[dict]) -> str:
         for ref in ("dequant bf16", "dequant f32"):
             if quant and ref in by_name:
                 other = by_name[ref]
-                lines.append(f"{threads} thread(s): quantized / {ref}: batch 1 x{quant['batch1'] / other['batch1']:.2f}, "
-                             f"batch 32 x{quant['batch32'] / other['batch32']:.2f}, RSS x{quant['rss'] / other['rss']:.2f}")
+                lines.append(
+                    f"{threads} thread(s): quantized / {ref}: batch 1 x{quant['batch1'] / other['batch1']:.2f}, "
+                    f"batch 32 x{quant['batch32'] / other['batch32']:.2f}, RSS x{quant['rss'] / other['rss']:.2f}"
+                )
         float_act = by_name.get("gguf-q4_1 f32 float-act")
         if quant and float_act:
-            lines.append(f"{threads} thread(s): float activations / int8 activations: "
-                         f"batch 1 x{float_act['batch1'] / quant['batch1']:.2f}, "
-                         f"batch 32 x{float_act['batch32'] / quant['batch32']:.2f}")
+            lines.append(
+                f"{threads} thread(s): float activations / int8 activations: "
+                f"batch 1 x{float_act['batch1'] / quant['batch1']:.2f}, "
+                f"batch 32 x{float_act['batch32'] / quant['batch32']:.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -155,8 +175,14 @@ def chunked_logits(model, input_ids: torch.Tensor, chunk: int) -> torch.Tensor:
     logits = []
     for start in range(0, len(input_ids), chunk):
         end = min(start + chunk, len(input_ids))
-        meta = build_attention_metadata(np.array([end - start]), np.array([end]), blocks[:, : -(-end // BLOCK_SIZE)],
-                                        BLOCK_SIZE, torch.device("cpu"), attention_backend("cpu"))
+        meta = build_attention_metadata(
+            np.array([end - start]),
+            np.array([end]),
+            blocks[:, : -(-end // BLOCK_SIZE)],
+            BLOCK_SIZE,
+            torch.device("cpu"),
+            attention_backend("cpu"),
+        )
         with torch.inference_mode():
             logits.append(model.compute_logits(model(input_ids[start:end], torch.arange(start, end), meta, kv_caches)))
     return torch.cat(logits)
@@ -177,8 +203,13 @@ def kl_divergence(num_tokens: int, chunk: int = 256) -> dict:
     log_q = chunked_logits(quantized.model, ids, chunk).log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     agree = (log_p.argmax(-1) == log_q.argmax(-1)).float().mean()
-    return {"tokens": num_tokens, "mean_kl": kl.mean().item(), "p99_kl": kl.quantile(0.99).item(),
-            "max_kl": kl.max().item(), "top1_agreement": agree.item()}
+    return {
+        "tokens": num_tokens,
+        "mean_kl": kl.mean().item(),
+        "p99_kl": kl.quantile(0.99).item(),
+        "max_kl": kl.max().item(),
+        "top1_agreement": agree.item(),
+    }
 
 
 def main() -> None:
@@ -187,9 +218,13 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--context-len", type=int, default=64, help="prompt tokens before the timed decode steps")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs of every configuration, in alternating order; each figure is the best round's "
-                             "(the machine is shared and noisy)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs of every configuration, in alternating order; each figure is the best round's "
+        "(the machine is shared and noisy)",
+    )
     parser.add_argument("--kl", action="store_true", help="measure the KL divergence instead of the speed")
     parser.add_argument("--kl-tokens", type=int, default=2000)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "<config>|<threads>": a worker subprocess
@@ -199,9 +234,11 @@ def main() -> None:
     if args.kl:
         torch.set_num_threads(max(args.threads))
         result = kl_divergence(args.kl_tokens)
-        print(f"quantized vs dequantized float32 over {result['tokens']} tokens: mean KL {result['mean_kl']:.5f} "
-              f"(p99 {result['p99_kl']:.4f}, max {result['max_kl']:.4f}), top-1 agreement "
-              f"{100 * result['top1_agreement']:.1f}%")
+        print(
+            f"quantized vs dequantized float32 over {result['tokens']} tokens: mean KL {result['mean_kl']:.5f} "
+            f"(p99 {result['p99_kl']:.4f}, max {result['max_kl']:.4f}), top-1 agreement "
+            f"{100 * result['top1_agreement']:.1f}%"
+        )
         results = [result]
     elif args.one:
         name, threads = args.one.rsplit("|", 1)
@@ -212,18 +249,36 @@ def main() -> None:
         for round_index in range(args.rounds):
             for threads in args.threads:
                 for name in args.configs[:: 1 if round_index % 2 == 0 else -1]:
-                    done = subprocess.run([sys.executable, __file__, "--one", f"{name}|{threads}",
-                                           "--context-len", str(args.context_len), "--steps", str(args.steps)],
-                                          capture_output=True, text=True, check=True)
+                    done = subprocess.run(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--one",
+                            f"{name}|{threads}",
+                            "--context-len",
+                            str(args.context_len),
+                            "--steps",
+                            str(args.steps),
+                        ],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
                     run = json.loads(done.stdout.strip().splitlines()[-1])
                     runs.setdefault((name, threads), []).append(run)
-                    print(f"round {round_index + 1}: {name}, {threads} thread(s): {run['batch1']:.1f} / "
-                          f"{run['batch32']:.1f} tok/s", file=sys.stderr)
+                    print(
+                        f"round {round_index + 1}: {name}, {threads} thread(s): {run['batch1']:.1f} / "
+                        f"{run['batch32']:.1f} tok/s",
+                        file=sys.stderr,
+                    )
         results = []
         for (name, threads), found in runs.items():
             best = dict(min(found, key=lambda r: r["rss"]))
-            best.update(batch1=max(r["batch1"] for r in found), batch32=max(r["batch32"] for r in found),
-                        bandwidth=max(r["bandwidth"] for r in found))
+            best.update(
+                batch1=max(r["batch1"] for r in found),
+                batch32=max(r["batch32"] for r in found),
+                bandwidth=max(r["bandwidth"] for r in found),
+            )
             best["bandwidth_fraction"] = best["weight_bytes"] * best["batch1"] / best["bandwidth"]
             results.append(best)
         results.sort(key=lambda r: (r["threads"], args.configs.index(r["name"])))

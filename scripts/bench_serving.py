@@ -70,8 +70,12 @@ class Target:
     temperature: float
 
     def payload(self, request: BenchRequest) -> dict:
-        body: dict = {"model": self.model, "temperature": self.temperature, "stream": True,
-                      "stream_options": {"include_usage": True}}
+        body: dict = {
+            "model": self.model,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.chat:
@@ -143,8 +147,15 @@ def arrival_gaps(num_requests: int, request_rate: float, burstiness: float, seed
     return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests)
 
 
-async def run_requests(target: Target, requests: list[BenchRequest], request_rate: float, burstiness: float,
-                       max_concurrency: int | None, seed: int, desc: str) -> tuple[list[RequestResult], float]:
+async def run_requests(
+    target: Target,
+    requests: list[BenchRequest],
+    request_rate: float,
+    burstiness: float,
+    max_concurrency: int | None,
+    seed: int,
+    desc: str,
+) -> tuple[list[RequestResult], float]:
     """Send every request on its arrival schedule, at most `max_concurrency` in flight; (results, duration)."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -152,6 +163,7 @@ async def run_requests(target: Target, requests: list[BenchRequest], request_rat
     bar = tqdm(total=len(requests), desc=desc, dynamic_ncols=True, file=sys.stderr)
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
         async def one(request: BenchRequest) -> RequestResult:
             async with semaphore if semaphore is not None else nullcontext():
                 result = await send_request(session, target, request)
@@ -196,21 +208,25 @@ def summarize_run(results: list[RequestResult], duration_s: float) -> dict:
 
 def latency_samples(results: list[RequestResult]) -> dict[str, list[float]]:
     done = [r for r in results if r.success]
-    return {"ttft_ms": [r.ttft_s * 1e3 for r in done],
-            "tpot_ms": [r.tpot_s * 1e3 for r in done if r.tpot_s is not None],
-            "itl_ms": [gap * 1e3 for r in done for gap in r.itl_s],
-            "e2el_ms": [r.latency_s * 1e3 for r in done]}
+    return {
+        "ttft_ms": [r.ttft_s * 1e3 for r in done],
+        "tpot_ms": [r.tpot_s * 1e3 for r in done if r.tpot_s is not None],
+        "itl_ms": [gap * 1e3 for r in done for gap in r.itl_s],
+        "e2el_ms": [r.latency_s * 1e3 for r in done],
+    }
 
 
 def summary_table(title: str, summary: dict) -> str:
-    rows = [("Successful requests:", str(summary["completed"])),
-            ("Failed requests:", str(summary["failed"])),
-            ("Benchmark duration (s):", f"{summary['duration_s']:.2f}"),
-            ("Total input tokens:", str(summary["total_input_tokens"])),
-            ("Total generated tokens:", str(summary["total_output_tokens"])),
-            ("Request throughput (req/s):", f"{summary['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}"),
-            ("Total token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}")]
+    rows = [
+        ("Successful requests:", str(summary["completed"])),
+        ("Failed requests:", str(summary["failed"])),
+        ("Benchmark duration (s):", f"{summary['duration_s']:.2f}"),
+        ("Total input tokens:", str(summary["total_input_tokens"])),
+        ("Total generated tokens:", str(summary["total_output_tokens"])),
+        ("Request throughput (req/s):", f"{summary['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}"),
+    ]
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
         rows += latency_rows(name, summary[key])
     return format_table(title, rows)
@@ -224,8 +240,9 @@ async def served_model_name(base_url: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default="http://127.0.0.1:8000")
     target.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
@@ -235,12 +252,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     work = parser.add_argument_group("workload")
     work.add_argument("--tokenizer", default="", help="tokenizer dir, .gguf or hub id (default: tokenmill's model)")
     work.add_argument("--num-prompts", type=int, default=128)
-    work.add_argument("--input-len", type=LengthRange.parse, default=LengthRange(64, 512),
-                      help="prompt tokens: N, or LOW:HIGH drawn uniformly")
-    work.add_argument("--output-len", type=LengthRange.parse, default=LengthRange(16, 256),
-                      help="max_tokens per request: N, or LOW:HIGH drawn uniformly")
-    work.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
-                      help="token-id prompts (exact lengths; /v1/completions only) or decoded text")
+    work.add_argument(
+        "--input-len",
+        type=LengthRange.parse,
+        default=LengthRange(64, 512),
+        help="prompt tokens: N, or LOW:HIGH drawn uniformly",
+    )
+    work.add_argument(
+        "--output-len",
+        type=LengthRange.parse,
+        default=LengthRange(16, 256),
+        help="max_tokens per request: N, or LOW:HIGH drawn uniformly",
+    )
+    work.add_argument(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default="ids",
+        help="token-id prompts (exact lengths; /v1/completions only) or decoded text",
+    )
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--seed", type=int, default=0)
@@ -262,15 +291,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def benchmark(args: argparse.Namespace, base_url: str, folder: Path) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
     model = args.model or await served_model_name(base_url)
-    target = Target(base_url.rstrip("/") + args.endpoint, model, args.endpoint == CHAT, args.prompt_format == "ids",
-                    args.ignore_eos, args.temperature)
+    target = Target(
+        base_url.rstrip("/") + args.endpoint,
+        model,
+        args.endpoint == CHAT,
+        args.prompt_format == "ids",
+        args.ignore_eos,
+        args.temperature,
+    )
     with_text = args.prompt_format == "text"
     levels = [int(c) for c in args.sweep.split(",")] if args.sweep else [args.max_concurrency]
 
     if args.num_warmup:
         # different prompts from the measured ones, so the prefix cache holds none of them
-        warmup = build_workload(tokenizer, args.num_warmup, args.input_len, LengthRange(8, 8), args.seed + 10_000,
-                                with_text)
+        warmup = build_workload(
+            tokenizer, args.num_warmup, args.input_len, LengthRange(8, 8), args.seed + 10_000, with_text
+        )
         results, _ = await run_requests(target, warmup, math.inf, 1.0, None, args.seed, "warm-up")
         failed = [r.error for r in results if not r.success]
         if failed:
@@ -279,23 +315,29 @@ async def benchmark(args: argparse.Namespace, base_url: str, folder: Path) -> di
     runs = []
     for index, concurrency in enumerate(levels):
         # each level gets its own prompts (seed + index) so earlier levels do not warm the prefix cache for it
-        requests = build_workload(tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed + index,
-                                  with_text)
+        requests = build_workload(
+            tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed + index, with_text
+        )
         label = f"concurrency {concurrency}" if concurrency else "unbounded concurrency"
-        results, duration = await run_requests(target, requests, args.request_rate, args.burstiness, concurrency,
-                                               args.seed, label)
+        results, duration = await run_requests(
+            target, requests, args.request_rate, args.burstiness, concurrency, args.seed, label
+        )
         summary = summarize_run(results, duration)
         print(summary_table(f"Serving benchmark: {label}", summary))
-        runs.append({"max_concurrency": concurrency, "summary": summary, "samples": latency_samples(results),
-                     "input_lens": [r.prompt_tokens for r in results],
-                     "output_lens": [r.output_tokens for r in results]})
+        runs.append(
+            {
+                "max_concurrency": concurrency,
+                "summary": summary,
+                "samples": latency_samples(results),
+                "input_lens": [r.prompt_tokens for r in results],
+                "output_lens": [r.output_tokens for r in results],
+            }
+        )
 
     plot_latency_cdfs([(f"c={run['max_concurrency']}", run["samples"]) for run in runs], folder / "latency_cdf.png")
     if len(levels) > 1:
         plot_sweep(levels, [run["summary"] for run in runs], folder / "sweep.png")
-    return {"base_url": base_url, "endpoint": args.endpoint, "model": model,
-            "config": args_as_json(args),
-            "runs": runs}
+    return {"base_url": base_url, "endpoint": args.endpoint, "model": model, "config": args_as_json(args), "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ CODE_SNIPPETS = [
         total += value
     return total / len(values)
 ''',
-    '''class Stack:
+    """class Stack:
     def __init__(self):
         self.items = []
 
@@ -53,8 +53,8 @@ CODE_SNIPPETS = [
         if not self.items:
             raise IndexError("pop from an empty stack")
         return self.items.pop()
-''',
-    '''def read_config(path):
+""",
+    """def read_config(path):
     with open(path) as f:
         lines = f.read().splitlines()
     config = {}
@@ -64,8 +64,8 @@ CODE_SNIPPETS = [
         key, value = line.split("=", 1)
         config[key.strip()] = value.strip()
     return config
-''',
-    '''def binary_search(items, target):
+""",
+    """def binary_search(items, target):
     low, high = 0, len(items) - 1
     while low <= high:
         middle = (low + high) // 2
@@ -76,19 +76,29 @@ CODE_SNIPPETS = [
         else:
             high = middle - 1
     return -1
-''',
+""",
 ]
-CHANGES = ["rename the function or class to something clearer", "add a type hint to every argument",
-           "change the error message to start with 'Error:'", "use double quotes everywhere"]
-PASSAGE = ("The lighthouse at the end of the pier was built in 1874. Its lamp burned whale oil until 1902, when the "
-           "keepers switched to kerosene. In 1931 the tower was electrified, and the last keeper, Margaret Hale, "
-           "left in 1958. Today the lighthouse is a museum, open from May to September, and its beam still turns "
-           "every night.")
+CHANGES = [
+    "rename the function or class to something clearer",
+    "add a type hint to every argument",
+    "change the error message to start with 'Error:'",
+    "use double quotes everywhere",
+]
+PASSAGE = (
+    "The lighthouse at the end of the pier was built in 1874. Its lamp burned whale oil until 1902, when the "
+    "keepers switched to kerosene. In 1931 the tower was electrified, and the last keeper, Margaret Hale, "
+    "left in 1958. Today the lighthouse is a museum, open from May to September, and its beam still turns "
+    "every night."
+)
 
-QUOTE_ASKS = ["Summarise it in one sentence, then quote the sentences that mention a year, word for word.",
-              "Quote the whole passage back exactly, then give it a title."]
-COPY_PROMPTS = [f"Rewrite this code with one change: {change}. Reply with the full code only.\n\n```python\n{code}```"
-                for code, change in zip(CODE_SNIPPETS, CHANGES)]
+QUOTE_ASKS = [
+    "Summarise it in one sentence, then quote the sentences that mention a year, word for word.",
+    "Quote the whole passage back exactly, then give it a title.",
+]
+COPY_PROMPTS = [
+    f"Rewrite this code with one change: {change}. Reply with the full code only.\n\n```python\n{code}```"
+    for code, change in zip(CODE_SNIPPETS, CHANGES)
+]
 COPY_PROMPTS += [f"Here is a passage:\n\n{PASSAGE}\n\n{ask}" for ask in QUOTE_ASKS]
 CHAT_PROMPTS = [
     "What are three good habits for staying healthy?",
@@ -110,20 +120,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per (workload, batch, engine); best kept")
-    parser.add_argument("--prompts-per-round", type=int, default=4,
-                        help="prompts in one round at batch 1 (one after another); a larger batch runs that many")
+    parser.add_argument(
+        "--prompts-per-round",
+        type=int,
+        default=4,
+        help="prompts in one round at batch 1 (one after another); a larger batch runs that many",
+    )
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
-    parser.add_argument("--engine-args", default="{}",
-                        help="JSON keyword arguments for both LLM(...) engines (default: the default model as it ships, "
-                             "GGUF kept quantized; the prefix cache is off unless enable_prefix_caching is given)")
+    parser.add_argument(
+        "--engine-args",
+        default="{}",
+        help="JSON keyword arguments for both LLM(...) engines (default: the default model as it ships, "
+        "GGUF kept quantized; the prefix cache is off unless enable_prefix_caching is given)",
+    )
     parser.add_argument("--json-out", type=Path, default=None)
     return parser.parse_args(argv)
 
 
 def chat_prompts(llm, prompts: list[str]) -> list[str]:
     tokenizer = llm.get_tokenizer()
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          tokenize=False) for p in prompts]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
 
 
 def run_round(llm, prompts: list[str], batch: int, params) -> tuple[int, float, list[list[int]]]:
@@ -146,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     # some prompts differently from round 1), so rounds would time different texts. Off, every round is the same work.
     engine_args.setdefault("enable_prefix_caching", False)
     spec_config = json.loads(args.speculative_config)
-    engines = {"off": LLM(args.model, **engine_args), "on": LLM(args.model, speculative_config=spec_config,
-                                                                   **engine_args)}
+    engines = {
+        "off": LLM(args.model, **engine_args),
+        "on": LLM(args.model, speculative_config=spec_config, **engine_args),
+    }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []
     try:
@@ -168,33 +189,46 @@ def main(argv: list[str] | None = None) -> int:
                 spec = engines["on"].engine_stats().since(before["on"])
                 plain = engines["off"].engine_stats().since(before["off"])
                 same = sum(a == b for a, b in zip(outputs["off"], outputs["on"]))
-                row = {"workload": workload, "batch": batch, "off_tok_s": best["off"], "on_tok_s": best["on"],
-                       "speedup": best["on"] / best["off"], "acceptance_rate": spec.spec_acceptance_rate,
-                       "mean_acceptance_length": (1 + spec.spec_num_accepted_tokens / spec.spec_num_drafts
-                                                  if spec.spec_num_drafts else 0.0),
-                       "drafts_per_step": spec.spec_num_drafts / max(1, spec.num_steps),
-                       "identical_outputs": f"{same}/{len(prompts)}",
-                       "off_ms_per_step": 1e3 * plain.step_time_s / max(1, plain.num_steps),
-                       "on_ms_per_step": 1e3 * spec.step_time_s / max(1, spec.num_steps),
-                       "off_steps_per_round": plain.num_steps / args.rounds,
-                       "on_steps_per_round": spec.num_steps / args.rounds}
+                row = {
+                    "workload": workload,
+                    "batch": batch,
+                    "off_tok_s": best["off"],
+                    "on_tok_s": best["on"],
+                    "speedup": best["on"] / best["off"],
+                    "acceptance_rate": spec.spec_acceptance_rate,
+                    "mean_acceptance_length": (
+                        1 + spec.spec_num_accepted_tokens / spec.spec_num_drafts if spec.spec_num_drafts else 0.0
+                    ),
+                    "drafts_per_step": spec.spec_num_drafts / max(1, spec.num_steps),
+                    "identical_outputs": f"{same}/{len(prompts)}",
+                    "off_ms_per_step": 1e3 * plain.step_time_s / max(1, plain.num_steps),
+                    "on_ms_per_step": 1e3 * spec.step_time_s / max(1, spec.num_steps),
+                    "off_steps_per_round": plain.num_steps / args.rounds,
+                    "on_steps_per_round": spec.num_steps / args.rounds,
+                }
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         for llm in engines.values():
             llm.shutdown()
 
-    print(f"speculative config: {json.dumps(spec_config)}; engine args: {json.dumps(engine_args)}; "
-          f"max_tokens {args.max_tokens}; batch 1: {args.prompts_per_round} prompts per round; best of "
-          f"{args.rounds} rounds")
-    print(f"| workload | batch | off (tok/s) | {spec_config.get('method', 'ngram')} (tok/s) | speed-up | draft acceptance | mean acceptance length "
-          "| verifying requests / step | identical outputs | ms / step off, ngram | steps / round off, ngram |")
+    print(
+        f"speculative config: {json.dumps(spec_config)}; engine args: {json.dumps(engine_args)}; "
+        f"max_tokens {args.max_tokens}; batch 1: {args.prompts_per_round} prompts per round; best of "
+        f"{args.rounds} rounds"
+    )
+    print(
+        f"| workload | batch | off (tok/s) | {spec_config.get('method', 'ngram')} (tok/s) | speed-up | draft acceptance | mean acceptance length "
+        "| verifying requests / step | identical outputs | ms / step off, ngram | steps / round off, ngram |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['speedup']:.2f}x "
-              f"| {100 * r['acceptance_rate']:.0f} % | {r['mean_acceptance_length']:.2f} | "
-              f"{r['drafts_per_step']:.2f} | {r['identical_outputs']} | {r['off_ms_per_step']:.1f}, "
-              f"{r['on_ms_per_step']:.1f} | {r['off_steps_per_round']:.0f}, {r['on_steps_per_round']:.0f} |")
+        print(
+            f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['speedup']:.2f}x "
+            f"| {100 * r['acceptance_rate']:.0f} % | {r['mean_acceptance_length']:.2f} | "
+            f"{r['drafts_per_step']:.2f} | {r['identical_outputs']} | {r['off_ms_per_step']:.1f}, "
+            f"{r['on_ms_per_step']:.1f} | {r['off_steps_per_round']:.0f}, {r['on_steps_per_round']:.0f} |"
+        )
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(rows, indent=1))
     return 0

@@ -28,28 +28,58 @@ from benchlib.results import args_as_json, make_results_dir, save_json
 TARGET_RATIO = 0.9
 
 SCHEMAS = [
-    {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 24}, "email": {"type": "string", "pattern": r"^[a-z]{1,10}@[a-z]{1,10}\.com$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5}},
-     "required": ["name", "email", "age", "tags"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]},
-        "forecast": {"type": "array", "maxItems": 4, "items": {"type": "object", "properties": {
-            "day": {"enum": ["mon", "tue", "wed", "thu", "fri", "sat", "sun"]},
-            "high": {"type": "integer", "minimum": -50, "maximum": 60},
-            "low": {"type": "integer", "minimum": -50, "maximum": 60}},
-            "required": ["day", "high", "low"], "additionalProperties": False}}},
-     "required": ["city", "unit", "forecast"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "title": {"type": "string", "maxLength": 40}, "priority": {"enum": ["low", "medium", "high"]},
-        "done": {"type": "boolean"}, "estimate_hours": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 100},
-                                                                   {"type": "null"}]},
-        "steps": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 4}},
-     "required": ["title", "priority", "done", "steps"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "email": {"type": "string", "pattern": r"^[a-z]{1,10}@[a-z]{1,10}\.com$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5},
+        },
+        "required": ["name", "email", "age", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+            "forecast": {
+                "type": "array",
+                "maxItems": 4,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "day": {"enum": ["mon", "tue", "wed", "thu", "fri", "sat", "sun"]},
+                        "high": {"type": "integer", "minimum": -50, "maximum": 60},
+                        "low": {"type": "integer", "minimum": -50, "maximum": 60},
+                    },
+                    "required": ["day", "high", "low"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        "required": ["city", "unit", "forecast"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 40},
+            "priority": {"enum": ["low", "medium", "high"]},
+            "done": {"type": "boolean"},
+            "estimate_hours": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 100}, {"type": "null"}]},
+            "steps": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 4},
+        },
+        "required": ["title", "priority", "done", "steps"],
+        "additionalProperties": False,
+    },
 ]
-TASKS = ["Describe a new customer as JSON.", "Give the weather forecast for a city as JSON.",
-         "Write a to-do item for repairing a bicycle as JSON."]
+TASKS = [
+    "Describe a new customer as JSON.",
+    "Give the weather forecast for a city as JSON.",
+    "Write a to-do item for repairing a bicycle as JSON.",
+]
 
 
 def run(llm, prompts: list[list[int]], params: list) -> dict:
@@ -59,12 +89,18 @@ def run(llm, prompts: list[list[int]], params: list) -> dict:
     elapsed = time.perf_counter() - started
     stats = llm.engine_stats().since(before)
     lengths = [len(r.outputs[0].token_ids) for r in results]
-    return {"elapsed_s": elapsed, "output_tokens": sum(lengths), "output_throughput": sum(lengths) / elapsed,
-            "num_steps": stats.num_steps, "mean_step_time_ms": 1e3 * stats.step_time_s / max(1, stats.num_steps),
-            "mask_time_per_step_ms": 1e3 * stats.grammar_mask_time_s / max(1, stats.num_steps),
-            "mask_share_of_step_time": stats.grammar_mask_time_s / stats.step_time_s if stats.step_time_s else 0.0,
-            "lengths": lengths, "texts": [r.outputs[0].text for r in results],
-            "finish_reasons": [r.outputs[0].finish_reason for r in results]}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": sum(lengths),
+        "output_throughput": sum(lengths) / elapsed,
+        "num_steps": stats.num_steps,
+        "mean_step_time_ms": 1e3 * stats.step_time_s / max(1, stats.num_steps),
+        "mask_time_per_step_ms": 1e3 * stats.grammar_mask_time_s / max(1, stats.num_steps),
+        "mask_share_of_step_time": stats.grammar_mask_time_s / stats.step_time_s if stats.step_time_s else 0.0,
+        "lengths": lengths,
+        "texts": [r.outputs[0].text for r in results],
+        "finish_reasons": [r.outputs[0].finish_reason for r in results],
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,37 +126,65 @@ def main(argv: list[str] | None = None) -> int:
     folder = make_results_dir(args.result_dir, args.name)
     with LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs) as llm:
         tokenizer = llm.get_tokenizer()
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-            [{"role": "user", "content": TASKS[i % len(TASKS)]}], add_generation_prompt=True, tokenize=False),
-            add_special_tokens=False) for i in range(args.num_prompts)]
-        constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens,
-                                      structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]))
-                       for i in range(args.num_prompts)]
+        prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": TASKS[i % len(TASKS)]}], add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )
+            for i in range(args.num_prompts)
+        ]
+        constrained = [
+            SamplingParams(
+                temperature=1.0,
+                seed=i,
+                max_tokens=args.max_tokens,
+                structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]),
+            )
+            for i in range(args.num_prompts)
+        ]
         llm.generate(prompts[:4], constrained[:4], use_tqdm=False)  # warm-up: kernels, grammar compiles
         first = run(llm, prompts, constrained)
         invalid = [i for i, text in enumerate(first["texts"]) if not _is_json(text)]
-        plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, min_tokens=n, ignore_eos=True)
-                 for i, n in enumerate(first["lengths"])]
+        plain = [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=n, min_tokens=n, ignore_eos=True)
+            for i, n in enumerate(first["lengths"])
+        ]
         pairs = [(run(llm, prompts, constrained), run(llm, prompts, plain)) for _ in range(args.repeats)]
 
     print(f"{'run':<18}{'tokens':>8}{'tok/s':>9}{'steps':>7}{'step ms':>9}{'mask ms/step':>14}{'mask share':>12}")
     for i, pair in enumerate(pairs, 1):
         for name, r in zip(("constrained", "unconstrained"), pair):
-            print(f"{name + ' ' + str(i):<18}{r['output_tokens']:>8}{r['output_throughput']:>9.1f}{r['num_steps']:>7}"
-                  f"{r['mean_step_time_ms']:>9.1f}{r['mask_time_per_step_ms']:>14.3f}"
-                  f"{r['mask_share_of_step_time']:>11.2%}")
+            print(
+                f"{name + ' ' + str(i):<18}{r['output_tokens']:>8}{r['output_throughput']:>9.1f}{r['num_steps']:>7}"
+                f"{r['mean_step_time_ms']:>9.1f}{r['mask_time_per_step_ms']:>14.3f}"
+                f"{r['mask_share_of_step_time']:>11.2%}"
+            )
     pair_ratios = [plain_run["elapsed_s"] / constrained_run["elapsed_s"] for constrained_run, plain_run in pairs]
     ratio = sum(p["elapsed_s"] for _, p in pairs) / sum(c["elapsed_s"] for c, _ in pairs)
-    print(f"constrained / unconstrained tokens/s: {ratio:.3f} (pairs: {', '.join(f'{r:.3f}' for r in pair_ratios)}); "
-          f"target >= {TARGET_RATIO}: {'met' if ratio >= TARGET_RATIO else 'MISSED'}")
-    print(f"outputs that are not valid JSON: {len(invalid)} of {args.num_prompts}; finish reasons: "
-          f"{ {r: first['finish_reasons'].count(r) for r in set(first['finish_reasons'])} }")
+    print(
+        f"constrained / unconstrained tokens/s: {ratio:.3f} (pairs: {', '.join(f'{r:.3f}' for r in pair_ratios)}); "
+        f"target >= {TARGET_RATIO}: {'met' if ratio >= TARGET_RATIO else 'MISSED'}"
+    )
+    print(
+        f"outputs that are not valid JSON: {len(invalid)} of {args.num_prompts}; finish reasons: "
+        f"{ {r: first['finish_reasons'].count(r) for r in set(first['finish_reasons'])} }"
+    )
     for r in (first, *(r for pair in pairs for r in pair)):
         r.pop("texts")
-    save_json(folder, {"config": args_as_json(args), "first_constrained": first,
-                       "pairs": [{"constrained": c, "unconstrained": u} for c, u in pairs], "ratio": ratio,
-                       "pair_ratios": pair_ratios, "invalid_json": invalid,
-                       "target": {"value": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO}})
+    save_json(
+        folder,
+        {
+            "config": args_as_json(args),
+            "first_constrained": first,
+            "pairs": [{"constrained": c, "unconstrained": u} for c, u in pairs],
+            "ratio": ratio,
+            "pair_ratios": pair_ratios,
+            "invalid_json": invalid,
+            "target": {"value": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO},
+        },
+    )
     print(f"results in {folder}")
     return 0
 

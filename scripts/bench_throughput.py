@@ -52,8 +52,11 @@ def run_tokenmill(llm, requests: list[BenchRequest]) -> dict:
     elapsed = time.perf_counter() - started
     llm.step_listener = None
     stats = llm.engine_stats().since(before)
-    short = [(len(res.outputs[0].token_ids), req.output_len) for res, req in zip(results, requests)
-             if len(res.outputs[0].token_ids) != req.output_len]
+    short = [
+        (len(res.outputs[0].token_ids), req.output_len)
+        for res, req in zip(results, requests)
+        if len(res.outputs[0].token_ids) != req.output_len
+    ]
     if short:
         raise RuntimeError(f"{len(short)} requests did not generate their max_tokens (got, wanted): {short[:5]}")
     input_tokens = sum(r.input_len for r in requests)
@@ -73,20 +76,21 @@ def run_tokenmill(llm, requests: list[BenchRequest]) -> dict:
     }
 
 
-def run_decode_probe(llm, tokenizer, batch_size: int, input_len: int, output_len: int,
-                     seed: int) -> tuple[DecodeWindow, int]:
+def run_decode_probe(
+    llm, tokenizer, batch_size: int, input_len: int, output_len: int, seed: int
+) -> tuple[DecodeWindow, int]:
     """Decode `batch_size` equal-length requests together and time the steps where all of them decode; returns the
     timing and the output length it took.
 
     The scheduler reports stats every half second, so on fast hardware a short probe may hold no report to time:
     then it is run again with four times the output length, as far as the model's context allows."""
     while True:
-        requests = build_workload(tokenizer, batch_size, LengthRange(input_len, input_len),
-                                  LengthRange(output_len, output_len), seed)
+        requests = build_workload(
+            tokenizer, batch_size, LengthRange(input_len, input_len), LengthRange(output_len, output_len), seed
+        )
         recorder = StepRecorder()
         llm.step_listener = recorder
-        results = llm.generate([r.prompt_ids for r in requests], [sampling_params(r) for r in requests],
-                               use_tqdm=False)
+        results = llm.generate([r.prompt_ids for r in requests], [sampling_params(r) for r in requests], use_tqdm=False)
         llm.step_listener = None
         try:
             return recorder.decode_window({result.request_id for result in results}), output_len  # n=1: one id
@@ -106,8 +110,9 @@ def run_baseline(config, dtype: str, requests: list[BenchRequest], batch_size: i
         del model
 
 
-def report(args, machine: MachinePeaks, engine: dict, probe: DecodeWindow, bound, baseline: BaselineRun | None,
-           engine_info) -> tuple[str, dict]:
+def report(
+    args, machine: MachinePeaks, engine: dict, probe: DecodeWindow, bound, baseline: BaselineRun | None, engine_info
+) -> tuple[str, dict]:
     achieved = probe.batch_size / probe.wall_step_time_s
     rows = [
         ("Model / dtype / device:", f"{engine_info.architecture} / {engine_info.dtype} / {engine_info.device}"),
@@ -119,19 +124,28 @@ def report(args, machine: MachinePeaks, engine: dict, probe: DecodeWindow, bound
         ("tokenmill total tokens/s:", f"{engine['total_token_throughput']:.1f}"),
         ("tokenmill mean TPOT (ms):", f"{engine['tpot_ms']['mean']:.1f}"),
         ("tokenmill steps / mean step (ms):", f"{engine['num_steps']} / {engine['mean_step_time_ms']:.1f}"),
-        ("Step overhead, whole run (ms, share):",
-         f"{engine['overhead_per_step_ms']:.2f}, {engine['overhead_fraction']:.2%}"),
+        (
+            "Step overhead, whole run (ms, share):",
+            f"{engine['overhead_per_step_ms']:.2f}, {engine['overhead_fraction']:.2%}",
+        ),
     ]
     targets = {}
     if baseline is not None:
         speedup = engine["output_throughput"] / baseline.output_throughput
-        rows += [("transformers elapsed (s):", f"{baseline.elapsed_s:.1f}"),
-                 ("transformers useful output tokens/s:", f"{baseline.output_throughput:.1f}"),
-                 ("transformers generated / useful tokens:",
-                  f"{baseline.generated_tokens} / {baseline.useful_output_tokens}"),
-                 ("Speedup over transformers (output tok/s):", f"{speedup:.2f}x")]
-        targets["speedup_vs_transformers"] = {"value": speedup, "target": TARGET_SPEEDUP,
-                                              "met": speedup >= TARGET_SPEEDUP}
+        rows += [
+            ("transformers elapsed (s):", f"{baseline.elapsed_s:.1f}"),
+            ("transformers useful output tokens/s:", f"{baseline.output_throughput:.1f}"),
+            (
+                "transformers generated / useful tokens:",
+                f"{baseline.generated_tokens} / {baseline.useful_output_tokens}",
+            ),
+            ("Speedup over transformers (output tok/s):", f"{speedup:.2f}x"),
+        ]
+        targets["speedup_vs_transformers"] = {
+            "value": speedup,
+            "target": TARGET_SPEEDUP,
+            "met": speedup >= TARGET_SPEEDUP,
+        }
     rows += [
         ("Decode probe batch / context:", f"{probe.batch_size} / {bound.context_len:.0f}"),
         ("Decode step, client wall (ms):", f"{probe.wall_step_time_s * 1e3:.1f}"),
@@ -142,33 +156,55 @@ def report(args, machine: MachinePeaks, engine: dict, probe: DecodeWindow, bound
         ("Achieved decode tokens/s:", f"{achieved:.1f}"),
         ("Fraction of roofline bound:", f"{achieved / bound.tokens_per_s:.1%}"),
     ]
-    targets["roofline_fraction"] = {"value": achieved / bound.tokens_per_s, "target": TARGET_ROOFLINE_FRACTION,
-                                    "met": achieved / bound.tokens_per_s >= TARGET_ROOFLINE_FRACTION}
-    targets["decode_overhead_fraction"] = {"value": probe.overhead_fraction, "target": TARGET_OVERHEAD_FRACTION,
-                                           "met": probe.overhead_fraction < TARGET_OVERHEAD_FRACTION}
-    title = (f"Offline throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
-             f"max batch {args.max_num_seqs}")
-    data = {"machine": asdict(machine), "engine": engine,
-            "decode_probe": {**asdict(probe), "overhead_s": probe.overhead_s,
-                             "overhead_fraction": probe.overhead_fraction,
-                             "loop_overhead_fraction": probe.loop_overhead_fraction,
-                             "achieved_tokens_per_s": achieved},
-            "roofline": asdict(bound), "baseline": asdict(baseline) if baseline else None,
-            "baseline_output_throughput": baseline.output_throughput if baseline else None,
-            "targets": targets}
+    targets["roofline_fraction"] = {
+        "value": achieved / bound.tokens_per_s,
+        "target": TARGET_ROOFLINE_FRACTION,
+        "met": achieved / bound.tokens_per_s >= TARGET_ROOFLINE_FRACTION,
+    }
+    targets["decode_overhead_fraction"] = {
+        "value": probe.overhead_fraction,
+        "target": TARGET_OVERHEAD_FRACTION,
+        "met": probe.overhead_fraction < TARGET_OVERHEAD_FRACTION,
+    }
+    title = (
+        f"Offline throughput: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
+        f"max batch {args.max_num_seqs}"
+    )
+    data = {
+        "machine": asdict(machine),
+        "engine": engine,
+        "decode_probe": {
+            **asdict(probe),
+            "overhead_s": probe.overhead_s,
+            "overhead_fraction": probe.overhead_fraction,
+            "loop_overhead_fraction": probe.loop_overhead_fraction,
+            "achieved_tokens_per_s": achieved,
+        },
+        "roofline": asdict(bound),
+        "baseline": asdict(baseline) if baseline else None,
+        "baseline_output_throughput": baseline.output_throughput if baseline else None,
+        "targets": targets,
+    }
     return format_table(title, rows), data
 
 
 def report_data_parallel(args, engine: dict, engine_info, folder) -> int:
-    rows = [("Model / dtype / device:", f"{engine_info.architecture} / {engine_info.dtype} / {engine_info.device}"),
-            ("Data-parallel replicas:", str(args.data_parallel_size)),
-            ("tokenmill elapsed (s):", f"{engine['elapsed_s']:.1f}"),
-            ("tokenmill requests/s:", f"{engine['request_throughput']:.3f}"),
-            ("tokenmill output tokens/s:", f"{engine['output_throughput']:.1f}"),
-            ("tokenmill total tokens/s:", f"{engine['total_token_throughput']:.1f}"),
-            ("tokenmill mean TPOT (ms):", f"{engine['tpot_ms']['mean']:.1f}")]
-    print(format_table(f"Offline throughput, {args.data_parallel_size} replicas: {args.num_prompts} prompts, input "
-                       f"{args.input_len}, output {args.output_len}, max batch {args.max_num_seqs} each", rows))
+    rows = [
+        ("Model / dtype / device:", f"{engine_info.architecture} / {engine_info.dtype} / {engine_info.device}"),
+        ("Data-parallel replicas:", str(args.data_parallel_size)),
+        ("tokenmill elapsed (s):", f"{engine['elapsed_s']:.1f}"),
+        ("tokenmill requests/s:", f"{engine['request_throughput']:.3f}"),
+        ("tokenmill output tokens/s:", f"{engine['output_throughput']:.1f}"),
+        ("tokenmill total tokens/s:", f"{engine['total_token_throughput']:.1f}"),
+        ("tokenmill mean TPOT (ms):", f"{engine['tpot_ms']['mean']:.1f}"),
+    ]
+    print(
+        format_table(
+            f"Offline throughput, {args.data_parallel_size} replicas: {args.num_prompts} prompts, input "
+            f"{args.input_len}, output {args.output_len}, max batch {args.max_num_seqs} each",
+            rows,
+        )
+    )
     save_json(folder, {"engine": engine, "config": args_as_json(args)})
     print(f"results in {folder}")
     return 0
@@ -187,12 +223,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     parser.add_argument("--probe-input-len", type=int, default=None, help="default: the middle of --input-len")
     parser.add_argument("--probe-output-len", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for the engine worker and the baseline alike (default: torch's choice)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the engine worker and the baseline alike (default: torch's choice)",
+    )
     parser.add_argument("--skip-baseline", action="store_true")
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="engine replicas behind the LLM's router; above 1 the decode probe and roofline (one "
-                             "engine's step) are skipped")
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind the LLM's router; above 1 the decode probe and roofline (one "
+        "engine's step) are skipped",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="bench_results")
     parser.add_argument("--name", default="throughput")
@@ -211,8 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     print("measuring the machine's matmul FLOP/s and copy bandwidth ...", file=sys.stderr)
     machine = measure_machine()
 
-    engine_args = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                   "data_parallel_size": args.data_parallel_size}
+    engine_args = {
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "data_parallel_size": args.data_parallel_size,
+    }
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_memory_bytes:
@@ -227,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_parallel_size > 1:  # the probe times one engine's decode steps: not a data-parallel figure
             return report_data_parallel(args, engine, llm.engine_info, folder)
         probe_input = args.probe_input_len or round(args.input_len.mean)
-        probe, probe_output = run_decode_probe(llm, tokenizer, args.max_num_seqs, probe_input,
-                                               args.probe_output_len, args.seed + 20_000)
+        probe, probe_output = run_decode_probe(
+            llm, tokenizer, args.max_num_seqs, probe_input, args.probe_output_len, args.seed + 20_000
+        )
         config, info = llm.config, llm.engine_info
 
     hf_config = load_hf_config(config.model)
@@ -245,14 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     table, data = report(args, machine, engine, probe, bound, baseline, info)
     print(table)
     for name, target in data["targets"].items():
-        print(f"target {name}: {target['value']:.3g} (target {target['target']}) -> "
-              f"{'met' if target['met'] else 'MISSED'}")
+        print(
+            f"target {name}: {target['value']:.3g} (target {target['target']}) -> "
+            f"{'met' if target['met'] else 'MISSED'}"
+        )
     data["config"] = args_as_json(args)
     data["model_cost"] = asdict(cost)
     data["engine_info"] = {f: getattr(info, f) for f in info.__struct_fields__}
     achieved = probe.batch_size / probe.wall_step_time_s
-    plot_roofline(machine, [(f"tokenmill decode, batch {probe.batch_size}", bound, achieved)],
-                  folder / "roofline.png")
+    plot_roofline(machine, [(f"tokenmill decode, batch {probe.batch_size}", bound, achieved)], folder / "roofline.png")
     save_json(folder, data)
     print(f"results in {folder}")
     return 0

@@ -62,15 +62,19 @@ MIN_SECTION_S = 15
 def run_section_here(name: str, result_file: Path, work_dir: Path, budget_s: float, dry_run: bool) -> int:
     """Child mode: run one section in this process and write its result (or its error and traceback) as JSON."""
     started = time.perf_counter()
-    ctx = CheckContext(dry_run=dry_run, work_dir=work_dir, budget_s=budget_s,
-                       partial_file=result_file.with_suffix(".partial.json"))
+    ctx = CheckContext(
+        dry_run=dry_run, work_dir=work_dir, budget_s=budget_s, partial_file=result_file.with_suffix(".partial.json")
+    )
     try:
         module = importlib.import_module(f"gpucheck.{SECTIONS[name][0]}")
         result = module.run(ctx)
         record = {"status": "pass" if result.passed else "fail", **asdict(result)}
     except BaseException as error:  # recorded, whatever it is: the parent reports it beside the other sections
-        record = {"status": "error", "error": f"{type(error).__name__}: {error}"[:2000],
-                  "traceback": traceback.format_exc()[-8000:]}
+        record = {
+            "status": "error",
+            "error": f"{type(error).__name__}: {error}"[:2000],
+            "traceback": traceback.format_exc()[-8000:],
+        }
     record["seconds"] = time.perf_counter() - started
     result_file.write_text(json.dumps(record, default=str))
     return 0
@@ -79,8 +83,18 @@ def run_section_here(name: str, result_file: Path, work_dir: Path, budget_s: flo
 def launch_section(name: str, budget_s: float, work_dir: Path, dry_run: bool, env: dict) -> dict:
     """Run a section as a child process group, killed at its budget; its record, with the log's tail."""
     result_file, log_file = work_dir / f"{name}.json", work_dir / f"{name}.log"
-    command = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--result-file", str(result_file),
-               "--work-dir", str(work_dir), "--budget", str(budget_s)] + (["--dry-run"] if dry_run else [])
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--section",
+        name,
+        "--result-file",
+        str(result_file),
+        "--work-dir",
+        str(work_dir),
+        "--budget",
+        str(budget_s),
+    ] + (["--dry-run"] if dry_run else [])
     started = time.perf_counter()
     with open(log_file, "w") as log:
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -104,8 +118,13 @@ def launch_section(name: str, budget_s: float, work_dir: Path, dry_run: bool, en
 
 
 def child_env(dry_run: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     if dry_run:
         env["TRITON_INTERPRET"] = "1"  # set before anything imports Triton in the children
     return env

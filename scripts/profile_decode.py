@@ -32,8 +32,12 @@ def build_runner(model: str, dtype: str, num_blocks: int, block_size: int, quant
     from tokenmill.model_source import resolve_config
     from tokenmill.workers.worker import Worker
 
-    config = resolve_config(EngineConfig(model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
-                                         cache=CacheConfig(num_kv_blocks=num_blocks, block_size=block_size)))
+    config = resolve_config(
+        EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
+            cache=CacheConfig(num_kv_blocks=num_blocks, block_size=block_size),
+        )
+    )
     runner = Worker(config)
     runner.load_model()
     runner.allocate_kv_cache(num_blocks)
@@ -48,9 +52,18 @@ class DecodeDriver:
 
         greedy = SamplingParams(max_tokens=max_steps + 1, temperature=0.0, ignore_eos=True)
         blocks_each = -(-(len(prompts[0]) + max_steps + 1) // block_size)
-        new = [NewRequestData(f"r{i}", prompt, len(prompt), greedy,
-                              list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each)), 0, len(prompt))
-               for i, prompt in enumerate(prompts)]
+        new = [
+            NewRequestData(
+                f"r{i}",
+                prompt,
+                len(prompt),
+                greedy,
+                list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each)),
+                0,
+                len(prompt),
+            )
+            for i, prompt in enumerate(prompts)
+        ]
         self.runner = runner
         self.result = runner.execute(StepPlan(0, new, [], []))
         self.computed = len(prompts[0])
@@ -61,8 +74,10 @@ class DecodeDriver:
         from tokenmill.messages import RunningRequestData, StepPlan
 
         self.step_id += 1
-        running = [RunningRequestData(rid, [token], [], self.computed, 1)
-                   for rid, token in zip(self.result.request_ids, self.result.sampled_token_ids)]
+        running = [
+            RunningRequestData(rid, [token], [], self.computed, 1)
+            for rid, token in zip(self.result.request_ids, self.result.sampled_token_ids)
+        ]
         started = time.perf_counter()
         self.result = self.runner.execute(StepPlan(self.step_id, [], running, []))
         elapsed = time.perf_counter() - started
@@ -94,10 +109,13 @@ def label_cpu_kernels() -> None:
     for attr in ("matmul", "lookup"):  # GGUF weights kept quantized: the kernels of kernels/gguf_ops.py
         setattr(GGUFWeight, attr, labelled(f"gguf_{attr}", getattr(GGUFWeight, attr)))
     kernels = backends.device_kernels("cpu")
-    ops = dataclasses.replace(kernels.ops, **{name: labelled(name, getattr(kernels.ops, name))
-                                              for name in ("rms_norm", "rotary", "silu_and_mul")})
+    ops = dataclasses.replace(
+        kernels.ops,
+        **{name: labelled(name, getattr(kernels.ops, name)) for name in ("rms_norm", "rotary", "silu_and_mul")},
+    )
     labelled_kernels = backends.DeviceKernels(kernels.attention, ops)
     backends.device_kernels = lambda device_type: labelled_kernels  # this script runs on the CPU only
+
 
 def one_request_forward(runner, backend, blocks: np.ndarray, start: int, num_tokens: int) -> None:
     """A forward and the logits of `num_tokens` random query tokens of one request at positions [start, start +
@@ -106,16 +124,18 @@ def one_request_forward(runner, backend, blocks: np.ndarray, start: int, num_tok
 
     end = start + num_tokens
     block_size = runner.block_size
-    meta = build_attention_metadata(np.array([num_tokens]), np.array([end]), blocks[:, : -(-end // block_size)],
-                                    block_size, runner.device, backend)
+    meta = build_attention_metadata(
+        np.array([num_tokens]), np.array([end]), blocks[:, : -(-end // block_size)], block_size, runner.device, backend
+    )
     ids = torch.randint(100, 20_000, (num_tokens,), device=runner.device)
     positions = torch.arange(start, end, device=runner.device)
     with torch.inference_mode():
         runner.model.compute_logits(runner.model(ids, positions, meta, runner.kv_caches))
 
 
-def verification_step_times(runner, context_len: int, query_tokens: list[int], steps: int,
-                             rounds: int = 2) -> dict[str, dict[int, tuple[float, float]]]:
+def verification_step_times(
+    runner, context_len: int, query_tokens: list[int], steps: int, rounds: int = 2
+) -> dict[str, dict[int, tuple[float, float]]]:
     """{mode: {T: (median step ms, median attention ms)}} for forwards of T query tokens of one request after
     `context_len` cached ones (the request's later tokens overwrite the same slots step after step). Modes: on the
     CPU kernels backend "kernel" (as it is) and "sdpa" (multi-token sequences on the prompt path), else the backend's
@@ -197,8 +217,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--compare-transformers", action="store_true")
-    parser.add_argument("--verify-tokens", default=None,
-                        help="comma-separated query tokens per step (e.g. 1,2,4,8): time verification steps instead")
+    parser.add_argument(
+        "--verify-tokens",
+        default=None,
+        help="comma-separated query tokens per step (e.g. 1,2,4,8): time verification steps instead",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -208,17 +231,22 @@ def main() -> None:
         num_blocks = 2 + -(-(args.context_len + max(query_tokens)) // block_size)
         runner, _ = build_runner(args.model, args.dtype, num_blocks, block_size, args.quantization)
         results = verification_step_times(runner, args.context_len, query_tokens, args.steps)
-        print(f"one request at context {args.context_len}, {torch.get_num_threads()} threads: median step "
-              f"(ratio to T={query_tokens[0]}) and its attention")
+        print(
+            f"one request at context {args.context_len}, {torch.get_num_threads()} threads: median step "
+            f"(ratio to T={query_tokens[0]}) and its attention"
+        )
         for mode, figures in results.items():
             base = figures[query_tokens[0]][0]
-            cells = [f"T={t}: {step:.1f} ms ({step / base:.2f}x), attention {attn:.2f} ms"
-                     for t, (step, attn) in figures.items()]
+            cells = [
+                f"T={t}: {step:.1f} ms ({step / base:.2f}x), attention {attn:.2f} ms"
+                for t, (step, attn) in figures.items()
+            ]
             print(f"{mode}: " + " | ".join(cells))
         return
     blocks_each = -(-(args.context_len + 2 * args.steps + 1) // block_size)
-    runner, config = build_runner(args.model, args.dtype, 1 + args.batch_size * blocks_each, block_size,
-                                  args.quantization)
+    runner, config = build_runner(
+        args.model, args.dtype, 1 + args.batch_size * blocks_each, block_size, args.quantization
+    )
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(100, 20_000, args.context_len)] for _ in range(args.batch_size)]
 
@@ -228,8 +256,10 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             driver.step()
-    print(f"decode step at batch {args.batch_size}, context {args.context_len}, {torch.get_num_threads()} threads: "
-          f"median {step_ms['median']:.1f} ms, mean {step_ms['mean']:.1f} ms")
+    print(
+        f"decode step at batch {args.batch_size}, context {args.context_len}, {torch.get_num_threads()} threads: "
+        f"median {step_ms['median']:.1f} ms, mean {step_ms['mean']:.1f} ms"
+    )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.compare_transformers:
         hf = transformers_step_time(config, args.batch_size, args.context_len)

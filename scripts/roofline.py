@@ -49,9 +49,12 @@ class ModelCost:
         head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         per_layer = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * hf_config.intermediate_size
-        return cls(matmul_params=layers * per_layer + hf_config.vocab_size * hidden, weight_bytes=weight_bytes,
-                   kv_bytes_per_token=2 * layers * kv_width * dtype_bytes,
-                   attention_flops_per_context_token=4 * layers * q_width)
+        return cls(
+            matmul_params=layers * per_layer + hf_config.vocab_size * hidden,
+            weight_bytes=weight_bytes,
+            kv_bytes_per_token=2 * layers * kv_width * dtype_bytes,
+            attention_flops_per_context_token=4 * layers * q_width,
+        )
 
 
 @dataclass
@@ -103,8 +106,9 @@ def measure_copy_bandwidth(num_bytes: int = COPY_BYTES, repeats: int = 5) -> flo
 
 def measure_machine(repeats: int = 5) -> MachinePeaks:
     """Best of `repeats` for each figure: on a shared machine the best run is the closest to the hardware."""
-    return MachinePeaks(measure_matmul_flops(repeats=repeats), measure_copy_bandwidth(repeats=repeats),
-                        torch.get_num_threads())
+    return MachinePeaks(
+        measure_matmul_flops(repeats=repeats), measure_copy_bandwidth(repeats=repeats), torch.get_num_threads()
+    )
 
 
 def decode_bound(cost: ModelCost, machine: MachinePeaks, batch_size: int, context_len: float) -> DecodeBound:
@@ -113,8 +117,16 @@ def decode_bound(cost: ModelCost, machine: MachinePeaks, batch_size: int, contex
     memory_time = step_bytes / machine.copy_bandwidth
     compute_time = step_flops / machine.matmul_flops
     step_time = max(memory_time, compute_time)
-    return DecodeBound(batch_size, context_len, step_bytes, step_flops, memory_time, compute_time,
-                       batch_size / step_time, "memory" if memory_time >= compute_time else "compute")
+    return DecodeBound(
+        batch_size,
+        context_len,
+        step_bytes,
+        step_flops,
+        memory_time,
+        compute_time,
+        batch_size / step_time,
+        "memory" if memory_time >= compute_time else "compute",
+    )
 
 
 def plot_roofline(machine: MachinePeaks, points: list[tuple[str, DecodeBound, float]], path: Path) -> Path:
@@ -128,12 +140,20 @@ def plot_roofline(machine: MachinePeaks, points: list[tuple[str, DecodeBound, fl
     ridge = machine.matmul_flops / machine.copy_bandwidth
     intensities = np.logspace(np.log10(ridge) - 3, np.log10(ridge) + 2, 200)
     fig, ax = plt.subplots(figsize=(7, 5))
-    ax.loglog(intensities, np.minimum(machine.matmul_flops, intensities * machine.copy_bandwidth) / 1e9, "k-",
-              label=f"roofline: {machine.matmul_flops / 1e9:.0f} GFLOP/s, {machine.copy_bandwidth / 1e9:.1f} GB/s")
+    ax.loglog(
+        intensities,
+        np.minimum(machine.matmul_flops, intensities * machine.copy_bandwidth) / 1e9,
+        "k-",
+        label=f"roofline: {machine.matmul_flops / 1e9:.0f} GFLOP/s, {machine.copy_bandwidth / 1e9:.1f} GB/s",
+    )
     for label, bound, achieved_tokens_per_s in points:
         flops_per_token = bound.step_flops / bound.batch_size
-        ax.loglog([bound.arithmetic_intensity], [achieved_tokens_per_s * flops_per_token / 1e9], "o",
-                  label=f"{label}: {achieved_tokens_per_s / bound.tokens_per_s:.0%} of bound")
+        ax.loglog(
+            [bound.arithmetic_intensity],
+            [achieved_tokens_per_s * flops_per_token / 1e9],
+            "o",
+            label=f"{label}: {achieved_tokens_per_s / bound.tokens_per_s:.0%} of bound",
+        )
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("GFLOP/s")
     ax.set_title("decode roofline")
@@ -174,8 +194,10 @@ def main() -> None:
     print(json.dumps({"machine": asdict(machine), "model": asdict(cost)}, indent=2))
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         bound = decode_bound(cost, machine, batch_size, args.context_len)
-        print(f"batch {batch_size:4d}: <= {bound.tokens_per_s:9.1f} tokens/s ({bound.limited_by}-bound; "
-              f"memory {bound.memory_time_s * 1e3:.1f} ms, compute {bound.compute_time_s * 1e3:.1f} ms per step)")
+        print(
+            f"batch {batch_size:4d}: <= {bound.tokens_per_s:9.1f} tokens/s ({bound.limited_by}-bound; "
+            f"memory {bound.memory_time_s * 1e3:.1f} ms, compute {bound.compute_time_s * 1e3:.1f} ms per step)"
+        )
 
 
 if __name__ == "__main__":

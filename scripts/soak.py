@@ -30,10 +30,18 @@ from benchlib.launch import launched_server
 from benchlib.stats import summarize
 from prometheus_client.parser import text_string_to_metric_families
 
-PROMPTS = ["Once upon a time, in a land far away,", "The capital of France is", "Write a haiku about the sea.",
-           "List three prime numbers:", "Explain how a bicycle works in one paragraph."]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PROMPTS = [
+    "Once upon a time, in a land far away,",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Explain how a bicycle works in one paragraph.",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 KINDS = ("completion", "completion_stream", "chat_stream", "n2", "structured", "abort", "deadline")
 DRAIN_TIMEOUT_S = 60.0
 
@@ -83,8 +91,16 @@ async def send_one(session: aiohttp.ClientSession, url: str, kind: str, body: di
         return "200"
 
 
-async def client_loop(session: aiohttp.ClientSession, base_url: str, model: str, end: float, seed: int,
-                      max_tokens: int, results: SoakResults, progress: bool = False) -> None:
+async def client_loop(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    end: float,
+    seed: int,
+    max_tokens: int,
+    results: SoakResults,
+    progress: bool = False,
+) -> None:
     rng = random.Random(seed)
     while time.monotonic() < end:
         kind = rng.choice(KINDS)
@@ -109,8 +125,10 @@ def metric_values(text: str) -> dict[str, float]:
 async def engine_gauges(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
     async with session.get(base_url + "/metrics") as response:
         values = metric_values(await response.text())
-    return {name: values.get(f"vllm:{name}", float("nan"))
-            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+    return {
+        name: values.get(f"vllm:{name}", float("nan"))
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    }
 
 
 async def drained_gauges(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
@@ -150,41 +168,69 @@ async def soak(args: argparse.Namespace, base_url: str) -> dict:
         pid = server_pid(args)
         results = SoakResults()
         warmup_end = time.monotonic() + args.warmup
-        await asyncio.gather(*(client_loop(session, base_url, model, warmup_end, 1000 + i, args.max_tokens,
-                                           SoakResults()) for i in range(args.concurrency)))
+        await asyncio.gather(
+            *(
+                client_loop(session, base_url, model, warmup_end, 1000 + i, args.max_tokens, SoakResults())
+                for i in range(args.concurrency)
+            )
+        )
         rss_start = process_rss(pid) if pid else {}
         end = time.monotonic() + args.duration
-        await asyncio.gather(*(client_loop(session, base_url, model, end, i, args.max_tokens, results, args.progress)
-                               for i in range(args.concurrency)))
+        await asyncio.gather(
+            *(
+                client_loop(session, base_url, model, end, i, args.max_tokens, results, args.progress)
+                for i in range(args.concurrency)
+            )
+        )
         gauges = await drained_gauges(session, base_url)
         rss_end = process_rss(pid) if pid else {}
     return report(args, results, rss_start, rss_end, gauges)
 
 
-def report(args: argparse.Namespace, results: SoakResults, rss_start: dict[str, int], rss_end: dict[str, int],
-           gauges: dict[str, float]) -> dict:
+def report(
+    args: argparse.Namespace,
+    results: SoakResults,
+    rss_start: dict[str, int],
+    rss_end: dict[str, int],
+    gauges: dict[str, float],
+) -> dict:
     by_status: Counter[str] = Counter()
     for (_, status), count in results.statuses.items():
         by_status[status] += count
     latency = summarize(results.latencies)
-    rss = {name: {"start_mib": rss_start[name] / 2**20, "end_mib": rss_end.get(name, 0) / 2**20,
-                  "growth_pct": 100.0 * (rss_end.get(name, 0) - rss_start[name]) / rss_start[name]}
-           for name in rss_start}
-    return {"duration_s": args.duration, "concurrency": args.concurrency,
-            "requests": sum(by_status.values()), "by_status": dict(by_status),
-            "by_kind": {f"{kind} {status}": n for (kind, status), n in sorted(results.statuses.items())},
-            "num_5xx": sum(n for status, n in by_status.items() if status.startswith("5")),
-            "latency_p50_s": latency["median"], "latency_p99_s": latency["p99"], "rss": rss,
-            "after_drain": gauges, "leaked_kv": gauges["kv_cache_usage_perc"] != 0.0,
-            "stuck_requests": gauges["num_requests_running"] + gauges["num_requests_waiting"]}
+    rss = {
+        name: {
+            "start_mib": rss_start[name] / 2**20,
+            "end_mib": rss_end.get(name, 0) / 2**20,
+            "growth_pct": 100.0 * (rss_end.get(name, 0) - rss_start[name]) / rss_start[name],
+        }
+        for name in rss_start
+    }
+    return {
+        "duration_s": args.duration,
+        "concurrency": args.concurrency,
+        "requests": sum(by_status.values()),
+        "by_status": dict(by_status),
+        "by_kind": {f"{kind} {status}": n for (kind, status), n in sorted(results.statuses.items())},
+        "num_5xx": sum(n for status, n in by_status.items() if status.startswith("5")),
+        "latency_p50_s": latency["median"],
+        "latency_p99_s": latency["p99"],
+        "rss": rss,
+        "after_drain": gauges,
+        "leaked_kv": gauges["kv_cache_usage_perc"] != 0.0,
+        "stuck_requests": gauges["num_requests_running"] + gauges["num_requests_waiting"],
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default=None, help="soak this server (default: launch one)")
     parser.add_argument("--server-pid", type=int, default=None, help="with --base-url: the server's pid, for RSS")
-    parser.add_argument("--serve-args", default="--kv-cache-memory-bytes 256MiB --max-model-len 1024",
-                        help="arguments of the launched `tokenmill serve`")
+    parser.add_argument(
+        "--serve-args",
+        default="--kv-cache-memory-bytes 256MiB --max-model-len 1024",
+        help="arguments of the launched `tokenmill serve`",
+    )
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of measured traffic")
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds of traffic before the RSS baseline")
     parser.add_argument("--concurrency", type=int, default=4)
@@ -198,8 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    launch = (nullcontext(args.base_url) if args.base_url
-              else launched_server(shlex.split(args.serve_args), args.log))
+    launch = nullcontext(args.base_url) if args.base_url else launched_server(shlex.split(args.serve_args), args.log)
     with launch as base_url:
         result = asyncio.run(soak(args, base_url))
     text = json.dumps(result, indent=2)

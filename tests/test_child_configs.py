@@ -48,8 +48,10 @@ def test_launcher_sends_each_child_only_what_it_needs(config, monkeypatch):
     assert set(sent) == {"scheduler", "worker0", "worker1"}
     assert all(API_KEY.encode() not in data for data in sent.values())
     assert secret in sent["scheduler"] and secret not in sent["worker0"] + sent["worker1"]
-    assert EngineConfig.from_bytes(sent["worker1"]).parallel.worker_socket_keys.client_secret == \
-        config.parallel.worker_socket_keys.client_secret
+    assert (
+        EngineConfig.from_bytes(sent["worker1"]).parallel.worker_socket_keys.client_secret
+        == config.parallel.worker_socket_keys.client_secret
+    )
 
 
 def test_ray_actors_get_no_api_key_and_no_scheduler_secret(config):

@@ -32,10 +32,16 @@ def other_value(action: argparse.Action) -> list[str]:
         return [flag]
     if action.choices:
         return [flag, str(next(c for c in action.choices if c != action.default and c not in ("half", "float")))]
-    special = {"--allowed-origins": '["*"]', "--api-key": "secret", "--tokenizer": "some/tokenizer",
-               "--chat-template": "{{ messages }}", "--host": "127.0.0.2",
-               "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}',
-               "--max-queue-time": "30", "--request-timeout": "60"}
+    special = {
+        "--allowed-origins": '["*"]',
+        "--api-key": "secret",
+        "--tokenizer": "some/tokenizer",
+        "--chat-template": "{{ messages }}",
+        "--host": "127.0.0.2",
+        "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--max-queue-time": "30",
+        "--request-timeout": "60",
+    }
     if flag in special:
         return [flag, special[flag]]
     if isinstance(action.default, float):
@@ -74,8 +80,12 @@ def test_every_config_field_is_read_outside_the_config_and_the_cli():
             if path.name in ("config.py", "cli.py"):
                 continue
             read |= {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
-    unread = [f"{cls.__name__}.{field.name}" for cls in CONFIG_STRUCTS for field in msgspec.structs.fields(cls)
-              if field.name not in read]
+    unread = [
+        f"{cls.__name__}.{field.name}"
+        for cls in CONFIG_STRUCTS
+        for field in msgspec.structs.fields(cls)
+        if field.name not in read
+    ]
     assert unread == []
 
 
@@ -84,8 +94,12 @@ def test_an_unsupported_architecture_fails_at_once_naming_it_and_the_supported_o
     import sys
 
     (tmp_path / "config.json").write_text('{"architectures": ["FooForCausalLM"], "model_type": "foo"}')
-    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(tmp_path), "--port", "1"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", str(tmp_path), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0
     [line] = done.stderr.strip().splitlines()
     assert "FooForCausalLM is not supported" in line and "LlamaForCausalLM" in line and "Qwen3ForCausalLM" in line

@@ -17,8 +17,10 @@ def test_one_replica_inherits_the_environment():
 
 
 def test_replicas_get_consecutive_gpu_slices_of_what_is_visible():
-    envs = replica_environments(config(data_parallel_size=2, tensor_parallel_size=2),
-                                {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "OMP_NUM_THREADS": "3"})
+    envs = replica_environments(
+        config(data_parallel_size=2, tensor_parallel_size=2),
+        {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "OMP_NUM_THREADS": "3"},
+    )
     assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["4,5", "6,7"]
     assert [env["OMP_NUM_THREADS"] for env in envs] == ["3", "3"]  # the user's choice stands
     envs = replica_environments(config(data_parallel_size=3), {})
@@ -30,8 +32,9 @@ def test_hidden_gpus_stay_hidden_and_too_few_gpus_is_an_error():
     envs = replica_environments(config(data_parallel_size=2), {"CUDA_VISIBLE_DEVICES": ""})
     assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["", ""]
     with pytest.raises(ValueError, match="data_parallel_size 2"):
-        replica_environments(config(data_parallel_size=2, tensor_parallel_size=2, device="cuda"),
-                             {"CUDA_VISIBLE_DEVICES": "0,1,2"})
+        replica_environments(
+            config(data_parallel_size=2, tensor_parallel_size=2, device="cuda"), {"CUDA_VISIBLE_DEVICES": "0,1,2"}
+        )
 
 
 def test_a_size_below_one_is_refused():

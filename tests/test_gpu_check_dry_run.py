@@ -33,8 +33,13 @@ def gpu_check():
 
 
 def test_dry_run_passes_and_writes_the_report(tmp_path):
-    completed = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
-                               capture_output=True, text=True, timeout=1200, cwd=REPO_ROOT)
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=REPO_ROOT,
+    )
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     failed = {s["name"]: s.get("error") or s.get("summary") for s in report["sections"] if s["status"] != "pass"}
     assert completed.returncode == 0 and not failed, (failed, completed.stdout[-3000:], completed.stderr[-3000:])
@@ -64,9 +69,13 @@ def test_a_failing_section_is_recorded_with_its_traceback(gpu_check, tmp_path, m
     record = json.loads(result_file.read_text())
     assert record["status"] == "error" and "illegal memory access" in record["error"]
     assert "explode" in record["traceback"]
-    markdown = gpu_check.markdown_report({"dry_run": True, "environment": {"gpus": [], "python": "3", "machine": "x",
-                                                                           "packages": {}},
-                                          "sections": [{"name": "memory", **record}]})
+    markdown = gpu_check.markdown_report(
+        {
+            "dry_run": True,
+            "environment": {"gpus": [], "python": "3", "machine": "x", "packages": {}},
+            "sections": [{"name": "memory", **record}],
+        }
+    )
     assert "## memory: ERROR" in markdown and "illegal memory access" in markdown
 
 
@@ -81,9 +90,11 @@ def test_a_section_past_its_budget_is_stopped_and_keeps_its_partial_figures(gpu_
 def test_pytest_counts_survive_a_run_stopped_at_the_cap(gpu_check):
     from gpucheck.kernel_tests import counts_from_output
 
-    output = ("tests/kernels/test_a.py::test_x[1] PASSED    [  1%]\n"
-              "tests/kernels/test_a.py::test_y FAILED    [  2%]\n"
-              "tests/kernels/test_b.py::test_z SKIPPED (no fp8 tensor cores)    [  3%]\n")
+    output = (
+        "tests/kernels/test_a.py::test_x[1] PASSED    [  1%]\n"
+        "tests/kernels/test_a.py::test_y FAILED    [  2%]\n"
+        "tests/kernels/test_b.py::test_z SKIPPED (no fp8 tensor cores)    [  3%]\n"
+    )
     counts = counts_from_output(output)
     assert (counts["tests"], counts["failures"], counts["skipped"]) == (3, 1, 1)
     assert counts["failed_tests"] == ["tests/kernels/test_a.py::test_y FAILED    [  2%]"]

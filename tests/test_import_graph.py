@@ -9,8 +9,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # installed name -> source folder (pyproject.toml maps them the same way)
-PACKAGES = {"tokenmill": "tokenmill", "tokenmill.frontend": "frontend", "tokenmill.scheduler": "scheduler",
-            "tokenmill.workers": "workers", "tokenmill.kernels": "kernels"}
+PACKAGES = {
+    "tokenmill": "tokenmill",
+    "tokenmill.frontend": "frontend",
+    "tokenmill.scheduler": "scheduler",
+    "tokenmill.workers": "workers",
+    "tokenmill.kernels": "kernels",
+}
 
 
 def package_modules() -> dict[str, Path]:
@@ -120,10 +125,18 @@ def test_no_source_file_imports_a_generic_top_level_name():
         if ".git" in path.parts:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in
-                          ("frontend", "scheduler", "workers", "kernels")]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            offenders += [
+                f"{path.relative_to(REPO)}: {n}"
+                for n in names
+                if n.split(".")[0] in ("frontend", "scheduler", "workers", "kernels")
+            ]
     assert offenders == []
 
 
@@ -160,8 +173,9 @@ print("heavy:", loaded[:5])
 
 def test_the_frontend_process_never_imports_torch():
     """The API process (its modules, tokenizer loading for a GGUF and an HF model, the app) stays torch-free."""
-    result = subprocess.run([sys.executable, "-c", FRONTEND_PROCESS], cwd=REPO, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", FRONTEND_PROCESS], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "heavy: []"
 
@@ -172,8 +186,13 @@ def test_only_the_ray_executor_imports_ray():
     for module, path in package_modules().items():
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             if any(name == "ray" or name.startswith("ray.") for name in names):
                 importers.add(module)
         for node in tree.body:  # module-level statements only: function-local imports run on demand

@@ -26,10 +26,17 @@ def checkpoints(tmp_path_factory):
     """Config-only checkpoint folders (resolving reads no weights): plain, AWQ, and an unsupported method."""
     root = tmp_path_factory.mktemp("quantized-configs")
     made = {}
-    for name, quant_config in {"plain": None, "awq": {"quant_method": "awq", "bits": 4},
-                               "bnb": {"quant_method": "bitsandbytes"}}.items():
-        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                  "max_position_embeddings": 256}
+    for name, quant_config in {
+        "plain": None,
+        "awq": {"quant_method": "awq", "bits": 4},
+        "bnb": {"quant_method": "bitsandbytes"},
+    }.items():
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "max_position_embeddings": 256,
+        }
         if quant_config:
             config["quantization_config"] = quant_config
         (root / name).mkdir()
@@ -48,11 +55,15 @@ def test_inferred_from_the_checkpoint(checkpoints):
 def test_none_dequantizes_any_checkpoint_and_a_mismatch_is_one_sentence(checkpoints):
     assert resolved("", "none") == "none" and resolved(checkpoints["awq"], "none") == "none"
     assert resolved("", "gguf") == "gguf" and resolved(checkpoints["awq"], "awq") == "awq"
-    with pytest.raises(ModelSourceError, match=r"^--quantization awq does not match the checkpoint, which is a GGUF "
-                                               r"file; omit --quantization to use gguf\.$"):
+    with pytest.raises(
+        ModelSourceError,
+        match=r"^--quantization awq does not match the checkpoint, which is a GGUF "
+        r"file; omit --quantization to use gguf\.$",
+    ):
         resolved("", "awq")
-    with pytest.raises(ModelSourceError, match="--quantization gguf does not match the checkpoint, which is not "
-                                               "quantized"):
+    with pytest.raises(
+        ModelSourceError, match="--quantization gguf does not match the checkpoint, which is not quantized"
+    ):
         resolved(checkpoints["plain"], "gguf")
     with pytest.raises(ModelSourceError, match="which is quantized with awq"):
         resolved(checkpoints["awq"], "gptq")

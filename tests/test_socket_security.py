@@ -48,10 +48,17 @@ def free_port() -> int:
 @pytest.fixture
 def tcp_config(tmp_path) -> EngineConfig:
     """An instance whose worker sockets are tcp:// on loopback, as under Ray."""
-    parallel = ParallelConfig(worker_addresses={name: f"tcp://127.0.0.1:{free_port()}" for name in ("plans", "results")},
-                              worker_socket_keys=new_worker_socket_keys())
-    return EngineConfig(model=ModelConfig(max_model_len=64), scheduler=SchedulerConfig(max_num_seqs=2),
-                        parallel=parallel, server=ServerConfig(api_key="s3cret"), ipc_dir=str(tmp_path))
+    parallel = ParallelConfig(
+        worker_addresses={name: f"tcp://127.0.0.1:{free_port()}" for name in ("plans", "results")},
+        worker_socket_keys=new_worker_socket_keys(),
+    )
+    return EngineConfig(
+        model=ModelConfig(max_model_len=64),
+        scheduler=SchedulerConfig(max_num_seqs=2),
+        parallel=parallel,
+        server=ServerConfig(api_key="s3cret"),
+        ipc_dir=str(tmp_path),
+    )
 
 
 @pytest.fixture
@@ -152,8 +159,15 @@ def test_frontend_survives_a_garbage_output_frame(tmp_path):
         client.start()
         try:
             outputs.send(b"\xc1 garbage")
-            ready = EngineReady(num_kv_blocks=1, block_size=16, max_model_len=16, weight_bytes=0, device="cpu",
-                                dtype="float32", architecture="x")
+            ready = EngineReady(
+                num_kv_blocks=1,
+                block_size=16,
+                max_model_len=16,
+                weight_bytes=0,
+                device="cpu",
+                dtype="float32",
+                architecture="x",
+            )
             outputs.send(encode(ready))
             return await client.wait_ready(timeout=5)
         finally:
@@ -178,8 +192,13 @@ def test_a_tcp_worker_socket_needs_keys(tcp_config):
     ctx = zmq.Context()
     try:
         with pytest.raises(ValueError, match="worker_socket_keys"):
-            worker_socket(ctx, replace(tcp_config, parallel=replace(tcp_config.parallel, worker_socket_keys=None)),
-                          "plans", zmq.SUB, bind=False)
+            worker_socket(
+                ctx,
+                replace(tcp_config, parallel=replace(tcp_config.parallel, worker_socket_keys=None)),
+                "plans",
+                zmq.SUB,
+                bind=False,
+            )
         with pytest.raises(ValueError, match="secret"):
             worker_socket(ctx, tcp_config.for_workers(), "plans", zmq.PUB, bind=True)
     finally:

@@ -39,8 +39,12 @@ def is_helper_imported_another_way(module: str) -> bool:
 
 
 def offenders(rule: Callable[[str], bool]) -> list[str]:
-    return [f"{path.relative_to(TESTS)} imports {module}" for path in sorted(TESTS.rglob("*.py"))
-            for module in imported_modules(path) if rule(module)]
+    return [
+        f"{path.relative_to(TESTS)} imports {module}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for module in imported_modules(path)
+        if rule(module)
+    ]
 
 
 def test_no_test_module_imports_another() -> None:

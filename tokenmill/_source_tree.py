@@ -24,8 +24,9 @@ class SourceTreeFinder(importlib.abc.MetaPathFinder):
         folder = self.folders.get(fullname)
         if folder is None:
             return None
-        return importlib.util.spec_from_file_location(fullname, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
+        return importlib.util.spec_from_file_location(
+            fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
 
 
 def install_if_source_checkout(package_dir: Path) -> None:

@@ -193,8 +193,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         """What a worker (process or Ray actor) receives: no API key, and of the CURVE keys only the workers' pair and
         the scheduler's public key."""
         keys = self.parallel.worker_socket_keys
-        parallel = self.parallel if keys is None else replace(self.parallel,
-                                                              worker_socket_keys=replace(keys, server_secret=""))
+        parallel = (
+            self.parallel
+            if keys is None
+            else replace(self.parallel, worker_socket_keys=replace(keys, server_secret=""))
+        )
         return replace(self.for_scheduler(), parallel=parallel)
 
     @classmethod

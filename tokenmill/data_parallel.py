@@ -22,8 +22,15 @@ import zmq
 from tokenmill.config import EngineConfig, replace
 from tokenmill.frontend.router import Router
 from tokenmill.launcher import EngineProcesses
-from tokenmill.messages import (AbortRequest, EngineRequest, SchedulerMessage, StepOutputs, choice_requests, decoder,
-                                encode)
+from tokenmill.messages import (
+    AbortRequest,
+    EngineRequest,
+    SchedulerMessage,
+    StepOutputs,
+    choice_requests,
+    decoder,
+    encode,
+)
 from tokenmill.processes import make_socket
 
 
@@ -42,19 +49,24 @@ def replica_environments(config: EngineConfig, environ: dict[str, str] | None = 
     environ = dict(os.environ if environ is None else environ)
     per_replica = config.parallel.world_size
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    devices = ([d for d in visible.split(",") if d.strip()] if visible is not None
-               else [str(i) for i in range(size * per_replica)])
+    devices = (
+        [d for d in visible.split(",") if d.strip()]
+        if visible is not None
+        else [str(i) for i in range(size * per_replica)]
+    )
     # Ray assigns its actors' GPUs itself; an empty CUDA_VISIBLE_DEVICES (no GPU) stays empty
     local_gpus = config.parallel.distributed_executor_backend == "mp" and bool(devices)
     if local_gpus and config.parallel.device == "cuda" and len(devices) < size * per_replica:
-        raise ValueError(f"data_parallel_size {size} x {per_replica} worker ranks per replica needs "
-                         f"{size * per_replica} GPUs; CUDA_VISIBLE_DEVICES names {len(devices)}")
+        raise ValueError(
+            f"data_parallel_size {size} x {per_replica} worker ranks per replica needs "
+            f"{size * per_replica} GPUs; CUDA_VISIBLE_DEVICES names {len(devices)}"
+        )
     threads = max(1, (os.cpu_count() or 1) // size)
     envs = []
     for rank in range(size):
         env = dict(environ)
         if local_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[rank * per_replica:(rank + 1) * per_replica])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[rank * per_replica : (rank + 1) * per_replica])
         env.setdefault("OMP_NUM_THREADS", str(threads))
         envs.append(env)
     return envs
@@ -97,8 +109,11 @@ class DataParallelEngines:
 
     def dead_child(self) -> str | None:
         """Every exited child of every replica, or None while all are alive."""
-        dead = [f"replica {rank}: {reason}" if self.size > 1 else reason
-                for rank, replica in enumerate(self.replicas) if (reason := replica.dead_child()) is not None]
+        dead = [
+            f"replica {rank}: {reason}" if self.size > 1 else reason
+            for rank, replica in enumerate(self.replicas)
+            if (reason := replica.dead_child()) is not None
+        ]
         return "; ".join(dead) or None
 
     def stop(self, timeout: float = 5.0) -> None:

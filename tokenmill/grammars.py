@@ -23,9 +23,15 @@ from tokenmill.messages import StructuredOutputsParams
 
 # what a client's grammar may cost to build and to step: llguidance's own fuel limits, tightened where a hostile
 # schema could otherwise hold a compile thread or a scheduler step for long
-PARSER_LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-                     step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
-                     verbose_errors=False)
+PARSER_LIMITS = dict(
+    max_items_in_row=2000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=250_000,
+    max_grammar_size=500_000,
+    verbose_errors=False,
+)
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -40,13 +46,15 @@ def parser_limits() -> llguidance.LLParserLimits:
 
 def constraint_kind(params: StructuredOutputsParams) -> str:
     """The one constraint the params set (`json`, `json_object`, `regex`, `choice`, `grammar`, `structural_tag`)."""
-    kinds = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
-             if getattr(params, name) is not None]
+    kinds = [
+        name for name in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(params, name) is not None
+    ]
     if params.json_object:
         kinds.append("json_object")
     if len(kinds) != 1:
-        raise GrammarError("exactly one structured-output constraint must be set, got "
-                           + (", ".join(kinds) if kinds else "none"))
+        raise GrammarError(
+            "exactly one structured-output constraint must be set, got " + (", ".join(kinds) if kinds else "none")
+        )
     return kinds[0]
 
 
@@ -64,7 +72,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             if not params.choice:
                 raise GrammarError("choice must list at least one string")
             return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(choice) for choice in params.choice))
+                "start: " + " | ".join(json.dumps(choice) for choice in params.choice)
+            )
         if kind == "grammar":
             return llguidance.LLMatcher.grammar_from_lark(_as_lark(params.grammar))
         return _structural_tag_grammar(params.structural_tag)
@@ -85,8 +94,12 @@ def _structural_tag_grammar(spec: str | dict) -> str:
     """vLLM's structural tag: `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`: free text, with a
     schema-constrained segment wherever the model writes one of the triggers."""
     tag = json.loads(spec) if isinstance(spec, str) else spec
-    if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or \
-            not isinstance(tag.get("triggers"), list) or not tag["structures"]:
+    if (
+        not isinstance(tag, dict)
+        or not isinstance(tag.get("structures"), list)
+        or not isinstance(tag.get("triggers"), list)
+        or not tag["structures"]
+    ):
         raise GrammarError("structural_tag must be an object with non-empty `structures` and `triggers` lists")
     tags = []
     for structure in tag["structures"]:
@@ -98,8 +111,9 @@ def _structural_tag_grammar(spec: str | dict) -> str:
         trigger = next((t for t in tag["triggers"] if isinstance(t, str) and t and begin.startswith(t)), None)
         if trigger is None:
             raise GrammarError(f"no structural_tag trigger starts the structure beginning {begin!r}")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=structure["schema"],
-                                         end=structure["end"]))
+        tags.append(
+            llguidance.StructTag(trigger=trigger, begin=begin, grammar=structure["schema"], end=structure["end"])
+        )
     return llguidance.StructTag.to_grammar(tags)
 
 

@@ -37,8 +37,10 @@ from tokenmill.workers.process import run_worker_process
 log = logging.getLogger("tokenmill.launcher")
 
 # What a child runs: the parent's import path first (so it imports this same tokenmill), then its role's entry point.
-CHILD_ENTRY = ("import json, sys; sys.path[:] = json.loads(sys.stdin.buffer.readline()); "
-               "from tokenmill.launcher import run_child; run_child(sys.argv[1], sys.stdin.buffer.read())")
+CHILD_ENTRY = (
+    "import json, sys; sys.path[:] = json.loads(sys.stdin.buffer.readline()); "
+    "from tokenmill.launcher import run_child; run_child(sys.argv[1], sys.stdin.buffer.read())"
+)
 
 
 def run_child(role: str, config_bytes: bytes) -> None:
@@ -80,8 +82,10 @@ class EngineProcesses:
         roles = ["scheduler"] + [f"worker{rank}" for rank in range(local_workers)]
         preamble = json.dumps([str(entry) for entry in sys.path]).encode() + b"\n"
         # each child gets only what it needs: no API key, no scheduler's CURVE secret for the workers
-        config_bytes = {"scheduler": self.config.for_scheduler().to_bytes(),
-                        "worker": self.config.for_workers().to_bytes()}
+        config_bytes = {
+            "scheduler": self.config.for_scheduler().to_bytes(),
+            "worker": self.config.for_workers().to_bytes(),
+        }
         # every child logs in the instance's format: it sets up logging before it has read the config
         env = {**(self.env if self.env is not None else os.environ), LOG_FORMAT_ENV: self.config.server.log_format}
         for role in roles:
@@ -102,8 +106,11 @@ class EngineProcesses:
         Naming them all shows the cause when one death brings on another (a killed rank makes rank 0's all-reduce
         fail, and the scheduler exits on rank 0's error).
         """
-        dead = [f"{name} (pid {child.pid}) exited with code {child.returncode}"
-                for name, child in self.children if child.poll() is not None]
+        dead = [
+            f"{name} (pid {child.pid}) exited with code {child.returncode}"
+            for name, child in self.children
+            if child.poll() is not None
+        ]
         if self.ray_workers is not None and not self.stopped:
             dead += self.ray_workers.dead()
         return "; ".join(dead) or None
@@ -152,27 +159,48 @@ def kv_capacity_error(config: EngineConfig, ready: EngineReady) -> str | None:
     max_len = config.model.max_model_len
     if config.model.task == "embed" or config.cache.num_kv_blocks or max_len <= tokens:
         return None
-    return (f"max_model_len {max_len} needs {-(-max_len // ready.block_size)} KV cache blocks but only "
-            f"{ready.num_kv_blocks} of {ready.block_size} tokens fit (raise --kv-cache-memory-bytes on CPU or "
-            f"--gpu-memory-utilization on GPU, or lower --max-model-len): the largest max_model_len that fits "
-            f"is {tokens}.")
+    return (
+        f"max_model_len {max_len} needs {-(-max_len // ready.block_size)} KV cache blocks but only "
+        f"{ready.num_kv_blocks} of {ready.block_size} tokens fit (raise --kv-cache-memory-bytes on CPU or "
+        f"--gpu-memory-utilization on GPU, or lower --max-model-len): the largest max_model_len that fits "
+        f"is {tokens}."
+    )
 
 
 def log_capacity(config: EngineConfig, ready: EngineReady) -> None:
     tokens = ready.num_kv_blocks * ready.block_size
     max_len = config.model.max_model_len
-    log.info("model %s (%s), architecture %s, dtype %s, device %s, weights %.1f MiB",
-             config.model.served_model_name, config.model.path, ready.architecture, ready.dtype, ready.device,
-             ready.weight_bytes / 2**20)
+    log.info(
+        "model %s (%s), architecture %s, dtype %s, device %s, weights %.1f MiB",
+        config.model.served_model_name,
+        config.model.path,
+        ready.architecture,
+        ready.dtype,
+        ready.device,
+        ready.weight_bytes / 2**20,
+    )
     if config.model.task == "embed":
-        log.info("no KV cache (embeddings: each step encodes whole inputs, up to %d tokens)",
-                 config.scheduler.max_num_batched_tokens)
+        log.info(
+            "no KV cache (embeddings: each step encodes whole inputs, up to %d tokens)",
+            config.scheduler.max_num_batched_tokens,
+        )
     else:
         kv_dtype = ready.dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype
-        log.info("KV cache (%s): %d blocks of %d tokens = %d tokens; maximum concurrency at max_model_len %d: %.2fx",
-                 kv_dtype, ready.num_kv_blocks, ready.block_size, tokens, max_len, tokens / max_len)
+        log.info(
+            "KV cache (%s): %d blocks of %d tokens = %d tokens; maximum concurrency at max_model_len %d: %.2fx",
+            kv_dtype,
+            ready.num_kv_blocks,
+            ready.block_size,
+            tokens,
+            max_len,
+            tokens / max_len,
+        )
         if tokens < max_len and config.cache.num_kv_blocks:  # a budget this small refuses to start instead
-            log.warning("the KV cache (%d tokens) cannot hold one request of max_model_len %d: a request ends with "
-                        "finish_reason 'length' when it fills the whole cache", tokens, max_len)
+            log.warning(
+                "the KV cache (%d tokens) cannot hold one request of max_model_len %d: a request ends with "
+                "finish_reason 'length' when it fills the whole cache",
+                tokens,
+                max_len,
+            )
     if os.environ.get("TOKENMILL_LOG_IPC"):
         log.info("sockets in %s", config.ipc_dir)

@@ -100,17 +100,27 @@ class EngineStats:
         """The timings of `totals`, every report summed (`tokenmill.stats.sum_counters`); zeros before any."""
         if totals is None:
             return cls()
-        return cls(totals.num_steps, totals.step_time_s, totals.model_time_s, totals.grammar_mask_time_s,
-                   totals.spec_num_drafts, totals.spec_num_draft_tokens, totals.spec_num_accepted_tokens)
+        return cls(
+            totals.num_steps,
+            totals.step_time_s,
+            totals.model_time_s,
+            totals.grammar_mask_time_s,
+            totals.spec_num_drafts,
+            totals.spec_num_draft_tokens,
+            totals.spec_num_accepted_tokens,
+        )
 
     def since(self, earlier: EngineStats) -> EngineStats:
         """The steps reported after the snapshot `earlier` was taken."""
-        return EngineStats(self.num_steps - earlier.num_steps, self.step_time_s - earlier.step_time_s,
-                           self.model_time_s - earlier.model_time_s,
-                           self.grammar_mask_time_s - earlier.grammar_mask_time_s,
-                           self.spec_num_drafts - earlier.spec_num_drafts,
-                           self.spec_num_draft_tokens - earlier.spec_num_draft_tokens,
-                           self.spec_num_accepted_tokens - earlier.spec_num_accepted_tokens)
+        return EngineStats(
+            self.num_steps - earlier.num_steps,
+            self.step_time_s - earlier.step_time_s,
+            self.model_time_s - earlier.model_time_s,
+            self.grammar_mask_time_s - earlier.grammar_mask_time_s,
+            self.spec_num_drafts - earlier.spec_num_drafts,
+            self.spec_num_draft_tokens - earlier.spec_num_draft_tokens,
+            self.spec_num_accepted_tokens - earlier.spec_num_accepted_tokens,
+        )
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -233,17 +243,22 @@ class LLM:
         `generate` uses it when given no sampling params."""
         return SamplingParams(**self.config.model.generation_defaults)
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[GenerationResult]:
         """Generate for every prompt (text, or token ids); results come back in prompt order. Any number of prompts:
         they are fed to the engine as earlier ones finish."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                       else [sampling_params] * len(prompts))
+        params_list = (
+            list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         results: list[GenerationResult] = []
@@ -255,14 +270,20 @@ class LLM:
             results.append(result)
             if params.max_tokens is None:
                 params = msgspec.structs.replace(params, max_tokens=max(1, self.config.model.max_model_len - len(ids)))
-            group = EngineRequest(request_id=result.request_id, prompt_token_ids=ids, sampling=params,
-                                  arrival_time=time.time(), priority=priority[i] if priority else 0)
+            group = EngineRequest(
+                request_id=result.request_id,
+                prompt_token_ids=ids,
+                sampling=params,
+                arrival_time=time.time(),
+                priority=priority[i] if priority else 0,
+            )
             requests = []
             for index, request in enumerate(choice_requests(group)):  # sent one by one, to fill the window evenly
                 completion = CompletionOutput(index)
                 result.outputs.append(completion)
-                requests.append((request, (result, completion,
-                                           IncrementalDetokenizer(self.tokenizer, ids, request.sampling))))
+                requests.append(
+                    (request, (result, completion, IncrementalDetokenizer(self.tokenizer, ids, request.sampling)))
+                )
             return requests
 
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
@@ -290,8 +311,12 @@ class LLM:
 
     # ------------------------------------------------------------------ embeddings
 
-    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]], use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingResult]:
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingResult]:
         """One pooled embedding per prompt (text, or token ids), in prompt order; needs an embedding model.
         `truncate_prompt_tokens` keeps each prompt's last N tokens (text keeps its special tokens)."""
         import numpy as np
@@ -299,8 +324,10 @@ class LLM:
         from tokenmill.frontend.tokenizer import encode_text_keep_last
 
         if self.config.model.task != "embed":
-            raise ValueError(f"embed() needs an embedding model; {self.config.model.served_model_name} serves "
-                             f"'{self.config.model.task}' (pass task='embed' to LLM for a decoder)")
+            raise ValueError(
+                f"embed() needs an embedding model; {self.config.model.served_model_name} serves "
+                f"'{self.config.model.task}' (pass task='embed' to LLM for a decoder)"
+            )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         results: list[EmbeddingResult] = []
@@ -315,16 +342,23 @@ class LLM:
                 ids = self.tokenizer.encode(text)
             request_id = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             results.append(EmbeddingResult(request_id, text, ids, EmbeddingOutput([]), finished=False))
-            request = EngineRequest(request_id=request_id, prompt_token_ids=ids, task="embed",
-                                    sampling=SamplingParams(max_tokens=None), arrival_time=time.time())
+            request = EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=ids,
+                task="embed",
+                sampling=SamplingParams(max_tokens=None),
+                arrival_time=time.time(),
+            )
             return [(request, results[-1])]
 
         bar = tqdm(total=len(prompts), desc="Embedded prompts", disable=not use_tqdm, dynamic_ncols=True)
 
         def on_output(out: RequestOutput, result: EmbeddingResult) -> bool:
             if out.error is not None or out.embedding is None:
-                raise ValueError(out.error or f"the engine ended request {out.request_id} with "
-                                              f"'{out.finish_reason}' and no embedding")
+                raise ValueError(
+                    out.error
+                    or f"the engine ended request {out.request_id} with '{out.finish_reason}' and no embedding"
+                )
             result.outputs.embedding = np.frombuffer(out.embedding, dtype="<f4").tolist()
             result.finished = True
             bar.update(1)
@@ -336,8 +370,9 @@ class LLM:
 
     # ------------------------------------------------------------------ feeding the engine
 
-    def _run(self, batches: Iterator[list[tuple[EngineRequest, Any]]],
-             on_output: Callable[[RequestOutput, Any], bool]) -> None:
+    def _run(
+        self, batches: Iterator[list[tuple[EngineRequest, Any]]], on_output: Callable[[RequestOutput, Any], bool]
+    ) -> None:
         """Send each batch's requests (a prompt's choices) while at most `max_waiting_requests` are in flight, so
         the scheduler's waiting queue never overflows however many prompts there are; hand each output to
         `on_output` with its batch entry's state until it returns True (that request is done). On any error, abort

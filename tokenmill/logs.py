@@ -30,8 +30,11 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname, "process": self.process_name, "logger": record.name,
-            "message": record.getMessage()}
+            "level": record.levelname,
+            "process": self.process_name,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         request_id = getattr(record, "request_id", None) or request_id_var.get()
         if request_id is not None:
             entry["request_id"] = request_id

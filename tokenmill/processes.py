@@ -71,8 +71,9 @@ def worker_socket(ctx: zmq.Context, config: EngineConfig, name: str, kind: int, 
     return secure_socket(ctx, kind, address, bind, keys, max_message_bytes(config))
 
 
-def decode_or_drop(decoder: msgspec.msgpack.Decoder[T], frame: bytes,
-                   log: logging.Logger | logging.LoggerAdapter, source: str) -> T | None:
+def decode_or_drop(
+    decoder: msgspec.msgpack.Decoder[T], frame: bytes, log: logging.Logger | logging.LoggerAdapter, source: str
+) -> T | None:
     """The message in `frame`, or None (logged, never raised) when it does not decode: one bad frame from a peer
     must not end the process that reads it."""
     try:

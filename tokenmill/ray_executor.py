@@ -97,14 +97,18 @@ class RayWorkers:
         self.placement_group = placement_group([dict(bundle) for _ in range(world)], strategy=strategy)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
-            raise RuntimeError(f"Ray could not place {world} workers ({bundle} each, {strategy}) within "
-                               f"{PLACEMENT_TIMEOUT_S:.0f} s: the cluster has {ray.available_resources()} free")
+            raise RuntimeError(
+                f"Ray could not place {world} workers ({bundle} each, {strategy}) within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s: the cluster has {ray.available_resources()} free"
+            )
         remote = ray.remote(WorkerActor)
         actors = [
             remote.options(
-                num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0,
+                num_cpus=0 if on_gpu else 1,
+                num_gpus=1 if on_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group, placement_group_bundle_index=index),
+                    placement_group=self.placement_group, placement_group_bundle_index=index
+                ),
             ).remote()
             for index in range(world)
         ]
@@ -113,18 +117,33 @@ class RayWorkers:
         here_node = ray.get_runtime_context().get_node_id()
         nodes = ray.get([actor.node.remote() for actor in actors])  # (node id, IP) per bundle
         # this node first, then by IP; on one IP (test clusters) by node, so a node's ranks stay contiguous
-        order = sorted(range(world), key=lambda index: (nodes[index][1] != here, nodes[index][1],
-                                                        nodes[index][0] != here_node, nodes[index][0], index))
+        order = sorted(
+            range(world),
+            key=lambda index: (
+                nodes[index][1] != here,
+                nodes[index][1],
+                nodes[index][0] != here_node,
+                nodes[index][0],
+                index,
+            ),
+        )
         self.actors = [actors[index] for index in order]
         self.node_ids = [nodes[index][0] for index in order]  # per rank
         self.node_ips = [nodes[index][1] for index in order]
         dist_port = ray.get(self.actors[0].free_port.remote())
         self.parallel: ParallelConfig = replace(
-            parallel, dist_host=self.node_ips[0], dist_port=dist_port,
+            parallel,
+            dist_host=self.node_ips[0],
+            dist_port=dist_port,
             worker_addresses={name: f"tcp://{here}:{free_port(here)}" for name in ("plans", "results")},
-            worker_socket_keys=new_worker_socket_keys())  # CURVE on both sockets (tokenmill/socket_security.py)
-        log.info("Ray placed %d workers on %d node(s): %s", world, len(set(self.node_ids)),
-                 ", ".join(f"rank {rank} on {ip}" for rank, ip in enumerate(self.node_ips)))
+            worker_socket_keys=new_worker_socket_keys(),
+        )  # CURVE on both sockets (tokenmill/socket_security.py)
+        log.info(
+            "Ray placed %d workers on %d node(s): %s",
+            world,
+            len(set(self.node_ids)),
+            ", ".join(f"rank {rank} on {ip}" for rank, ip in enumerate(self.node_ips)),
+        )
 
     def start(self, config: EngineConfig) -> None:
         """Start every actor's worker loop with the instance's config (whose parallel section is `self.parallel`), less

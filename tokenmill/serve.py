@@ -77,14 +77,19 @@ async def serve(config: EngineConfig) -> int:
     from tokenmill.frontend.tokenizer import load_tokenizer
 
     if config.server.restart_on_failure and config.parallel.data_parallel_size > 1:
-        log.error("--restart-on-failure restarts one engine: it does not combine with --data-parallel-size > 1 "
-                  "(which already serves on when a replica dies)")
+        log.error(
+            "--restart-on-failure restarts one engine: it does not combine with --data-parallel-size > 1 "
+            "(which already serves on when a replica dies)"
+        )
         return 1
     lifecycle = ServerLifecycle("loading")
     processes = DataParallelEngines(config)
     # connect first: the scheduler's EngineReady must not be lost
-    client = (restarting_client(config, processes, lifecycle) if config.server.restart_on_failure
-              else engine_client(processes))
+    client = (
+        restarting_client(config, processes, lifecycle)
+        if config.server.restart_on_failure
+        else engine_client(processes)
+    )
     config = processes.config
     signals = ShutdownSignals(asyncio.get_running_loop(), lifecycle)
     runner: web.AppRunner | None = None
@@ -93,8 +98,12 @@ async def serve(config: EngineConfig) -> int:
         processes.start()
         log.info("loading %s; sockets in a private directory %s", config.model.served_model_name, config.ipc_dir)
         if processes.size > 1:
-            log.info("data parallel: %d engine replicas (sockets in %s), routing %s", processes.size,
-                     ", ".join(c.ipc_dir for c in processes.configs[1:]), config.parallel.data_parallel_routing)
+            log.info(
+                "data parallel: %d engine replicas (sockets in %s), routing %s",
+                processes.size,
+                ", ".join(c.ipc_dir for c in processes.configs[1:]),
+                config.parallel.data_parallel_routing,
+            )
         tokenizer = await unless_stopped(asyncio.to_thread(load_tokenizer, config.model), signals.stop)
         if tokenizer is None:
             log.info("interrupted while loading")
@@ -109,8 +118,9 @@ async def serve(config: EngineConfig) -> int:
             log.error("%s", error)
             return 1
         lifecycle.phase = "ready"
-        log.info("ready: serving %s on http://%s:%d", config.model.served_model_name, config.server.host,
-                 config.server.port)
+        log.info(
+            "ready: serving %s on http://%s:%d", config.model.served_model_name, config.server.host, config.server.port
+        )
         await until_stopped_or_dead(client, signals.stop)
         if client.dead_reason is not None:
             log.error("shutting down: %s", client.dead_reason)
@@ -130,12 +140,20 @@ async def serve(config: EngineConfig) -> int:
 
 async def open_port(config: EngineConfig, app: web.Application) -> web.AppRunner:
     access_log = logging.getLogger("aiohttp.access") if config.server.enable_log_requests else None
-    runner = web.AppRunner(app, handle_signals=False, access_log=access_log,
-                           access_log_class=RedactingAccessLogger, shutdown_timeout=ABORT_GRACE_S)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=access_log,
+        access_log_class=RedactingAccessLogger,
+        shutdown_timeout=ABORT_GRACE_S,
+    )
     await runner.setup()
     await web.TCPSite(runner, config.server.host, config.server.port).start()
-    log.info("listening on http://%s:%d (GET /ready answers 200 once the model is loaded)", config.server.host,
-             config.server.port)
+    log.info(
+        "listening on http://%s:%d (GET /ready answers 200 once the model is loaded)",
+        config.server.host,
+        config.server.port,
+    )
     return runner
 
 
@@ -147,13 +165,15 @@ async def until_stopped_or_dead(client: EngineClient, stop: asyncio.Event) -> No
             pass
 
 
-async def drain(client: EngineClient, lifecycle: ServerLifecycle, timeout_s: float,
-                hurry: asyncio.Event) -> None:
+async def drain(client: EngineClient, lifecycle: ServerLifecycle, timeout_s: float, hurry: asyncio.Event) -> None:
     """Admit nothing more, let the requests in flight finish for up to `timeout_s` (or until `hurry`), then end the
     rest with finish_reason "abort" and give their streams a moment to send their last chunk and [DONE]."""
     lifecycle.phase = "draining"
-    log.info("draining: %d requests in flight get up to %g s to finish (--shutdown-timeout; a second signal ends "
-             "them now)", lifecycle.in_flight, timeout_s)
+    log.info(
+        "draining: %d requests in flight get up to %g s to finish (--shutdown-timeout; a second signal ends them now)",
+        lifecycle.in_flight,
+        timeout_s,
+    )
     if await lifecycle.wait_idle(timeout_s, hurry):
         log.info("shutting down: every request finished")
         return
@@ -164,14 +184,16 @@ async def drain(client: EngineClient, lifecycle: ServerLifecycle, timeout_s: flo
         await lifecycle.wait_idle(ABORT_RETRY_S)
 
 
-def restarting_client(config: EngineConfig, processes: DataParallelEngines,
-                      lifecycle: ServerLifecycle) -> RestartingEngineClient:
+def restarting_client(
+    config: EngineConfig, processes: DataParallelEngines, lifecycle: ServerLifecycle
+) -> RestartingEngineClient:
     """--restart-on-failure: the first engine's client, and fresh engines from `config` (the one before start-up
     gave the processes their socket directory) when it fails."""
     first = EngineHandle(AsyncEngineClient(processes.config, processes.dead_child), processes.stop)
     server = config.server
-    return RestartingEngineClient(first, functools.partial(launch_engine, config), lifecycle, server.max_restarts,
-                                  server.restart_window_s)
+    return RestartingEngineClient(
+        first, functools.partial(launch_engine, config), lifecycle, server.max_restarts, server.restart_window_s
+    )
 
 
 def launch_engine(config: EngineConfig) -> EngineHandle:
@@ -189,8 +211,11 @@ def engine_client(processes: DataParallelEngines) -> EngineClient:
     """One replica's client, or the data-parallel client over every replica (it routes each request)."""
     if processes.size == 1:
         return AsyncEngineClient(processes.config, processes.dead_child)
-    return DataParallelEngineClient(processes.configs, [replica.dead_child for replica in processes.replicas],
-                                    stop_replica=lambda rank: processes.replicas[rank].stop())
+    return DataParallelEngineClient(
+        processes.configs,
+        [replica.dead_child for replica in processes.replicas],
+        stop_replica=lambda rank: processes.replicas[rank].stop(),
+    )
 
 
 def serve_forever(config: EngineConfig) -> int:

@@ -39,8 +39,12 @@ def new_worker_socket_keys() -> WorkerSocketKeys:
     """Fresh CURVE key pairs (Z85 text) for one instance's scheduler and workers."""
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
-    return WorkerSocketKeys(server_public=server_public.decode(), server_secret=server_secret.decode(),
-                            client_public=client_public.decode(), client_secret=client_secret.decode())
+    return WorkerSocketKeys(
+        server_public=server_public.decode(),
+        server_secret=server_secret.decode(),
+        client_public=client_public.decode(),
+        client_secret=client_secret.decode(),
+    )
 
 
 def max_message_bytes(config: EngineConfig) -> int:
@@ -71,8 +75,9 @@ def allow_only_workers(ctx: zmq.Context, keys: WorkerSocketKeys) -> zmq.auth.thr
     return authenticator
 
 
-def secure_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, keys: WorkerSocketKeys,
-                  max_bytes: int) -> zmq.Socket:
+def secure_socket(
+    ctx: zmq.Context, kind: int, address: str, bind: bool, keys: WorkerSocketKeys, max_bytes: int
+) -> zmq.Socket:
     """A CURVE socket with bounded queues and frames: the server side (it holds the secret key) binds, a client
     connects."""
     sock = ctx.socket(kind)

@@ -13,8 +13,7 @@ from typing import Any
 
 from tokenmill.config import SpeculativeConfig
 
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-         "disable_by_batch_size")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size")
 # a verification step's tokens grow with k; past this the rejected tail costs more than any acceptance pays back
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -48,13 +47,17 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
 
     k = value.get("num_speculative_tokens")
     if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"speculative_config: 'num_speculative_tokens' must be an integer from 1 to "
-                         f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        raise ValueError(
+            f"speculative_config: 'num_speculative_tokens' must be an integer from 1 to "
+            f"{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+        )
 
     disable_by_batch_size = value.get("disable_by_batch_size")
     if disable_by_batch_size is not None and (not _is_int(disable_by_batch_size) or disable_by_batch_size < 1):
-        raise ValueError(f"speculative_config: 'disable_by_batch_size' must be an integer of at least 1, got "
-                         f"{disable_by_batch_size!r}")
+        raise ValueError(
+            f"speculative_config: 'disable_by_batch_size' must be an integer of at least 1, got "
+            f"{disable_by_batch_size!r}"
+        )
 
     if method == "ngram":
         if value.get("model") is not None:
@@ -68,10 +71,17 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
         lookup_min = lookup_min if lookup_min is not None else lookup_max
         lookup_max = lookup_max if lookup_max is not None else lookup_min
         if lookup_min > lookup_max:
-            raise ValueError(f"speculative_config: 'prompt_lookup_min' ({lookup_min}) must not exceed "
-                             f"'prompt_lookup_max' ({lookup_max})")
-        return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lookup_min,
-                                 prompt_lookup_max=lookup_max, disable_by_batch_size=disable_by_batch_size)
+            raise ValueError(
+                f"speculative_config: 'prompt_lookup_min' ({lookup_min}) must not exceed "
+                f"'prompt_lookup_max' ({lookup_max})"
+            )
+        return SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=k,
+            prompt_lookup_min=lookup_min,
+            prompt_lookup_max=lookup_max,
+            disable_by_batch_size=disable_by_batch_size,
+        )
 
     for key in ("prompt_lookup_min", "prompt_lookup_max"):
         if value.get(key) is not None:
@@ -79,8 +89,9 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     model = value.get("model")
     if not isinstance(model, str) or not model:
         raise ValueError("speculative_config: method 'draft_model' needs 'model' (a checkpoint directory or hub id)")
-    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=model,
-                             disable_by_batch_size=disable_by_batch_size)
+    return SpeculativeConfig(
+        method="draft_model", num_speculative_tokens=k, model=model, disable_by_batch_size=disable_by_batch_size
+    )
 
 
 def _is_int(value: Any) -> bool:

@@ -15,9 +15,18 @@ import msgspec
 from tokenmill.messages import SchedulerStats
 
 # every SchedulerStats field that counts since the last report, except the per-position list (summed apart)
-COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "step_time_s",
-                  "model_time_s", "grammar_mask_time_s", "spec_num_drafts", "spec_num_draft_tokens",
-                  "spec_num_accepted_tokens")
+COUNTER_FIELDS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "num_steps",
+    "step_time_s",
+    "model_time_s",
+    "grammar_mask_time_s",
+    "spec_num_drafts",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+)
 
 
 def sum_counters(reports: Iterable[SchedulerStats], gauges: SchedulerStats) -> SchedulerStats:

@@ -158,8 +158,9 @@ def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     first_token = np.cumsum(query_lens) - query_lens
-    positions: np.ndarray = (np.arange(int(query_lens.sum())) - first_token[seq_of_token]
-                             + (seq_lens - query_lens)[seq_of_token])
+    positions: np.ndarray = (
+        np.arange(int(query_lens.sum())) - first_token[seq_of_token] + (seq_lens - query_lens)[seq_of_token]
+    )
     return positions
 
 
@@ -174,17 +175,29 @@ def build_attention_metadata(
     sliding_windows: tuple[int, ...] = (),
 ) -> AttentionMetadata:
     """`backend`'s metadata for a step given as host arrays: query_lens[B], seq_lens[B], block_tables[B, max_blocks]."""
-    return backend.prepare(StepShape(np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64),
-                                     np.asarray(block_tables, dtype=np.int64), block_size, device,
-                                     decode_chunk_tokens, sliding_windows))
+    return backend.prepare(
+        StepShape(
+            np.asarray(query_lens, dtype=np.int64),
+            np.asarray(seq_lens, dtype=np.int64),
+            np.asarray(block_tables, dtype=np.int64),
+            block_size,
+            device,
+            decode_chunk_tokens,
+            sliding_windows,
+        )
+    )
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
 
-def common_metadata(step: StepShape, backend: AttentionBackend, decode: DecodeGroup | None = None,
-                    prefills: list[PrefillSequence] | None = None) -> AttentionMetadata:
+def common_metadata(
+    step: StepShape,
+    backend: AttentionBackend,
+    decode: DecodeGroup | None = None,
+    prefills: list[PrefillSequence] | None = None,
+) -> AttentionMetadata:
     """What every backend reads: slots, block tables, query starts, lengths; with a backend's own extras."""
     query_lens, seq_lens, block_size = step.query_lens, step.seq_lens, step.block_size
     num_seqs = len(query_lens)
@@ -227,8 +240,14 @@ def decode_group(step: StepShape) -> DecodeGroup | None:
             in_sequence = (np.arange(num_keys)[None, :] < chunk_lens[:, None])[:, None, None, :]
             key_mask = _to_device(in_sequence, torch.bool, step.device)
         num_blocks = int(blocks_needed[chunk_seqs].max())
-        chunk = DecodeChunk(start, end, _to_device(step.block_tables[chunk_seqs, :num_blocks], torch.int64, step.device),
-                            num_keys, key_mask, _to_device(chunk_lens, torch.int64, step.device))
+        chunk = DecodeChunk(
+            start,
+            end,
+            _to_device(step.block_tables[chunk_seqs, :num_blocks], torch.int64, step.device),
+            num_keys,
+            key_mask,
+            _to_device(chunk_lens, torch.int64, step.device),
+        )
         chunk.windowed = {w: _decode_window(chunk, w, block_size) for w in step.sliding_windows if num_keys > w}
         chunks.append(chunk)
     token_indices = None
@@ -257,8 +276,9 @@ def prefill_sequences(step: StepShape, max_kernel_query_len: int) -> list[Prefil
             block_ids=_to_device(step.block_tables[seq, :num_blocks], torch.int64, step.device),
             causal_mask=causal_mask,
         )
-        sequence.windowed = {w: _prefill_window(sequence, w, step.block_size, step.device)
-                             for w in step.sliding_windows if seq_len > w}
+        sequence.windowed = {
+            w: _prefill_window(sequence, w, step.block_size, step.device) for w in step.sliding_windows if seq_len > w
+        }
         prefills.append(sequence)
     return prefills
 
@@ -319,8 +339,9 @@ def _decode_window(chunk: DecodeChunk, window: int, block_size: int) -> tuple[to
     return block_ids, mask
 
 
-def _prefill_window(seq: PrefillSequence, window: int, block_size: int,
-                    device: torch.device) -> tuple[int, torch.Tensor]:
+def _prefill_window(
+    seq: PrefillSequence, window: int, block_size: int, device: torch.device
+) -> tuple[int, torch.Tensor]:
     """(first block read, `[q_len, keys read]` mask) of a multi-token sequence under a sliding window: keys are read
     from the block of the first query's first visible key on."""
     first_query = seq.seq_len - (seq.query_end - seq.query_start)
@@ -329,8 +350,9 @@ def _prefill_window(seq: PrefillSequence, window: int, block_size: int,
     return first_block, sliding_window_mask(positions[first_query - first_block * block_size :], positions, window)
 
 
-def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                   layer: AttentionLayer) -> torch.Tensor:
+def _attend_decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, layer: AttentionLayer
+) -> torch.Tensor:
     """Single-token queries `[Bd, Hq, D]`: per chunk of sequences, gather their blocks (dequantized from an fp8
     cache) and run one masked SDPA."""
     num_seqs, num_heads, head_dim = query.shape
@@ -357,8 +379,14 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out.view(num_seqs, num_heads, head_dim)
 
 
-def attend_prefills_sdpa(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         prefills: list[PrefillSequence], layer: AttentionLayer, output: torch.Tensor) -> None:
+def attend_prefills_sdpa(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefills: list[PrefillSequence],
+    layer: AttentionLayer,
+    output: torch.Tensor,
+) -> None:
     """Into `output`'s rows of each multi-token sequence, its causal attention: one SDPA call per sequence.
 
     With a sliding window, keys are read from the block of the first query's first visible key on. An fp8 cache's
@@ -372,18 +400,25 @@ def attend_prefills_sdpa(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         block_ids, num_keys, mask = seq.block_ids, seq.seq_len, seq.causal_mask
         if window is not None and seq.seq_len > window:
             windowed = seq.windowed.get(window)  # a window prepare was not told of (a test's): built here
-            first_block, mask = windowed if windowed is not None else _prefill_window(seq, window, block_size,
-                                                                                     query.device)
+            first_block, mask = (
+                windowed if windowed is not None else _prefill_window(seq, window, block_size, query.device)
+            )
             block_ids, num_keys = block_ids[first_block:], seq.seq_len - first_block * block_size
         keys = dequantize(_gather_sequence(k_cache, block_ids, num_keys)[None], layer.k_scale, query.dtype)
         values = dequantize(_gather_sequence(v_cache, block_ids, num_keys)[None], layer.v_scale, query.dtype)
-        seq_out = F.scaled_dot_product_attention(seq_query, keys, values, attn_mask=mask, is_causal=mask is None,
-                                                 scale=layer.scale, enable_gqa=True)
+        seq_out = F.scaled_dot_product_attention(
+            seq_query, keys, values, attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=True
+        )
         output[seq.query_start : seq.query_end] = seq_out[0].transpose(0, 1)
 
 
-def paged_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          metadata: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:
+def paged_attention_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    layer: AttentionLayer,
+) -> torch.Tensor:
     """Causal attention of query `[T, Hq, D]` over each sequence's cached keys/values; returns `[T, Hq, D]`.
 
     The caches must already hold this step's keys and values."""
@@ -409,8 +444,15 @@ class AttentionBackend(Protocol):
         """The step's metadata, built once and shared by every layer."""
         ...
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
-                layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        layer: AttentionLayer,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """Store this step's key/value `[T, Hkv, D]` in the layer's cache, then attend: `[T, Hq, D]`."""
         ...
 
@@ -423,14 +465,27 @@ class TorchAttentionBackend:
     def prepare(self, step: StepShape) -> AttentionMetadata:
         return common_metadata(step, self, decode_group(step), prefill_sequences(step, max_kernel_query_len=1))
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
-                layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        layer: AttentionLayer,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, layer.k_scale, layer.v_scale)
         return paged_attention_torch(query, k_cache, v_cache, metadata, layer)
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
-                    layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: KVCache,
+    layer: AttentionLayer,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
     """One layer's paged attention on the backend that built `metadata`: what the models call."""
     return metadata.backend.forward(query, key, value, kv_cache, layer, metadata)

@@ -12,8 +12,15 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels import cpu_ops
-from tokenmill.workers.attention import (AttentionLayer, AttentionMetadata, KVCache, StepShape, attend_prefills_sdpa,
-                                         common_metadata, prefill_sequences)
+from tokenmill.workers.attention import (
+    AttentionLayer,
+    AttentionMetadata,
+    KVCache,
+    StepShape,
+    attend_prefills_sdpa,
+    common_metadata,
+    prefill_sequences,
+)
 from tokenmill.workers.ops import LayerOps
 
 # The most query tokens of a sequence the attention kernel takes: a verification step's 1 + k (k <= 7 at
@@ -23,8 +30,14 @@ from tokenmill.workers.ops import LayerOps
 MAX_KERNEL_QUERY_LEN = 16
 
 
-def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        metadata: AttentionMetadata, layer: AttentionLayer, max_kernel_query_len: int) -> torch.Tensor:
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    layer: AttentionLayer,
+    max_kernel_query_len: int,
+) -> torch.Tensor:
     """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`.
 
     Sequences of up to `max_kernel_query_len` query tokens go through the kernel, the longer ones
@@ -33,9 +46,20 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     and values / v_scale."""
     output = torch.empty(query.shape, dtype=query.dtype)
     if len(metadata.prefills) < metadata.seq_lens.shape[0]:  # some sequence is short enough for the kernel
-        cpu_ops.decode_attention(output, query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-                                 metadata.seq_lens, layer.scale, layer.sliding_window, layer.k_scale, layer.v_scale,
-                                 max_kernel_query_len)
+        cpu_ops.decode_attention(
+            output,
+            query,
+            k_cache,
+            v_cache,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            layer.scale,
+            layer.sliding_window,
+            layer.k_scale,
+            layer.v_scale,
+            max_kernel_query_len,
+        )
     attend_prefills_sdpa(query, k_cache, v_cache, metadata.prefills, layer, output)
     return output
 
@@ -52,8 +76,15 @@ class CpuKernelBackend:
     def prepare(self, step: StepShape) -> AttentionMetadata:
         return common_metadata(step, self, prefills=prefill_sequences(step, self.max_kernel_query_len))
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
-                layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        layer: AttentionLayer,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, layer.k_scale, layer.v_scale)
         return paged_attention_cpu(query, k_cache, v_cache, metadata, layer, self.max_kernel_query_len)

@@ -33,8 +33,9 @@ def parallel_position(config: EngineConfig, rank: int) -> tuple[PipelineStage, T
     return pp, tp
 
 
-def init_distributed(config: EngineConfig, rank: int, device: torch.device, pp: PipelineStage,
-                     tp: TensorParallel) -> TensorParallel:
+def init_distributed(
+    config: EngineConfig, rank: int, device: torch.device, pp: PipelineStage, tp: TensorParallel
+) -> TensorParallel:
     """Join the world (every stage's every rank); with pipeline stages, each stage's tensor-parallel group.
 
     Returns `tp` with its group set (the default group without pipeline stages)."""

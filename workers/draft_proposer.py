@@ -50,20 +50,37 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
     spec = config.speculative
     path, gguf_file, _ = locate_model(spec.path or spec.model)
     quantization = "none" if config.model.quantization == "none" else None  # None: as the draft's checkpoint is
-    return msgspec.structs.replace(config.model, model=spec.model, path=str(path), gguf_file=gguf_file, architecture="",
-                          quantization=quantization, generation_defaults={})
+    return msgspec.structs.replace(
+        config.model,
+        model=spec.model,
+        path=str(path),
+        gguf_file=gguf_file,
+        architecture="",
+        quantization=quantization,
+        generation_defaults={},
+    )
 
 
 class DraftModel:
     """The draft model, its KV cache, and the greedy proposals."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
-                 max_model_len: int, target_vocab_size: int, target_path: str,
-                 tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
+        max_model_len: int,
+        target_vocab_size: int,
+        target_path: str,
+        tp: TensorParallel = TensorParallel(),
+    ) -> None:
         """`tp`: the target's tensor-parallel rank and group, which the draft is sharded over."""
         if config.parallel.pipeline_parallel_size > 1:
-            raise ValueError("speculative_config: method 'draft_model' does not support pipeline parallelism yet; "
-                             "use 'ngram' or pipeline_parallel_size=1")
+            raise ValueError(
+                "speculative_config: method 'draft_model' does not support pipeline parallelism yet; "
+                "use 'ngram' or pipeline_parallel_size=1"
+            )
         self.k = config.speculative.num_speculative_tokens
         self.device = device
         self.dtype = dtype
@@ -74,9 +91,11 @@ class DraftModel:
         self.hf_config = load_hf_config(self.model_config)
         vocab_size = int(text_config(self.hf_config).vocab_size)
         if vocab_size != target_vocab_size:
-            raise ValueError(f"speculative_config: the draft model {config.speculative.model!r} has a vocabulary of "
-                             f"{vocab_size} tokens, the target's has {target_vocab_size}; a draft model must use the "
-                             "target's tokenizer")
+            raise ValueError(
+                f"speculative_config: the draft model {config.speculative.model!r} has a vocabulary of "
+                f"{vocab_size} tokens, the target's has {target_vocab_size}; a draft model must use the "
+                "target's tokenizer"
+            )
         check_same_tokenizer(self.model_config.path, target_path, config.speculative.model)
         self.architecture = architecture_of(self.hf_config)
         with torch.device(device), default_dtype(dtype):
@@ -92,8 +111,13 @@ class DraftModel:
         if device.type == "cpu":
             pack_linear_weights(model)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        log.info("loaded the draft model %s (%s, %d layers) for speculative decoding, k=%d", self.model_config.path,
-                 self.architecture, model.num_layers, self.k)
+        log.info(
+            "loaded the draft model %s (%s, %d layers) for speculative decoding, k=%d",
+            self.model_config.path,
+            self.architecture,
+            model.num_layers,
+            self.k,
+        )
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across the draft's layers, K and V: this rank's KV heads, as the target's count."""
@@ -116,8 +140,10 @@ class DraftModel:
         """Greedy drafts for each request: up to k tokens after `last_tokens[i]` (at `positions[i]`), fewer where its
         block table or the context ends sooner."""
         num = len(last_tokens)
-        limits = [max(0, min(self.k, len(blocks) * self.block_size - pos, self.max_model_len - pos))
-                  for blocks, pos in zip(block_ids, positions)]
+        limits = [
+            max(0, min(self.k, len(blocks) * self.block_size - pos, self.max_model_len - pos))
+            for blocks, pos in zip(block_ids, positions)
+        ]
         drafts: list[list[int]] = [[] for _ in range(num)]
         tokens = list(last_tokens)
         backend = attention_backend(self.device.type)
@@ -128,8 +154,15 @@ class DraftModel:
             tables = np.zeros((len(active), int(blocks_needed.max())), dtype=np.int64)
             for row, i in enumerate(active):
                 tables[row, : blocks_needed[row]] = block_ids[i][: blocks_needed[row]]
-            attn = build_attention_metadata(np.ones(len(active), dtype=np.int64), seq_lens, tables, self.block_size,
-                                            self.device, backend, sliding_windows=self.model.sliding_windows)
+            attn = build_attention_metadata(
+                np.ones(len(active), dtype=np.int64),
+                seq_lens,
+                tables,
+                self.block_size,
+                self.device,
+                backend,
+                sliding_windows=self.model.sliding_windows,
+            )
             input_ids = torch.tensor([tokens[i] for i in active], dtype=torch.long).to(self.device)
             pos = torch.from_numpy(seq_lens - 1).to(self.device)
             hidden = self.model(input_ids, pos, attn, self.kv_caches)
@@ -150,5 +183,7 @@ def check_same_tokenizer(draft_path: str, target_path: str, name: str) -> None:
         with open(file) as f:
             vocabs.append(json.load(f).get("model", {}).get("vocab"))
     if vocabs[0] != vocabs[1]:
-        raise ValueError(f"speculative_config: the draft model {name!r} has another tokenizer than the target's "
-                         "(tokenizer.json vocabularies differ); a draft model must use the target's tokenizer")
+        raise ValueError(
+            f"speculative_config: the draft model {name!r} has another tokenizer than the target's "
+            "(tokenizer.json vocabularies differ); a draft model must use the target's tokenizer"
+        )

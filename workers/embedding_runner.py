@@ -54,8 +54,11 @@ class EmbeddingRunner(Worker):
         super().load_model()
         model_cfg = self.config.model
         self.pooling = load_pooling_config(model_cfg.path, self.architecture, model_cfg.pooling, model_cfg.normalize)
-        log.info("embeddings: %s pooling, %s", self.pooling.mode,
-                 "L2-normalized" if self.pooling.normalize else "not normalized")
+        log.info(
+            "embeddings: %s pooling, %s",
+            self.pooling.mode,
+            "L2-normalized" if self.pooling.normalize else "not normalized",
+        )
         if not self.encoder:
             self._allocate_step_cache()
 
@@ -93,8 +96,12 @@ class EmbeddingRunner(Worker):
         self.kv_cache = PagedKVCache(self.model, None, num_blocks, self.block_size, self.dtype, self.device)
         # zeros: attention reads whole blocks and masks, and a masked NaN would still poison it
         self.kv_cache.zero_never_used(list(range(num_blocks)))
-        log.info("scratch KV for one %d-token step: %d blocks, %.1f MiB", max_tokens, num_blocks,
-                 num_blocks * self.kv_block_bytes() / 2**20)
+        log.info(
+            "scratch KV for one %d-token step: %d blocks, %.1f MiB",
+            max_tokens,
+            num_blocks,
+            num_blocks * self.kv_block_bytes() / 2**20,
+        )
 
     # ---------------------------------------------------------------- steps
 
@@ -102,8 +109,10 @@ class EmbeddingRunner(Worker):
     def execute(self, plan: StepPlan) -> StepResult:
         """Encode every request of the plan in one forward; rank 0 returns each one's pooled embedding."""
         if plan.running:
-            raise ValueError(f"an embedding instance got {len(plan.running)} running requests; "
-                             "embedding requests must be scheduled whole, in one step")
+            raise ValueError(
+                f"an embedding instance got {len(plan.running)} running requests; "
+                "embedding requests must be scheduled whole, in one step"
+            )
         requests = [new for new in plan.new_requests if new.num_scheduled_tokens > 0]
         for new in requests:
             _check_whole(new)
@@ -133,25 +142,31 @@ class EmbeddingRunner(Worker):
         first_block = np.cumsum(blocks_needed) - blocks_needed
         num_blocks = self.kv_caches[0][0].shape[0]
         if int(blocks_needed.sum()) > num_blocks:
-            raise ValueError(f"a step of {int(lengths.sum())} tokens in {len(lengths)} sequences does not fit the "
-                             f"scratch cache of {num_blocks} blocks (max_num_batched_tokens is "
-                             f"{self.config.scheduler.max_num_batched_tokens})")
+            raise ValueError(
+                f"a step of {int(lengths.sum())} tokens in {len(lengths)} sequences does not fit the "
+                f"scratch cache of {num_blocks} blocks (max_num_batched_tokens is "
+                f"{self.config.scheduler.max_num_batched_tokens})"
+            )
         columns = np.arange(int(blocks_needed.max()))
         block_tables = np.where(columns[None, :] < blocks_needed[:, None], first_block[:, None] + columns[None, :], 0)
-        return build_attention_metadata(lengths, lengths, block_tables, self.block_size, self.device,
-                                        attention_backend(self.device.type))
+        return build_attention_metadata(
+            lengths, lengths, block_tables, self.block_size, self.device, attention_backend(self.device.type)
+        )
 
 
 def _check_whole(new: NewRequestData) -> None:
     if new.task != "embed":
         raise ValueError(f"request {new.request_id} has task {new.task!r} on an embedding instance")
     if new.num_computed_tokens != 0 or new.num_scheduled_tokens != len(new.token_ids):
-        raise ValueError(f"embedding request {new.request_id} must run whole: {new.num_scheduled_tokens} of "
-                         f"{len(new.token_ids)} tokens scheduled from {new.num_computed_tokens}")
+        raise ValueError(
+            f"embedding request {new.request_id} must run whole: {new.num_scheduled_tokens} of "
+            f"{len(new.token_ids)} tokens scheduled from {new.num_computed_tokens}"
+        )
 
 
-def _decoder_body_weights(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
-                          ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def _decoder_body_weights(
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]],
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """A decoder checkpoint's tensors minus its LM head, under `model.` whether saved from *ForCausalLM or *Model."""
     for name, tensor in weights:
         if name.startswith("lm_head."):

@@ -40,13 +40,16 @@ def kv_block_bytes(model: PagedModel, block_size: int, dtype: torch.dtype) -> in
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
 
 
-def allocate_kv_caches(model: PagedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[KVCache]:
+def allocate_kv_caches(
+    model: PagedModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[KVCache]:
     """Per layer of `model` a K and a V cache of `model.kv_cache_shape`, zero-filled: writing every page now makes
     the whole pool resident at start (an overcommitted host fails here, not hours later as blocks are first used)."""
     shape = model.kv_cache_shape(num_blocks, block_size)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(model.num_layers)
+    ]
 
 
 def zero_kv_blocks(kv_caches: list[KVCache], block_ids: torch.Tensor) -> None:
@@ -64,8 +67,15 @@ class PagedKVCache:
     zeroing on first use keeps that true without touching the whole cache up front. Block 0 is zeroed at once: it
     pads block tables."""
 
-    def __init__(self, model: PagedModel, draft: DraftKV | None, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: PagedModel,
+        draft: DraftKV | None,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.layers = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
         self.draft = draft
         if draft is not None:

@@ -57,10 +57,14 @@ def kv_blocks_in_budget(memory: GpuMemory, utilization: float, block_bytes: int,
     budget = min(allowed - memory.peak - outside_torch - graphs, memory.free_now - activations - graphs)
     num_blocks = int(budget // block_bytes)
     kv_bytes = max(0, num_blocks) * block_bytes
-    gib = [n / 2**30 for n in (memory.total, allowed, memory.held_by_torch, activations, outside_torch, graphs,
-                               kv_bytes)]
-    log.info("GPU memory (GiB): %.2f total, %.2f allowed; weights and buffers %.2f, activations %.2f, "
-             "outside torch %.2f, decode graphs ~%.2f; KV cache %.2f", *gib)
+    gib = [
+        n / 2**30 for n in (memory.total, allowed, memory.held_by_torch, activations, outside_torch, graphs, kv_bytes)
+    ]
+    log.info(
+        "GPU memory (GiB): %.2f total, %.2f allowed; weights and buffers %.2f, activations %.2f, "
+        "outside torch %.2f, decode graphs ~%.2f; KV cache %.2f",
+        *gib,
+    )
     if num_blocks <= 0:
         raise RuntimeError(
             f"no GPU memory left for the KV cache: weights and activations take {memory.peak / 2**30:.2f} GiB, "

@@ -254,8 +254,10 @@ def _iter_gguf(file: str, keep_quantized: bool = False) -> Iterator[tuple[str, t
     block_types = {tensor.tensor_type.name for tensor in reader.tensors} - _GGUF_DENSE_TYPES
     dequantized_types = sorted(name for name in block_types if gguf.GGMLQuantizationType[name] not in kept)
     if keep_quantized and dequantized_types:
-        log.info("dequantizing GGUF tensors of type %s to float32 at load: the CPU kernels have no such type",
-                 ", ".join(dequantized_types))
+        log.info(
+            "dequantizing GGUF tensors of type %s to float32 at load: the CPU kernels have no such type",
+            ", ".join(dequantized_types),
+        )
     elif not keep_quantized and block_types:
         log.info("dequantizing the GGUF %s weights to float32 at load", ", ".join(sorted(block_types)))
 

@@ -44,9 +44,15 @@ def micro_batches(scheduled: Sequence[ScheduledRequest], num_stages: int) -> lis
     return groups
 
 
-def stage_forward(model: torch.nn.Module, pp: PipelineStage, input_ids: torch.Tensor, positions: torch.Tensor,
-                  attn: AttentionMetadata, kv_caches: Sequence[KVCache],
-                  intermediate: torch.Tensor | None = None) -> torch.Tensor:
+def stage_forward(
+    model: torch.nn.Module,
+    pp: PipelineStage,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn: AttentionMetadata,
+    kv_caches: Sequence[KVCache],
+    intermediate: torch.Tensor | None = None,
+) -> torch.Tensor:
     """This stage's layers over one (micro-)batch: final hidden states on the last stage, else `[2, T, H]`
     (hidden, residual) for the next. A first stage embeds `input_ids`; a later one starts from `intermediate`."""
     if pp.size == 1:
@@ -54,14 +60,22 @@ def stage_forward(model: torch.nn.Module, pp: PipelineStage, input_ids: torch.Te
         return hidden
     if not pp.is_first and intermediate is None:
         raise ValueError(f"pipeline stage {pp.rank} needs the previous stage's hidden states")
-    out = model(input_ids, positions, attn, kv_caches, None if intermediate is None else (intermediate[0],
-                                                                                          intermediate[1]))
+    out = model(
+        input_ids, positions, attn, kv_caches, None if intermediate is None else (intermediate[0], intermediate[1])
+    )
     return out if pp.is_last else torch.stack(out)
 
 
-def pipelined_forward(model: torch.nn.Module, pp: PipelineStage, tp: TensorParallel, kv_caches: Sequence[KVCache],
-                      scheduled: Sequence[ScheduledRequest], prepare: Callable[[Sequence[ScheduledRequest]], StepBatch],
-                      dtype: torch.dtype, hidden_size: int) -> tuple[StepBatch, torch.Tensor | None]:
+def pipelined_forward(
+    model: torch.nn.Module,
+    pp: PipelineStage,
+    tp: TensorParallel,
+    kv_caches: Sequence[KVCache],
+    scheduled: Sequence[ScheduledRequest],
+    prepare: Callable[[Sequence[ScheduledRequest]], StepBatch],
+    dtype: torch.dtype,
+    hidden_size: int,
+) -> tuple[StepBatch, torch.Tensor | None]:
     """(the step's batch, final hidden states) on the last stage; (the batch, None) on the others.
 
     `prepare` builds one micro-batch; the returned batch joins them (`join_step_batches`). `dtype` and
@@ -74,8 +88,9 @@ def pipelined_forward(model: torch.nn.Module, pp: PipelineStage, tp: TensorParal
     for index, batch in enumerate(batches):
         intermediate = None
         if not pp.is_first:
-            intermediate = torch.empty(2, batch.input_ids.shape[0], hidden_size, dtype=dtype,
-                                       device=batch.input_ids.device)
+            intermediate = torch.empty(
+                2, batch.input_ids.shape[0], hidden_size, dtype=dtype, device=batch.input_ids.device
+            )
             dist.recv(intermediate, src=previous_rank, tag=index)
         out = stage_forward(model, pp, batch.input_ids, batch.positions, batch.attn, kv_caches, intermediate)
         if pp.is_last:
@@ -87,4 +102,3 @@ def pipelined_forward(model: torch.nn.Module, pp: PipelineStage, tp: TensorParal
         if work is not None:  # None: this rank is not in the group (never, with the default group)
             work.wait()
     return join_step_batches(batches), (torch.cat(outputs) if pp.is_last else None)
-

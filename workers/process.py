@@ -41,11 +41,21 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
         num_blocks = runner.num_kv_blocks_for_budget()
         runner.allocate_kv_cache(num_blocks)
         runner.capture_cuda_graphs()
-        results.send(encode(WorkerReady(
-            rank=rank, num_kv_blocks=num_blocks, weight_bytes=runner.weight_bytes, device=str(runner.device),
-            dtype=str(runner.dtype).removeprefix("torch."), architecture=runner.architecture,
-            eos_token_ids=list(runner.eos_token_ids), vocab_size=runner.vocab_size,
-            sliding_window=runner.kv_sliding_window)))
+        results.send(
+            encode(
+                WorkerReady(
+                    rank=rank,
+                    num_kv_blocks=num_blocks,
+                    weight_bytes=runner.weight_bytes,
+                    device=str(runner.device),
+                    dtype=str(runner.dtype).removeprefix("torch."),
+                    architecture=runner.architecture,
+                    eos_token_ids=list(runner.eos_token_ids),
+                    vocab_size=runner.vocab_size,
+                    sliding_window=runner.kv_sliding_window,
+                )
+            )
+        )
         commands = decoder(WorkerCommand)
         while True:
             command = decode_or_drop(commands, plans.recv(), log, "the scheduler")

@@ -54,8 +54,10 @@ def prompt_logprobs_state(new: NewRequestData) -> PromptLogprobsState | None:
     if len(new.token_ids) > new.num_prompt_tokens:
         return None  # resumed after preemption with outputs: its prompt logprobs went out with the first one
     if new.num_computed_tokens > 0:
-        raise ValueError(f"request {new.request_id} asks for prompt logprobs but {new.num_computed_tokens} of its "
-                         f"prompt tokens come from the prefix cache, which has no hidden states for them")
+        raise ValueError(
+            f"request {new.request_id} asks for prompt logprobs but {new.num_computed_tokens} of its "
+            f"prompt tokens come from the prefix cache, which has no hidden states for them"
+        )
     return PromptLogprobsState(new.sampling.prompt_logprobs, new.num_prompt_tokens)
 
 
@@ -89,8 +91,13 @@ def prompt_rows(scheduled: Sequence[tuple[Any, int, int]]) -> PromptRows | None:
     return found
 
 
-def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                            rows: PromptRows, rank: int, max_rows: int) -> dict[str, PromptLogprobs] | None:
+def compute_prompt_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    rows: PromptRows,
+    rank: int,
+    max_rows: int,
+) -> dict[str, PromptLogprobs] | None:
     """Run the LM head over `rows` of `hidden` (at most `max_rows` at a time, bounding the [rows, vocab] tensors) and
     add each row's entry to its request's state. Every tensor-parallel rank must call this (the vocab-parallel LM head
     gathers across them); rank 0 alone scores the rows, and returns the packed rows of the prompts completed this
@@ -131,6 +138,12 @@ def _score(logits: torch.Tensor, targets: torch.Tensor, owners: Sequence[PromptL
         while end < len(owners) and owners[end] is state:
             end += 1
         rows = table[start:end]
-        state.chunks.append((rows[:, 0].astype(np.float32), rows[:, 1].astype(np.int32),
-                             rows[:, 2:2 + k].astype(np.int32), rows[:, 2 + num_top:2 + num_top + k].astype(np.float32)))
+        state.chunks.append(
+            (
+                rows[:, 0].astype(np.float32),
+                rows[:, 1].astype(np.int32),
+                rows[:, 2 : 2 + k].astype(np.int32),
+                rows[:, 2 + num_top : 2 + num_top + k].astype(np.float32),
+            )
+        )
         start = end

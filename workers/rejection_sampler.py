@@ -44,8 +44,9 @@ class _DraftPositionState:
         self.needs_penalties = False
 
 
-def verify_point_mass_drafts(logits: torch.Tensor, states: Sequence[RequestSamplingState],
-                             drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+def verify_point_mass_drafts(
+    logits: torch.Tensor, states: Sequence[RequestSamplingState], drafts: Sequence[Sequence[int]]
+) -> list[list[int]]:
     """Per request, the tokens the step produced: its accepted drafts, then one sampled token (1 to len(draft) + 1).
 
     `logits` has len(drafts[r]) + 1 consecutive rows per request r, in order: the rows at its last known token and
@@ -69,8 +70,13 @@ def verify_point_mass_drafts(logits: torch.Tensor, states: Sequence[RequestSampl
     return tokens
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_token_ids: Sequence[int],
-                     seed: int | None = None, position: int = 0) -> list[int]:
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_token_ids: Sequence[int],
+    seed: int | None = None,
+    position: int = 0,
+) -> list[int]:
     """One request's verification against a proposal distribution: its accepted drafts, then one more token.
 
     target_probs [k + 1, V]: the target's (processed: temperature, top-k/p, min-p) distribution at the last known
@@ -80,8 +86,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     """
     num_drafts = len(draft_token_ids)
     if target_probs.shape[0] != num_drafts + 1 or draft_probs.shape[0] != num_drafts:
-        raise ValueError(f"{num_drafts} drafts need {num_drafts + 1} target rows and {num_drafts} draft rows, got "
-                         f"{target_probs.shape[0]} and {draft_probs.shape[0]}")
+        raise ValueError(
+            f"{num_drafts} drafts need {num_drafts + 1} target rows and {num_drafts} draft rows, got "
+            f"{target_probs.shape[0]} and {draft_probs.shape[0]}"
+        )
     target_probs = target_probs.double()
     draft_probs = draft_probs.double()
     generator = None

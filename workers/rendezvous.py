@@ -23,10 +23,18 @@ def listen_on(host: str, port: int) -> int:
     return listener.detach()  # the store closes it; the Python object must not on garbage collection
 
 
-def rendezvous_store(host: str, port: int, rank: int, world_size: int,
-                     timeout: datetime.timedelta = RENDEZVOUS_TIMEOUT) -> dist.TCPStore:
+def rendezvous_store(
+    host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta = RENDEZVOUS_TIMEOUT
+) -> dist.TCPStore:
     """The store every rank joins: rank 0 serves it on host:port only, the others connect to it."""
     if rank == 0:
-        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=listen_on(host, port))
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listen_on(host, port),
+        )
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)

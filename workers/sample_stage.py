@@ -39,8 +39,14 @@ class SampledTokens:
 class SampleStage:
     """Logits to tokens for one worker; `run` is the whole stage."""
 
-    def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor], rank: int, tp: TensorParallel,
-                 device: torch.device, draft: DraftModel | None) -> None:
+    def __init__(
+        self,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        rank: int,
+        tp: TensorParallel,
+        device: torch.device,
+        draft: DraftModel | None,
+    ) -> None:
         self.compute_logits = compute_logits
         self.rank = rank
         self.tp = tp
@@ -61,8 +67,12 @@ class SampleStage:
     def _choose_tokens(self, plan: StepPlan, batch: StepBatch, logits: torch.Tensor) -> SampledTokens:
         """Grammar mask, then verify the drafts (speculative decoding) or sample one token per request."""
         if plan.grammar_request_ids:
-            logits = apply_grammar_bitmask(logits, [request.request_id for request in batch.sampled_requests],
-                                           plan.grammar_request_ids, plan.grammar_bitmask)
+            logits = apply_grammar_bitmask(
+                logits,
+                [request.request_id for request in batch.sampled_requests],
+                plan.grammar_request_ids,
+                plan.grammar_bitmask,
+            )
         states = sampling_states(batch.sampled_requests)
         if batch.drafts is not None:  # verify every draft in the rows after its request's
             accepted = verify_point_mass_drafts(logits, states, batch.drafts)
@@ -72,8 +82,9 @@ class SampleStage:
         result = sample(logits, states)
         for state, token_id in zip(states, result.token_ids):
             state.output_token_ids.append(token_id)
-        return SampledTokens([[token_id] for token_id in result.token_ids], verified_drafts=False,
-                             logprobs=result.logprobs)
+        return SampledTokens(
+            [[token_id] for token_id in result.token_ids], verified_drafts=False, logprobs=result.logprobs
+        )
 
     def propose_drafts(self, requests: list[CachedRequest], sampled: SampledTokens | None) -> list[list[int]] | None:
         """With a draft model, its proposals after each request's new tokens (they reach the request's token list

@@ -144,9 +144,7 @@ def process_logits(logits: torch.Tensor, states: Sequence[RequestSamplingState])
     return logits
 
 
-def _apply_penalties(
-    logits: torch.Tensor, states: Sequence[RequestSamplingState], rows: list[int]
-) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, states: Sequence[RequestSamplingState], rows: list[int]) -> torch.Tensor:
     """Repetition (prompt + output tokens), frequency and presence (output tokens) penalties on `rows` of `logits`."""
     num_rows, vocab_size = logits.shape
     device = logits.device

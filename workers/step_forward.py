@@ -24,23 +24,30 @@ PrepareInputs = Callable[[Sequence[ScheduledRequest]], StepBatch]
 
 
 class StepForward(Protocol):
-    def __call__(self, scheduled: Sequence[ScheduledRequest],
-                 prepare: PrepareInputs) -> tuple[StepBatch, torch.Tensor | None]: ...
+    def __call__(
+        self, scheduled: Sequence[ScheduledRequest], prepare: PrepareInputs
+    ) -> tuple[StepBatch, torch.Tensor | None]: ...
 
 
 class SingleStageForward:
     """The whole model on this rank: a captured decode graph when one fits the batch, else eagerly; a draft model
     then fills its KV for the same tokens."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, draft: DraftModel | None,
-                 graphs: DecodeGraphs | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        draft: DraftModel | None,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.draft = draft
         self.graphs = graphs
 
-    def __call__(self, scheduled: Sequence[ScheduledRequest],
-                 prepare: PrepareInputs) -> tuple[StepBatch, torch.Tensor | None]:
+    def __call__(
+        self, scheduled: Sequence[ScheduledRequest], prepare: PrepareInputs
+    ) -> tuple[StepBatch, torch.Tensor | None]:
         batch = prepare(scheduled)
         if self.graphs is not None and self.graphs.can_run(batch.attn):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
@@ -54,8 +61,15 @@ class SingleStageForward:
 class PipelinedStageForward:
     """This stage's layers over the step's micro-batches (`workers/pipeline_parallel.py`)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, pp: PipelineStage, tp: TensorParallel,
-                 dtype: torch.dtype, hidden_size: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        pp: PipelineStage,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        hidden_size: int,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.pp = pp
@@ -63,7 +77,9 @@ class PipelinedStageForward:
         self.dtype = dtype
         self.hidden_size = hidden_size
 
-    def __call__(self, scheduled: Sequence[ScheduledRequest],
-                 prepare: PrepareInputs) -> tuple[StepBatch, torch.Tensor | None]:
-        return pipelined_forward(self.model, self.pp, self.tp, self.kv_cache.layers, scheduled, prepare, self.dtype,
-                                 self.hidden_size)
+    def __call__(
+        self, scheduled: Sequence[ScheduledRequest], prepare: PrepareInputs
+    ) -> tuple[StepBatch, torch.Tensor | None]:
+        return pipelined_forward(
+            self.model, self.pp, self.tp, self.kv_cache.layers, scheduled, prepare, self.dtype, self.hidden_size
+        )

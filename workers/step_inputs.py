@@ -71,23 +71,34 @@ class InputPreparer:
         return StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
             positions=torch.from_numpy(token_positions(query_lens, seq_lens)).to(device),
-            attn=build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, device, self.backend,
-                                          self.decode_chunk_tokens, self.sliding_windows),
+            attn=build_attention_metadata(
+                query_lens,
+                seq_lens,
+                block_tables,
+                self.block_size,
+                device,
+                self.backend,
+                self.decode_chunk_tokens,
+                self.sliding_windows,
+            ),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long).to(device),
             sampled_requests=sampled_requests,
             drafts=sampled_drafts if drafts else None,
         )
 
 
-def _check_schedulable(request: CachedRequest, start: int, num_tokens: int, drafts: list[int],
-                       blocks_needed: int) -> int:
+def _check_schedulable(
+    request: CachedRequest, start: int, num_tokens: int, drafts: list[int], blocks_needed: int
+) -> int:
     """The tokens `request` knows this step (its own and its drafts); raises when the plan asks for more than that,
     for drafts not at its end, or for more blocks than it holds."""
     end = start + num_tokens
     known = len(request.token_ids) + len(drafts)
     if end > known or (drafts and end != known) or blocks_needed > len(request.block_ids):
-        raise ValueError(f"request {request.request_id}: {num_tokens} tokens scheduled from {start} but it knows "
-                         f"{known} tokens and {len(request.block_ids)} blocks")
+        raise ValueError(
+            f"request {request.request_id}: {num_tokens} tokens scheduled from {start} but it knows "
+            f"{known} tokens and {len(request.block_ids)} blocks"
+        )
     return known
 
 

@@ -45,15 +45,21 @@ def device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_num_splits(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device,
-                      sliding_window: int | None) -> int:
+def decode_num_splits(
+    metadata: AttentionMetadata, num_kv_heads: int, device: torch.device, sliding_window: int | None
+) -> int:
     """The split-KV decode kernel's split count for a decode-only step, from host values only (graph-safe)."""
     visible = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
     return choose_num_splits(int(metadata.seq_lens.shape[0]), num_kv_heads, visible, device_sm_count(device))
 
 
-def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           metadata: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    layer: AttentionLayer,
+) -> torch.Tensor:
     """Attention of query `[T, Hq, D]` over the paged cache (already holding this step's K/V); returns `[T, Hq, D]`.
 
     With a sliding window, a query at position p sees keys p - window < k <= p (the kernels start at the window).
@@ -61,17 +67,40 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if metadata.is_decode_only:
         return decode_attention(query, k_cache, v_cache, metadata, layer)
     return paged_attention_prefill(
-        query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, layer.scale,
-        layer.sliding_window, layer.k_scale, layer.v_scale,
+        query,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        layer.scale,
+        layer.sliding_window,
+        layer.k_scale,
+        layer.v_scale,
     )
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-                     layer: AttentionLayer) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    layer: AttentionLayer,
+) -> torch.Tensor:
     """A decode-only step's attention: the one call into the split-KV decode kernel (`kernels/split_kv_decode.py`)."""
     num_splits = decode_num_splits(metadata, k_cache.shape[2], query.device, layer.sliding_window)
-    return split_kv_decode(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, layer.scale, num_splits,
-                           layer.sliding_window, layer.k_scale, layer.v_scale)
+    return split_kv_decode(
+        query,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        layer.scale,
+        num_splits,
+        layer.sliding_window,
+        layer.k_scale,
+        layer.v_scale,
+    )
 
 
 class TritonAttentionBackend:
@@ -83,8 +112,15 @@ class TritonAttentionBackend:
     def prepare(self, step: StepShape) -> AttentionMetadata:
         return common_metadata(step, self)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
-                layer: AttentionLayer, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        layer: AttentionLayer,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, layer.k_scale, layer.v_scale)
         return paged_attention_triton(query, k_cache, v_cache, metadata, layer)

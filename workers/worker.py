@@ -96,11 +96,24 @@ class Worker:
         self.eos_token_ids = read_eos_token_ids(model_cfg.path, self.hf_config)
         self.requests = RequestStates(self.eos_token_ids, self.device)
         if self.config.speculative.method == "draft_model":
-            self.draft = DraftModel(self.config, self.device, self.dtype, self.kv_cache_dtype, self.max_model_len(),
-                                    self.vocab_size, model_cfg.path, self.tp)
-        log.info("loaded %s (%s, %.1f MiB of weights on %s) in %.1f s", self.architecture,
-                 str(self.dtype).removeprefix("torch."), self.weight_bytes / 2**20, self.device,
-                 time.perf_counter() - started)
+            self.draft = DraftModel(
+                self.config,
+                self.device,
+                self.dtype,
+                self.kv_cache_dtype,
+                self.max_model_len(),
+                self.vocab_size,
+                model_cfg.path,
+                self.tp,
+            )
+        log.info(
+            "loaded %s (%s, %.1f MiB of weights on %s) in %.1f s",
+            self.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.weight_bytes / 2**20,
+            self.device,
+            time.perf_counter() - started,
+        )
 
     def build_model(self) -> Any:
         """The model (a PagedCausalLM; an encoder in embedding instances) with uninitialised weights, on the current
@@ -118,8 +131,9 @@ class Worker:
             return iter_weights(self.config.model, self.device)
         num_layers = self.text_config.num_hidden_layers
         tied = bool(getattr(self.text_config, "tie_word_embeddings", False))  # absent: untied, as transformers
-        return iter_weights(self.config.model, self.device,
-                            wanted=lambda name: self.pp.weight_name(name, num_layers, tied) is not None)
+        return iter_weights(
+            self.config.model, self.device, wanted=lambda name: self.pp.weight_name(name, num_layers, tied) is not None
+        )
 
     @property
     def text_config(self) -> Any:
@@ -197,8 +211,7 @@ class Worker:
         if self._uses_cuda_graphs():  # the graphs' pool: their largest batch's share of the profiled step
             sched = self.config.scheduler
             graph_share = min(1.0, graph_batch_sizes(sched.max_num_seqs)[-1] / sched.max_num_batched_tokens)
-        return kv_blocks_in_budget(memory, self.config.cache.gpu_memory_utilization, self.kv_block_bytes(),
-                                   graph_share)
+        return kv_blocks_in_budget(memory, self.config.cache.gpu_memory_utilization, self.kv_block_bytes(), graph_share)
 
     def _profile_peak_memory(self) -> int:
         """Bytes this process holds at the peak of a worst-case step (max_num_batched_tokens tokens), KV excluded."""
@@ -208,15 +221,22 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.allocate_kv_cache(step.num_blocks)
         dummy_kv_bytes = step.num_blocks * self.kv_block_bytes()
-        attn = build_attention_metadata(step.seq_lens, step.seq_lens, step.block_tables, self.block_size,
-                                        self.device, attention_backend(self.device.type))
+        attn = build_attention_metadata(
+            step.seq_lens,
+            step.seq_lens,
+            step.block_tables,
+            self.block_size,
+            self.device,
+            attention_backend(self.device.type),
+        )
         num_tokens = int(step.seq_lens.sum())
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.from_numpy(token_positions(step.seq_lens, step.seq_lens)).to(self.device)
         intermediate = None
         if not self.pp.is_first:  # a later stage starts from zeros instead of the previous stage's hidden states
-            intermediate = torch.zeros(2, num_tokens, self.text_config.hidden_size, dtype=self.dtype,
-                                       device=self.device)
+            intermediate = torch.zeros(
+                2, num_tokens, self.text_config.hidden_size, dtype=self.dtype, device=self.device
+            )
         with torch.inference_mode():
             hidden = stage_forward(self.model, self.pp, input_ids, positions, attn, self.kv_caches, intermediate)
             if self.pp.is_last:
@@ -234,18 +254,28 @@ class Worker:
         """Per layer a K and a V cache `[num_blocks, block_size, num_kv_heads, head_dim]` (`workers/kv_cache.py`),
         and the forward that runs over them."""
         check_kv_cache_device(self.kv_cache_dtype, self.device)
-        self.kv_cache = PagedKVCache(self.model, self.draft, num_blocks, self.block_size, self.kv_cache_dtype,
-                                     self.device)
+        self.kv_cache = PagedKVCache(
+            self.model, self.draft, num_blocks, self.block_size, self.kv_cache_dtype, self.device
+        )
         self.decode_graphs = None
         self.forward = self._choose_forward()
-        self.inputs = InputPreparer(self.block_size, self.device, attention_backend(self.device.type),
-                                    self.decode_chunk_tokens(), self._sliding_windows())
+        self.inputs = InputPreparer(
+            self.block_size,
+            self.device,
+            attention_backend(self.device.type),
+            self.decode_chunk_tokens(),
+            self._sliding_windows(),
+        )
         self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
 
     def _uses_cuda_graphs(self) -> bool:
         model_cfg = self.config.model
-        return (self.device.type == "cuda" and not model_cfg.enforce_eager and model_cfg.task != "embed"
-                and self.pp.size == 1)
+        return (
+            self.device.type == "cuda"
+            and not model_cfg.enforce_eager
+            and model_cfg.task != "embed"
+            and self.pp.size == 1
+        )
 
     def capture_cuda_graphs(self) -> None:
         """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager)."""
@@ -256,19 +286,31 @@ class Worker:
         free_before, _ = torch.cuda.mem_get_info(self.device)
         started = time.perf_counter()
         with torch.inference_mode():
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sizes, max_blocks_per_seq, self.block_size,
-                                              self.device, cuda_graph_capture(self.device))
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                sizes,
+                max_blocks_per_seq,
+                self.block_size,
+                self.device,
+                cuda_graph_capture(self.device),
+            )
         self.forward = self._choose_forward()
         free_after, _ = torch.cuda.mem_get_info(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s (%.2f GiB); --enforce-eager turns them off",
-                 sizes, time.perf_counter() - started, (free_before - free_after) / 2**30)
+        log.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1f s (%.2f GiB); --enforce-eager turns them off",
+            sizes,
+            time.perf_counter() - started,
+            (free_before - free_after) / 2**30,
+        )
 
     def _choose_forward(self) -> StepForward:
         """Pipelined with pipeline stages; else the whole model here, replaying decode graphs once captured."""
         assert self.kv_cache is not None
         if self.pp.size > 1:
-            return PipelinedStageForward(self.model, self.kv_cache, self.pp, self.tp, self.dtype,
-                                         int(self.text_config.hidden_size))
+            return PipelinedStageForward(
+                self.model, self.kv_cache, self.pp, self.tp, self.dtype, int(self.text_config.hidden_size)
+            )
         return SingleStageForward(self.model, self.kv_cache, self.draft, self.decode_graphs)
 
     # ---------------------------------------------------------------- steps
@@ -286,20 +328,27 @@ class Worker:
             return step_result(plan.step_id, [], None, None, time.perf_counter() - started)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         sampled = self.sampler.run(plan, batch, hidden)
-        return step_result(plan.step_id, batch.sampled_requests, sampled, prompt_logprobs,
-                           time.perf_counter() - started)
+        return step_result(
+            plan.step_id, batch.sampled_requests, sampled, prompt_logprobs, time.perf_counter() - started
+        )
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> PromptLogprobs | None:
         """Every rank: the LM head over the prompt positions that ask for logprobs; rank 0's completed entries."""
         rows = prompt_rows(scheduled)
         if rows is None:
             return None
-        return compute_prompt_logprobs(self.model.compute_logits, hidden, rows, self.tp.rank,
-                                       max(8, self.config.scheduler.max_num_seqs // 2))
+        return compute_prompt_logprobs(
+            self.model.compute_logits, hidden, rows, self.tp.rank, max(8, self.config.scheduler.max_num_seqs // 2)
+        )
 
 
-def step_result(step_id: int, requests: list[CachedRequest], sampled: SampledTokens | None,
-                prompt_logprobs: PromptLogprobs | None, model_time_s: float) -> StepResult:
+def step_result(
+    step_id: int,
+    requests: list[CachedRequest],
+    sampled: SampledTokens | None,
+    prompt_logprobs: PromptLogprobs | None,
+    model_time_s: float,
+) -> StepResult:
     """The one place a generation step's StepResult is built: empty where this rank sampled nothing."""
     if sampled is None:
         return StepResult(step_id, [], [], model_time_s=model_time_s)

@@ -25,8 +25,15 @@ of a forced tool_choice are read by `NamedToolCallParser` and `RequiredToolCalls
 
 from __future__ import annotations
 
-from tokenmill.frontend.tool_parsers.base import (ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolParser,
-                                                  fold, random_tool_call_id)
+from tokenmill.frontend.tool_parsers.base import (
+    ExtractedToolCalls,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    fold,
+    random_tool_call_id,
+)
 from tokenmill.frontend.tool_parsers.forced import NamedToolCallParser, RequiredToolCallsParser
 from tokenmill.frontend.tool_parsers.hermes import HermesToolParser
 from tokenmill.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -50,6 +57,17 @@ def get_tool_parser(name: str) -> type[ToolParser]:
         raise KeyError(f"unknown tool-call parser {name!r} (choose from {', '.join(tool_parser_names())})") from None
 
 
-__all__ = ["ExtractedToolCalls", "NamedToolCallParser", "RequiredToolCallsParser", "StreamDelta", "TOOL_PARSERS",
-           "ToolCall", "ToolCallDelta", "ToolParser", "fold", "get_tool_parser", "random_tool_call_id",
-           "tool_parser_names"]
+__all__ = [
+    "ExtractedToolCalls",
+    "NamedToolCallParser",
+    "RequiredToolCallsParser",
+    "StreamDelta",
+    "TOOL_PARSERS",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "fold",
+    "get_tool_parser",
+    "random_tool_call_id",
+    "tool_parser_names",
+]

@@ -178,13 +178,13 @@ class ToolParser:
         at = buffer.find(marker)
         if at < 0:
             keep = held_prefix(buffer, marker)
-            self._text(buffer[:len(buffer) - keep])
-            self._pending = buffer[len(buffer) - keep:]
+            self._text(buffer[: len(buffer) - keep])
+            self._pending = buffer[len(buffer) - keep :]
             return None
         self._text(buffer[:at])
         self._ws = ""
         self._hold(marker)
-        return buffer[at + len(marker):]
+        return buffer[at + len(marker) :]
 
     def _text(self, text: str) -> None:
         """Text outside calls is content: all of it before the first call; after one, whitespace waits for other
@@ -195,7 +195,7 @@ class ToolParser:
         text = self._ws + text
         body = text.rstrip(WHITESPACE)
         self._content(body)
-        self._ws = text[len(body):]
+        self._ws = text[len(body) :]
 
     def _end_text(self) -> None:
         """The output ended outside a call: release what was held back."""
@@ -221,7 +221,7 @@ class ToolParser:
             self._committed = True
             self._sent = len(scanner.args_raw)
         elif self._committed:
-            self._arguments(scanner.args_raw[self._sent:])
+            self._arguments(scanner.args_raw[self._sent :])
             self._sent = len(scanner.args_raw)
         if scanner.error:
             return taken, "broken"

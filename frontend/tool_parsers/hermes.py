@@ -45,9 +45,9 @@ class HermesToolParser(ToolParser):
             stripped = self._close.lstrip(WHITESPACE)
             if stripped == END:
                 self._mode, self._close = "text", ""
-                return text[i + 1:]
+                return text[i + 1 :]
             if stripped and not END.startswith(stripped):
-                self._break(self._close + text[i + 1:])
+                self._break(self._close + text[i + 1 :])
                 return ""
         return ""
 

@@ -38,11 +38,11 @@ class Llama3JsonToolParser(ToolParser):
                 return
 
     def _lead_state(self, lead: str) -> str:
-        """"call" when `lead` ends with the `{` opening a call, "more" while it may still lead to one, else "no"."""
+        """ "call" when `lead` ends with the `{` opening a call, "more" while it may still lead to one, else "no"."""
         body = lead.lstrip(WHITESPACE)
         if not self.num_calls:
             if body.startswith(PYTHON_TAG):
-                body = body[len(PYTHON_TAG):].lstrip(WHITESPACE)
+                body = body[len(PYTHON_TAG) :].lstrip(WHITESPACE)
             elif PYTHON_TAG.startswith(body):
                 return "more"
         if not body:
@@ -73,7 +73,7 @@ class Llama3JsonToolParser(ToolParser):
             elif char == ";":
                 self._ws = ""
                 self._mode = "lead"
-                return text[i + 1:]
+                return text[i + 1 :]
             else:
                 self._mode = "trailing"
                 return text[i:]

@@ -129,9 +129,9 @@ class MistralToolParser(ToolParser):
             self._hold(char)
             if self._args_marker == ARGS_MARKER:
                 self._mode = "args_start"
-                return text[i + 1:]
+                return text[i + 1 :]
             if not ARGS_MARKER.startswith(self._args_marker):
-                self._break(text[i + 1:])
+                self._break(text[i + 1 :])
                 return ""
         return ""
 

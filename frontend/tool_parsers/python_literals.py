@@ -141,8 +141,11 @@ class LiteralToJson:
                 self.state = "colon"
                 return
             return self._value_done(json.dumps(value, ensure_ascii=False), out)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                (isinstance(value, float) and not math.isfinite(value)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value))
+        ):
             self.error = True
             return
         self._value_done(json.dumps(value), out)

@@ -127,7 +127,7 @@ class CallObjectScanner:
             if taken == 0:
                 self.error = True
                 break
-            self.raw.append(text[consumed:consumed + taken])
+            self.raw.append(text[consumed : consumed + taken])
             consumed += taken
         return consumed
 
@@ -150,7 +150,7 @@ class CallObjectScanner:
             return 0
         if state == "key":
             end = _string_end(text, at, self.key_raw)
-            self.key_raw += text[at:end if end >= 0 else len(text)]
+            self.key_raw += text[at : end if end >= 0 else len(text)]
             if end < 0:
                 return len(text) - at
             return end - at if self._key_done() else 0
@@ -201,7 +201,7 @@ class CallObjectScanner:
     def _take_value(self, text: str, at: int) -> int:
         if self.state == "name":
             end = _string_end(text, at, self.name_raw)
-            self.name_raw += text[at:end if end >= 0 else len(text)]
+            self.name_raw += text[at : end if end >= 0 else len(text)]
             if end < 0:
                 return len(text) - at
             try:
@@ -213,7 +213,7 @@ class CallObjectScanner:
         value = self.value
         taken = value.feed(text[at:])
         if self.key == self.args_key:
-            self.args_raw += text[at:at + taken]
+            self.args_raw += text[at : at + taken]
         if value.error:
             return 0
         if value.done:

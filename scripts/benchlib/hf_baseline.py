@@ -51,8 +51,8 @@ def left_padded_batch(requests: list[BenchRequest], pad_id: int) -> tuple[torch.
     input_ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(requests), width), dtype=torch.long)
     for row, request in enumerate(requests):
-        input_ids[row, width - request.input_len:] = torch.tensor(request.prompt_ids)
-        attention_mask[row, width - request.input_len:] = 1
+        input_ids[row, width - request.input_len :] = torch.tensor(request.prompt_ids)
+        attention_mask[row, width - request.input_len :] = 1
     return input_ids, attention_mask
 
 
@@ -61,8 +61,14 @@ def generate_batch(model, requests: list[BenchRequest], pad_id: int) -> int:
     """Run one static batch to its longest max_tokens; returns the tokens generated per row."""
     input_ids, attention_mask = (t.to(model.device) for t in left_padded_batch(requests, pad_id))
     new_tokens = max(r.output_len for r in requests)
-    out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, pad_token_id=pad_id)
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=pad_id,
+    )
     generated = out.shape[1] - input_ids.shape[1]
     if generated != new_tokens:
         raise RuntimeError(f"transformers generated {generated} tokens where {new_tokens} were asked for")
@@ -70,12 +76,13 @@ def generate_batch(model, requests: list[BenchRequest], pad_id: int) -> int:
 
 
 def run_static_batches(model, requests: list[BenchRequest], batch_size: int, pad_id: int) -> BaselineRun:
-    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     generate_batch(model, [BenchRequest(requests[0].prompt_ids[:16], 2)], pad_id)  # warm-up
     generated = 0
     started = time.perf_counter()
     for batch in tqdm(batches, desc="transformers batches", dynamic_ncols=True):
         generated += generate_batch(model, batch, pad_id) * len(batch)
     elapsed = time.perf_counter() - started
-    return BaselineRun(elapsed, len(requests), sum(r.input_len for r in requests),
-                       sum(r.output_len for r in requests), generated)
+    return BaselineRun(
+        elapsed, len(requests), sum(r.input_len for r in requests), sum(r.output_len for r in requests), generated
+    )

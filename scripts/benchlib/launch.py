@@ -46,7 +46,8 @@ def launched_server(serve_args: list[str], log_path: Path) -> Iterator[str]:
                     raise RuntimeError(f"tokenmill serve exited with code {proc.returncode}; see {log_path}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"tokenmill serve was not healthy after {STARTUP_TIMEOUT_S:.0f} s; see {log_path}")
+                        f"tokenmill serve was not healthy after {STARTUP_TIMEOUT_S:.0f} s; see {log_path}"
+                    )
                 time.sleep(0.5)
             yield url
         finally:

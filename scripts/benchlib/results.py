@@ -34,6 +34,7 @@ def save_json(folder: Path, data: dict, file_name: str = "results.json") -> Path
 
 def args_as_json(args: argparse.Namespace) -> dict:
     """Parsed arguments as strict-JSON values: ranges and infinite rates become strings."""
+
     def plain(value):
         if isinstance(value, float) and not math.isfinite(value):
             return str(value)

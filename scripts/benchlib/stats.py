@@ -15,8 +15,13 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
         return {"count": 0, "mean": float("nan"), "median": float("nan"), "p90": float("nan"), "p99": float("nan")}
     array = np.asarray(values, dtype=np.float64) * scale
     p50, p90, p99 = np.percentile(array, PERCENTILES)
-    return {"count": int(array.size), "mean": float(array.mean()), "median": float(p50), "p90": float(p90),
-            "p99": float(p99)}
+    return {
+        "count": int(array.size),
+        "mean": float(array.mean()),
+        "median": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+    }
 
 
 def format_table(title: str, rows: list[tuple[str, str]]) -> str:
@@ -29,5 +34,7 @@ def format_table(title: str, rows: list[tuple[str, str]]) -> str:
 
 
 def latency_rows(name: str, summary: dict[str, float], unit: str = "ms") -> list[tuple[str, str]]:
-    return [(f"{label} {name} ({unit}):", f"{summary[key]:.2f}")
-            for label, key in (("Mean", "mean"), ("Median", "median"), ("P90", "p90"), ("P99", "p99"))]
+    return [
+        (f"{label} {name} ({unit}):", f"{summary[key]:.2f}")
+        for label, key in (("Mean", "mean"), ("Median", "median"), ("P90", "p90"), ("P99", "p99"))
+    ]

@@ -59,9 +59,15 @@ class StepRecorder:
 
     def __call__(self, message: StepOutputs) -> None:
         outputs = [o for o in message.outputs if o.new_token_ids or o.finish_reason]
-        self.records.append(StepRecord(time.perf_counter(), [o.request_id for o in outputs],
-                                       sum(len(o.new_token_ids) for o in outputs),
-                                       [o.request_id for o in outputs if o.finish_reason], message.stats))
+        self.records.append(
+            StepRecord(
+                time.perf_counter(),
+                [o.request_id for o in outputs],
+                sum(len(o.new_token_ids) for o in outputs),
+                [o.request_id for o in outputs if o.finish_reason],
+                message.stats,
+            )
+        )
 
     def tpots_s(self) -> list[float]:
         """Per request: (last token time - first token time) / (tokens - 1), for requests with 2+ tokens."""
@@ -88,9 +94,9 @@ class StepRecorder:
                 break
         if start_index is None:
             raise ValueError("not every request produced a token")
-        window = self.records[start_index + 1:]
+        window = self.records[start_index + 1 :]
         finished_at = next((i for i, r in enumerate(window) if r.finished_ids), len(window) - 1)
-        window = window[:finished_at + 1]
+        window = window[: finished_at + 1]
         if any(set(r.request_ids) != request_ids for r in window):
             raise ValueError("a step in the decode window did not decode every request once")
         if len(window) < 2:
@@ -100,6 +106,11 @@ class StepRecorder:
         if stats_steps == 0:
             raise WindowTooShort("no scheduler stats arrived inside the decode window; ask for more output tokens")
         wall = (window[-1].arrival_s - self.records[start_index].arrival_s) / len(window)
-        return DecodeWindow(len(request_ids), len(window), wall, stats_steps,
-                            sum(s.step_time_s for s in reports) / stats_steps,
-                            sum(s.model_time_s for s in reports) / stats_steps)
+        return DecodeWindow(
+            len(request_ids),
+            len(window),
+            wall,
+            stats_steps,
+            sum(s.step_time_s for s in reports) / stats_steps,
+            sum(s.model_time_s for s in reports) / stats_steps,
+        )

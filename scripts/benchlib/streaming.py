@@ -55,13 +55,22 @@ def split_gaps_at_window(streams: list[StreamTiming], start: float, end: float) 
 
 def completion_payload(model: str, prompt_token_ids: list[int], max_tokens: int, **extra) -> dict:
     """A streamed greedy completion that runs to exactly max_tokens (EOS ignored) and reports usage at the end."""
-    return {"model": model, "prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}, **extra}
+    return {
+        "model": model,
+        "prompt": prompt_token_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
 
 
-async def stream_completion(session: aiohttp.ClientSession, base_url: str, payload: dict, label: str = "",
-                            timing: StreamTiming | None = None) -> StreamTiming:
+async def stream_completion(
+    session: aiohttp.ClientSession, base_url: str, payload: dict, label: str = "", timing: StreamTiming | None = None
+) -> StreamTiming:
     """POST the payload and read its SSE stream to the end, recording chunk arrival times.
 
     Pass `timing` to watch a request while it streams (its lists grow as chunks arrive)."""
@@ -76,7 +85,7 @@ async def stream_completion(session: aiohttp.ClientSession, base_url: str, paylo
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             arrived = time.perf_counter()
-            chunk = json.loads(line[len(b"data: "):])
+            chunk = json.loads(line[len(b"data: ") :])
             if "error" in chunk:
                 timing.error = json.dumps(chunk["error"])[:300]
                 continue
@@ -107,5 +116,6 @@ async def served_model_name(session: aiohttp.ClientSession, base_url: str) -> st
 
 def http_session(timeout_s: float = 1800.0) -> aiohttp.ClientSession:
     """A session without a connection cap, so every request of a burst is really in flight at once."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+    )

@@ -59,8 +59,9 @@ def ordinary_token_ids(tokenizer) -> np.ndarray:
     return np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
 
 
-def build_workload(tokenizer, num_prompts: int, input_len: LengthRange, output_len: LengthRange, seed: int = 0,
-                   with_text: bool = False) -> list[BenchRequest]:
+def build_workload(
+    tokenizer, num_prompts: int, input_len: LengthRange, output_len: LengthRange, seed: int = 0, with_text: bool = False
+) -> list[BenchRequest]:
     """`num_prompts` random requests; with `with_text` each also carries a decoded prompt (re-tokenized for its ids)."""
     rng = np.random.default_rng(seed)
     vocab = ordinary_token_ids(tokenizer)

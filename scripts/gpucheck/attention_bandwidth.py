@@ -51,8 +51,10 @@ def measure_size(ctx: CheckContext, batch: int, context: int, copy_gbps: float, 
     # a dry run uses float32.
     args = paged_inputs(batch, context, ctx.device, shape, ctx.pick(torch.bfloat16, torch.float32))
     num_splits = choose_num_splits(batch, shape[1], context, num_sms)
-    kernels = {"old": lambda: paged_attention_decode(*args),
-               "split_kv": lambda: split_kv_decode(*args, num_splits=num_splits)}
+    kernels = {
+        "old": lambda: paged_attention_decode(*args),
+        "split_kv": lambda: split_kv_decode(*args, num_splits=num_splits),
+    }
     moved = args[1].element_size() * (2 * batch * context * shape[1] * shape[2] + 2 * args[0].numel())
     row: dict = {"batch": batch, "context": context, "num_splits": num_splits}
     reference = split_kv_decode_ref(*args) if batch * context <= REFERENCE_MAX_KEYS else None
@@ -76,11 +78,16 @@ def run(ctx: CheckContext) -> SectionResult:
             ctx.save_partial({"copy_gbps": copy_gbps, "num_sms": num_sms, "sizes": rows})
     errors = [value for row in rows for key, value in row.items() if key.endswith("relative_error")]
     passed = all(error < MAX_RELATIVE_ERROR for error in errors)
-    summary = [f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write); {num_sms} SMs", "",
-               "| batch | context | splits | old GB/s | old / copy | split-KV GB/s | split-KV / copy |",
-               "| --- | --- | --- | --- | --- | --- | --- |"]
-    summary += [f"| {r['batch']} | {r['context']} | {r['num_splits']} | {r['old_gbps']:.0f} | "
-                f"{r['old_fraction_of_copy']:.0%} | {r['split_kv_gbps']:.0f} | {r['split_kv_fraction_of_copy']:.0%} |"
-                for r in rows]
+    summary = [
+        f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write); {num_sms} SMs",
+        "",
+        "| batch | context | splits | old GB/s | old / copy | split-KV GB/s | split-KV / copy |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    summary += [
+        f"| {r['batch']} | {r['context']} | {r['num_splits']} | {r['old_gbps']:.0f} | "
+        f"{r['old_fraction_of_copy']:.0%} | {r['split_kv_gbps']:.0f} | {r['split_kv_fraction_of_copy']:.0%} |"
+        for r in rows
+    ]
     summary += ["", f"largest relative error vs float64: {max(errors, default=float('nan')):.2e}"]
     return SectionResult(passed, {"copy_gbps": copy_gbps, "num_sms": num_sms, "sizes": rows}, summary)

@@ -37,18 +37,30 @@ def compare(outputs: list[list[int]], references: list[list[tuple[int, float]]])
     return {"tokens_compared": compared, "tokens_in_references": sum(map(len, references)), "mismatches": mismatches}
 
 
-def run_engine(ctx: CheckContext, path: str, dtype: str, enforce_eager: bool, prompts: list[list[int]],
-               max_tokens: int) -> dict:
+def run_engine(
+    ctx: CheckContext, path: str, dtype: str, enforce_eager: bool, prompts: list[list[int]], max_tokens: int
+) -> dict:
     """Two rounds of greedy generation in one engine: tokens per round and the prefix-cache hits of round two."""
     from tokenmill import LLM, SamplingParams
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    with LLM(path, dtype=dtype, **ctx.engine_args(), enforce_eager=enforce_eager, enable_prefix_caching=True,
-             enable_chunked_prefill=True, max_num_batched_tokens=STEP_TOKEN_BUDGET, max_num_seqs=8,
-             max_model_len=512, gpu_memory_utilization=0.3) as llm:
+    with LLM(
+        path,
+        dtype=dtype,
+        **ctx.engine_args(),
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=STEP_TOKEN_BUDGET,
+        max_num_seqs=8,
+        max_model_len=512,
+        gpu_memory_utilization=0.3,
+    ) as llm:
         rounds = [llm.generate(prompts, greedy, use_tqdm=False) for _ in range(2)]
-    return {"outputs": [[list(r.outputs[0].token_ids) for r in results] for results in rounds],
-            "cached_tokens_round_two": sum(r.num_cached_tokens for r in rounds[1])}
+    return {
+        "outputs": [[list(r.outputs[0].token_ids) for r in results] for results in rounds],
+        "cached_tokens_round_two": sum(r.num_cached_tokens for r in rounds[1]),
+    }
 
 
 def hf_references(path: str, dtype: str, device: str, prompts: list[list[int]], max_tokens: int) -> list:
@@ -76,8 +88,11 @@ def check_model(ctx: CheckContext, name: str, max_tokens: int, done: list[dict])
             try:
                 engine = run_engine(ctx, path, dtype, enforce_eager, prompts, max_tokens)
                 rounds = [compare(outputs, references) for outputs in engine["outputs"]]
-                row.update(rounds=rounds, cached_tokens_round_two=engine["cached_tokens_round_two"],
-                           passed=all(not r["mismatches"] for r in rounds) and engine["cached_tokens_round_two"] > 0)
+                row.update(
+                    rounds=rounds,
+                    cached_tokens_round_two=engine["cached_tokens_round_two"],
+                    passed=all(not r["mismatches"] for r in rounds) and engine["cached_tokens_round_two"] > 0,
+                )
             except Exception as error:  # one configuration's failure is recorded; the others still run
                 row.update(passed=False, error=f"{type(error).__name__}: {error}"[:2000])
             rows.append(row)
@@ -90,12 +105,21 @@ def run(ctx: CheckContext) -> SectionResult:
     rows: list[dict] = []
     for name in ctx.pick(("smollm2-135m", "tiny-llama"), ("tiny-llama",)):
         rows += check_model(ctx, name, max_tokens, rows)
-    summary = ["| model | dtype | CUDA graphs | tokens compared (round 1, 2) | prefix-cache hits | result |",
-               "| --- | --- | --- | --- | --- | --- |"]
+    summary = [
+        "| model | dtype | CUDA graphs | tokens compared (round 1, 2) | prefix-cache hits | result |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         compared = ", ".join(f"{r['tokens_compared']}/{r['tokens_in_references']}" for r in row.get("rounds", []))
-        outcome = "pass" if row["passed"] else row.get("error") or "; ".join(
-            m for r in row.get("rounds", []) for m in r["mismatches"])[:300] or "no prefix-cache hits"
-        summary.append(f"| {row['model']} | {row['dtype']} | {row['cuda_graphs']} | {compared or '-'} | "
-                       f"{row.get('cached_tokens_round_two', '-')} | {outcome} |")
+        outcome = (
+            "pass"
+            if row["passed"]
+            else row.get("error")
+            or "; ".join(m for r in row.get("rounds", []) for m in r["mismatches"])[:300]
+            or "no prefix-cache hits"
+        )
+        summary.append(
+            f"| {row['model']} | {row['dtype']} | {row['cuda_graphs']} | {compared or '-'} | "
+            f"{row.get('cached_tokens_round_two', '-')} | {outcome} |"
+        )
     return SectionResult(all(row["passed"] for row in rows), {"max_tokens": max_tokens, "runs": rows}, summary)

@@ -17,21 +17,42 @@ from gpucheck.common import CheckContext, SectionResult
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # the split-KV and paged-attention tests first, so they run before any time cap; pytest drops the duplicates
-GPU_TESTS = ["tests/kernels/test_kernel_split_kv_decode.py", "tests/workers/test_triton_split_kv_decode.py",
-             "tests/kernels/test_kernel_paged_attention.py", "tests/kernels/test_kernel_sliding_window.py",
-             "tests/kernels", "tests/workers/test_sampler.py"]
+GPU_TESTS = [
+    "tests/kernels/test_kernel_split_kv_decode.py",
+    "tests/workers/test_triton_split_kv_decode.py",
+    "tests/kernels/test_kernel_paged_attention.py",
+    "tests/kernels/test_kernel_sliding_window.py",
+    "tests/kernels",
+    "tests/workers/test_sampler.py",
+]
 # CPU-only: the C++ kernels, GGUF repacking, and the no-GPU cubin compile check (the GPU compiles them for real)
-GPU_DESELECT = ["tests/kernels/test_cpu_ops.py", "tests/kernels/test_cpu_short_query_attention.py",
-                "tests/kernels/test_gguf_cpu_kernels.py", "tests/kernels/test_gguf_repacked.py",
-                "tests/kernels/test_kernel_cuda_compile.py"]
-DRY_RUN_TESTS = ["tests/kernels/test_kernel_split_kv_decode.py::test_split_count_rule",
-                 "tests/kernels/test_kernel_split_kv_decode.py::test_one_split_writes_the_output_without_a_reduce"]
+GPU_DESELECT = [
+    "tests/kernels/test_cpu_ops.py",
+    "tests/kernels/test_cpu_short_query_attention.py",
+    "tests/kernels/test_gguf_cpu_kernels.py",
+    "tests/kernels/test_gguf_repacked.py",
+    "tests/kernels/test_kernel_cuda_compile.py",
+]
+DRY_RUN_TESTS = [
+    "tests/kernels/test_kernel_split_kv_decode.py::test_split_count_rule",
+    "tests/kernels/test_kernel_split_kv_decode.py::test_one_split_writes_the_output_without_a_reduce",
+]
 MAX_LISTED_FAILURES = 40
 
 
 def pytest_command(ctx: CheckContext, junit: Path) -> list[str]:
-    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}",
-               "--timeout=300", "-W", "ignore::DeprecationWarning"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "--timeout=300",
+        "-W",
+        "ignore::DeprecationWarning",
+    ]
     if ctx.dry_run:
         return command + DRY_RUN_TESTS
     return command + GPU_TESTS + [f"--ignore={path}" for path in GPU_DESELECT]
@@ -63,8 +84,13 @@ def counts_from_output(output: str) -> dict:
                 outcomes[outcome] += 1
                 if outcome in ("FAILED", "ERROR"):
                     failed.append(line.strip()[:200])
-    return {"tests": sum(outcomes.values()), "failures": outcomes["FAILED"], "errors": outcomes["ERROR"],
-            "skipped": outcomes["SKIPPED"], "failed_tests": failed[:MAX_LISTED_FAILURES]}
+    return {
+        "tests": sum(outcomes.values()),
+        "failures": outcomes["FAILED"],
+        "errors": outcomes["ERROR"],
+        "skipped": outcomes["SKIPPED"],
+        "failed_tests": failed[:MAX_LISTED_FAILURES],
+    }
 
 
 def run(ctx: CheckContext) -> SectionResult:
@@ -73,8 +99,14 @@ def run(ctx: CheckContext) -> SectionResult:
     if not ctx.dry_run:
         env.pop("TRITON_INTERPRET", None)  # compiled kernels
     try:
-        completed = subprocess.run(pytest_command(ctx, junit), cwd=REPO_ROOT, env=env, capture_output=True,
-                                   text=True, timeout=max(ctx.budget_s - 15, 10))
+        completed = subprocess.run(
+            pytest_command(ctx, junit),
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=max(ctx.budget_s - 15, 10),
+        )
         output, returncode, timed_out = completed.stdout + completed.stderr, completed.returncode, False
     except subprocess.TimeoutExpired as expired:
         # the captured output comes back as bytes here, whatever `text` said
@@ -83,8 +115,10 @@ def run(ctx: CheckContext) -> SectionResult:
     details = junit_counts(junit) if junit.exists() else counts_from_output(output)
     details.update(returncode=returncode, timed_out=timed_out, output_tail=output[-3000:])
     passed = returncode == 0
-    summary = [f"pytest: {details.get('tests', '?')} tests, {details.get('failures', '?')} failures, "
-               f"{details.get('errors', '?')} errors, {details.get('skipped', '?')} skipped"
-               + (" (stopped at the time cap)" if timed_out else "")]
+    summary = [
+        f"pytest: {details.get('tests', '?')} tests, {details.get('failures', '?')} failures, "
+        f"{details.get('errors', '?')} errors, {details.get('skipped', '?')} skipped"
+        + (" (stopped at the time cap)" if timed_out else "")
+    ]
     summary += [f"- {failure}" for failure in details.get("failed_tests", [])[:10]]
     return SectionResult(passed, details, summary)

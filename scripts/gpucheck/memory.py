@@ -60,9 +60,20 @@ def worst_case_params(max_tokens: int) -> list:
 
     from tokenmill.messages import SamplingParams
 
-    every_sampler_feature = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_k=50,
-                                           top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
-                                           repetition_penalty=1.1, logit_bias={5: 2.0, 7: -2.0}, logprobs=20, seed=0)
+    every_sampler_feature = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.1,
+        logit_bias={5: 2.0, 7: -2.0},
+        logprobs=20,
+        seed=0,
+    )
     return [msgspec.structs.replace(every_sampler_feature, prompt_logprobs=20), every_sampler_feature]
 
 
@@ -74,24 +85,40 @@ def run(ctx: CheckContext) -> SectionResult:
     first, rest = worst_case_params(max_tokens)
     prompts = [[3 + (i * 7 + j) % 500 for j in range(prompt_len)] for i in range(num_seqs)]
     with DeviceMemoryPoller() as poller:
-        with LLM(path, dtype="bfloat16", **ctx.engine_args(), gpu_memory_utilization=UTILIZATION,
-                 max_num_seqs=num_seqs, max_num_batched_tokens=ctx.pick(2048, 64)) as llm:
+        with LLM(
+            path,
+            dtype="bfloat16",
+            **ctx.engine_args(),
+            gpu_memory_utilization=UTILIZATION,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=ctx.pick(2048, 64),
+        ) as llm:
             info = llm.engine_info
             results = llm.generate(prompts, [first] + [rest] * (num_seqs - 1), use_tqdm=False)
     generated = sum(len(r.outputs[0].token_ids) for r in results)
-    details = {"num_kv_blocks": info.num_kv_blocks, "block_size": info.block_size, "weight_bytes": info.weight_bytes,
-               "peak_used_bytes": poller.peak_bytes, "total_bytes": poller.total_bytes,
-               "generated_tokens": generated, "expected_tokens": num_seqs * max_tokens}
+    details = {
+        "num_kv_blocks": info.num_kv_blocks,
+        "block_size": info.block_size,
+        "weight_bytes": info.weight_bytes,
+        "peak_used_bytes": poller.peak_bytes,
+        "total_bytes": poller.total_bytes,
+        "generated_tokens": generated,
+        "expected_tokens": num_seqs * max_tokens,
+    }
     passed = generated == num_seqs * max_tokens
-    summary = [f"profiled KV blocks: {info.num_kv_blocks} of {info.block_size} tokens "
-               f"({info.num_kv_blocks * info.block_size} tokens); weights {info.weight_bytes / 2**20:.0f} MiB"]
+    summary = [
+        f"profiled KV blocks: {info.num_kv_blocks} of {info.block_size} tokens "
+        f"({info.num_kv_blocks * info.block_size} tokens); weights {info.weight_bytes / 2**20:.0f} MiB"
+    ]
     if poller.peak_bytes is not None and poller.total_bytes:
         budget = UTILIZATION * poller.total_bytes
         details.update(budget_bytes=budget, peak_over_budget=poller.peak_bytes > budget)
         passed = passed and poller.peak_bytes < poller.total_bytes
-        summary.append(f"peak device memory used {poller.peak_bytes / 2**30:.2f} GiB of "
-                       f"{poller.total_bytes / 2**30:.2f} GiB (budget {budget / 2**30:.2f} GiB at {UTILIZATION}): "
-                       + ("over the budget" if poller.peak_bytes > budget else "within the budget"))
+        summary.append(
+            f"peak device memory used {poller.peak_bytes / 2**30:.2f} GiB of "
+            f"{poller.total_bytes / 2**30:.2f} GiB (budget {budget / 2**30:.2f} GiB at {UTILIZATION}): "
+            + ("over the budget" if poller.peak_bytes > budget else "within the budget")
+        )
     else:
         summary.append("device memory not polled (no NVML: a CPU dry run)")
     return SectionResult(passed, details, summary)

@@ -16,25 +16,64 @@ from typing import Any
 
 # SmolLM2-135M-Instruct's config.json (HuggingFaceTB/SmolLM2-135M-Instruct)
 SMOLLM2_135M: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_act": "silu",
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
-    "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 49152,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "attention_bias": False,
 }
 # Qwen2.5-0.5B's config.json (Qwen/Qwen2.5-0.5B)
 QWEN25_05B: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
-    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_act": "silu",
-    "max_position_embeddings": 32768, "max_window_layers": 24, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": True, "vocab_size": 151936,
-    "bos_token_id": 151643, "eos_token_id": 151643,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "max_window_layers": 24,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
 }
 # the tests' tiny llama (tests/checkpoints.py) with its own vocabulary
-TINY_LLAMA = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, vocab_size=1024)
+TINY_LLAMA = dict(
+    SMOLLM2_135M,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    vocab_size=1024,
+)
 CONFIGS = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_05B, "tiny-llama": TINY_LLAMA}
-DRY_RUN_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 1024,
-                 "max_position_embeddings": 1024}
+DRY_RUN_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 1024,
+}
 INITIALIZER_RANGE = 0.1
 
 
@@ -60,8 +99,9 @@ def write_tokenizer(directory: Path, vocab_size: int, bos_id: int, eos_id: int) 
         vocab[name] = token_id
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=names[bos_id], eos_token=names[eos_id],
-                                        unk_token="t0")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=names[bos_id], eos_token=names[eos_id], unk_token="t0"
+    )
     tokenizer.save_pretrained(directory)
 
 
@@ -79,6 +119,7 @@ def build_checkpoint(name: str, root: Path, dtype: str, dry_run: bool, seed: int
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, config.vocab_size, config.bos_token_id, config.eos_token_id)
-    (path / "gpu_check_source.json").write_text(json.dumps({"config_of": name, "random_weights": True,
-                                                            "initializer_range": INITIALIZER_RANGE}))
+    (path / "gpu_check_source.json").write_text(
+        json.dumps({"config_of": name, "random_weights": True, "initializer_range": INITIALIZER_RANGE})
+    )
     return path

@@ -14,7 +14,10 @@ def gpu_names() -> list[str]:
     try:
         completed = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30)
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in completed.stdout.splitlines() if line.strip()]
@@ -27,8 +30,12 @@ def environment() -> dict:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    return {"gpus": gpu_names(), "python": platform.python_version(), "machine": platform.machine(),
-            "packages": versions}
+    return {
+        "gpus": gpu_names(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "packages": versions,
+    }
 
 
 def section_markdown(section: dict) -> list[str]:
@@ -49,9 +56,15 @@ def markdown_report(report: dict) -> str:
     env = report["environment"]
     device = "; ".join(env["gpus"]) or "no GPU"
     packages = ", ".join(f"{name} {version}" for name, version in env["packages"].items() if version)
-    lines = ["# tokenmill GPU check" + (" (dry run: CPU, tiny sizes)" if report["dry_run"] else ""), "",
-             f"device: {device}", f"python {env['python']} ({env['machine']}); {packages}", "",
-             "| section | status | seconds |", "| --- | --- | --- |"]
+    lines = [
+        "# tokenmill GPU check" + (" (dry run: CPU, tiny sizes)" if report["dry_run"] else ""),
+        "",
+        f"device: {device}",
+        f"python {env['python']} ({env['machine']}); {packages}",
+        "",
+        "| section | status | seconds |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {s['name']} | {s['status']} | {s.get('wall_s', 0):.0f} |" for s in report["sections"]]
     lines.append("")
     for section in report["sections"]:

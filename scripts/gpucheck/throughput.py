@@ -33,8 +33,9 @@ def tokenmill_run(ctx: CheckContext, path: str, requests: list[BenchRequest]) ->
     from tokenmill import LLM, SamplingParams
 
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in requests]
-    with LLM(path, dtype="bfloat16", **ctx.engine_args(), max_num_seqs=len(requests),
-             gpu_memory_utilization=0.8) as llm:
+    with LLM(
+        path, dtype="bfloat16", **ctx.engine_args(), max_num_seqs=len(requests), gpu_memory_utilization=0.8
+    ) as llm:
         llm.generate([r.prompt_ids for r in requests[:8]], params[:8], use_tqdm=False)  # warm-up
         before = llm.engine_stats()
         started = time.perf_counter()
@@ -43,9 +44,14 @@ def tokenmill_run(ctx: CheckContext, path: str, requests: list[BenchRequest]) ->
         stats = llm.engine_stats().since(before)
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     steps = max(stats.num_steps, 1)
-    return {"elapsed_s": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed,
-            "steps": stats.num_steps, "step_ms": 1e3 * stats.step_time_s / steps,
-            "scheduling_ms_per_step": 1e3 * (stats.step_time_s - stats.model_time_s) / steps}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / elapsed,
+        "steps": stats.num_steps,
+        "step_ms": 1e3 * stats.step_time_s / steps,
+        "scheduling_ms_per_step": 1e3 * (stats.step_time_s - stats.model_time_s) / steps,
+    }
 
 
 def transformers_run(ctx: CheckContext, path: str, requests: list[BenchRequest], pad_id: int) -> dict:
@@ -55,8 +61,11 @@ def transformers_run(ctx: CheckContext, path: str, requests: list[BenchRequest],
     run = run_static_batches(model, requests, batch_size=len(requests), pad_id=pad_id)
     del model
     gc.collect()
-    return {"elapsed_s": run.elapsed_s, "output_tokens": run.useful_output_tokens,
-            "output_tokens_per_s": run.output_throughput}
+    return {
+        "elapsed_s": run.elapsed_s,
+        "output_tokens": run.useful_output_tokens,
+        "output_tokens_per_s": run.output_throughput,
+    }
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -79,30 +88,45 @@ def profiled_decode_steps(ctx: CheckContext, path: str, batch: int, context: int
     runner, _ = build_runner(path, "bfloat16", batch * blocks_each + 1, block_size)
     if ctx.device == "cuda":
         runner.capture_cuda_graphs()
-    driver = DecodeDriver(runner, [[3 + (i + j) % 400 for j in range(context)] for i in range(batch)],
-                          PROFILED_STEPS + 4, block_size)
+    driver = DecodeDriver(
+        runner, [[3 + (i + j) % 400 for j in range(context)] for i in range(batch)], PROFILED_STEPS + 4, block_size
+    )
     for _ in range(3):
         driver.step()
     activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
+        [torch.profiler.ProfilerActivity.CUDA] if ctx.device == "cuda" else []
+    )
     synchronize(ctx.device)
     with torch.profiler.profile(activities=activities) as profile:
         host_s = [driver.step() for _ in range(PROFILED_STEPS)]
-    kernels = [(e.time_range.start, e.time_range.end) for e in profile.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [
+        (e.time_range.start, e.time_range.end)
+        for e in profile.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
     window_us = 1e6 * sum(host_s)
     busy = busy_us(kernels)
-    return {"batch": batch, "context": context, "steps": PROFILED_STEPS,
-            "host_ms_per_step": 1e3 * sum(host_s) / len(host_s),
-            "gpu_busy_ms_per_step": busy / 1e3 / PROFILED_STEPS, "num_kernels": len(kernels),
-            "gpu_idle_fraction": (1 - busy / window_us) if kernels else None}
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": PROFILED_STEPS,
+        "host_ms_per_step": 1e3 * sum(host_s) / len(host_s),
+        "gpu_busy_ms_per_step": busy / 1e3 / PROFILED_STEPS,
+        "num_kernels": len(kernels),
+        "gpu_idle_fraction": (1 - busy / window_us) if kernels else None,
+    }
 
 
 def run(ctx: CheckContext) -> SectionResult:
     from transformers import AutoConfig
 
-    rows, summary = [], ["| model | tokenmill tok/s | transformers tok/s | ratio | steps | ms/step | "
-                         "scheduling ms/step |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows, summary = (
+        [],
+        [
+            "| model | tokenmill tok/s | transformers tok/s | ratio | steps | ms/step | scheduling ms/step |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ],
+    )
     for name in ctx.pick(("smollm2-135m", "qwen2.5-0.5b"), ("smollm2-135m",)):
         path = str(build_checkpoint(name, ctx.work_dir / "checkpoints", "bfloat16", ctx.dry_run))
         config = AutoConfig.from_pretrained(path)
@@ -112,14 +136,18 @@ def run(ctx: CheckContext) -> SectionResult:
         ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
         rows.append({"model": name, "tokenmill": ours, "transformers": theirs, "ratio": ratio})
         ctx.save_partial({"throughput": rows})
-        summary.append(f"| {name} | {ours['output_tokens_per_s']:.0f} | {theirs['output_tokens_per_s']:.0f} | "
-                       f"{ratio:.1f}x | {ours['steps']} | {ours['step_ms']:.2f} | "
-                       f"{ours['scheduling_ms_per_step']:.2f} |")
+        summary.append(
+            f"| {name} | {ours['output_tokens_per_s']:.0f} | {theirs['output_tokens_per_s']:.0f} | "
+            f"{ratio:.1f}x | {ours['steps']} | {ours['step_ms']:.2f} | "
+            f"{ours['scheduling_ms_per_step']:.2f} |"
+        )
     path = str(build_checkpoint("smollm2-135m", ctx.work_dir / "checkpoints", "bfloat16", ctx.dry_run))
     profile = profiled_decode_steps(ctx, path, *ctx.pick((256, 256), (4, 16)))
     idle = profile["gpu_idle_fraction"]
-    line = (f"decode steps at batch {profile['batch']} (context {profile['context']}, the worker's runner in-process): "
-            f"{profile['host_ms_per_step']:.2f} ms host per step")
+    line = (
+        f"decode steps at batch {profile['batch']} (context {profile['context']}, the worker's runner in-process): "
+        f"{profile['host_ms_per_step']:.2f} ms host per step"
+    )
     if idle is None:
         line += ", GPU idle not measured (no CUDA)"
     else:

@@ -38,10 +38,26 @@ def kind_holds(results: dict[str, dict], kind: str) -> bool:
 
 def test_the_worst_admitted_requests_keep_a_bystander_within_2x(tiny_checkpoints, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server's torch threads: one, on a shared machine
-    args = bench_bystander.parse_args(["--max-n", "2", "--max-num-batched-tokens", "256",
-                                       "--max-prompt-logprobs-elements", "16384", "--bystander-tokens", "300"])
-    serve_args = [str(tiny_checkpoints("llama")), "--dtype", "float32", "--kv-cache-memory-bytes", "128MiB",
-                  *bench_bystander.limit_flags(args)]
+    args = bench_bystander.parse_args(
+        [
+            "--max-n",
+            "2",
+            "--max-num-batched-tokens",
+            "256",
+            "--max-prompt-logprobs-elements",
+            "16384",
+            "--bystander-tokens",
+            "300",
+        ]
+    )
+    serve_args = [
+        str(tiny_checkpoints("llama")),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        "128MiB",
+        *bench_bystander.limit_flags(args),
+    ]
     pending = ["cache_salt", "structured_outputs", "stop_and_bias"]
     with launched_server(serve_args, tmp_path / "server.log") as url:
         for _ in range(ATTEMPTS):

@@ -12,10 +12,28 @@ pytestmark = pytest.mark.slow
 
 
 def test_summaries_flow_only_when_watched_and_their_cost_is_reported(tiny_checkpoints, tmp_path):
-    code = bench_dashboard.main([
-        "--model", str(tiny_checkpoints("llama")), "--batch", "4", "--prompt-len", "24", "--max-tokens", "40",
-        "--rounds", "2", "--interval", "0.001", "--kv-cache-memory-bytes", str(16 << 20), "--max-model-len", "128",
-        "--results-root", str(tmp_path)])
+    code = bench_dashboard.main(
+        [
+            "--model",
+            str(tiny_checkpoints("llama")),
+            "--batch",
+            "4",
+            "--prompt-len",
+            "24",
+            "--max-tokens",
+            "40",
+            "--rounds",
+            "2",
+            "--interval",
+            "0.001",
+            "--kv-cache-memory-bytes",
+            str(16 << 20),
+            "--max-model-len",
+            "128",
+            "--results-root",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     [folder] = list(tmp_path.iterdir())
     data = json.loads((folder / "results.json").read_text())

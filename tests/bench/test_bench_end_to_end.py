@@ -19,9 +19,28 @@ def only_result(root) -> tuple:
 
 def test_bench_throughput_runs_engine_probe_and_baseline(tiny_checkpoints, tmp_path):
     model = str(tiny_checkpoints("llama"))
-    code = bench_throughput.main([
-        "--model", model, "--dtype", "float32", "--num-prompts", "6", "--input-len", "8:24", "--output-len", "4:12",
-        "--max-num-seqs", "4", "--probe-input-len", "16", "--probe-output-len", "200", "--result-dir", str(tmp_path)])
+    code = bench_throughput.main(
+        [
+            "--model",
+            model,
+            "--dtype",
+            "float32",
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "8:24",
+            "--output-len",
+            "4:12",
+            "--max-num-seqs",
+            "4",
+            "--probe-input-len",
+            "16",
+            "--probe-output-len",
+            "200",
+            "--result-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     folder, data = only_result(tmp_path)
     engine, baseline, probe = data["engine"], data["baseline"], data["decode_probe"]
@@ -39,10 +58,27 @@ def test_bench_throughput_runs_engine_probe_and_baseline(tiny_checkpoints, tmp_p
 
 def test_bench_serving_sweeps_a_launched_server(tiny_checkpoints, tmp_path):
     model = str(tiny_checkpoints("llama"))
-    code = bench_serving.main([
-        "--launch", "--serve-args", f"{model} --dtype float32 --max-num-seqs 4", "--tokenizer", model,
-        "--num-prompts", "6", "--input-len", "8:24", "--output-len", "4:12", "--sweep", "1,3", "--num-warmup", "1",
-        "--result-dir", str(tmp_path)])
+    code = bench_serving.main(
+        [
+            "--launch",
+            "--serve-args",
+            f"{model} --dtype float32 --max-num-seqs 4",
+            "--tokenizer",
+            model,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "8:24",
+            "--output-len",
+            "4:12",
+            "--sweep",
+            "1,3",
+            "--num-warmup",
+            "1",
+            "--result-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     folder, data = only_result(tmp_path)
     assert [run["max_concurrency"] for run in data["runs"]] == [1, 3]

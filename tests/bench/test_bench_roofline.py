@@ -17,8 +17,7 @@ def test_matmul_params_equal_the_models_parameters_less_norms(tiny_checkpoints):
         path = tiny_checkpoints(family)
         config = AutoConfig.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        matrices = sum(p.numel() for name, p in model.named_parameters()
-                       if p.dim() == 2 and "embed_tokens" not in name)
+        matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name)
         if config.tie_word_embeddings:
             matrices += model.get_input_embeddings().weight.numel()  # the LM head multiplies by the tied table
         cost = ModelCost.from_hf_config(config, weight_bytes=1, dtype_bytes=4)
@@ -28,8 +27,12 @@ def test_matmul_params_equal_the_models_parameters_less_norms(tiny_checkpoints):
 
 
 def test_bound_is_memory_limited_at_small_batch_and_compute_limited_at_large():
-    cost = ModelCost(matmul_params=100_000_000, weight_bytes=400_000_000, kv_bytes_per_token=40_000,
-                     attention_flops_per_context_token=60_000)
+    cost = ModelCost(
+        matmul_params=100_000_000,
+        weight_bytes=400_000_000,
+        kv_bytes_per_token=40_000,
+        attention_flops_per_context_token=60_000,
+    )
     machine = MachinePeaks(matmul_flops=1e11, copy_bandwidth=1e10, threads=2)
     small = decode_bound(cost, machine, batch_size=1, context_len=100)
     assert small.limited_by == "memory"

@@ -23,9 +23,22 @@ def serve_args(tiny_checkpoints) -> str:
 
 
 def test_prefix_caching_hits_the_shared_prefix_only_when_on(tiny_checkpoints, tmp_path):
-    code = bench_prefix_caching.main([
-        "--num-requests", "4", "--prefix-len", "64", "--suffix-len", "8", "--max-tokens", "2",
-        "--serve-args", serve_args(tiny_checkpoints), "--results-root", str(tmp_path)])
+    code = bench_prefix_caching.main(
+        [
+            "--num-requests",
+            "4",
+            "--prefix-len",
+            "64",
+            "--suffix-len",
+            "8",
+            "--max-tokens",
+            "2",
+            "--serve-args",
+            serve_args(tiny_checkpoints),
+            "--results-root",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     folder, data = only_result(tmp_path)
     on, off = data["modes"]["on"], data["modes"]["off"]
@@ -38,10 +51,26 @@ def test_prefix_caching_hits_the_shared_prefix_only_when_on(tiny_checkpoints, tm
 
 def test_chunked_prefill_keeps_decodes_stepping_while_the_prompt_prefills(tiny_checkpoints, tmp_path):
     num_streams = 2
-    code = bench_chunked_prefill.main([
-        "--num-streams", str(num_streams), "--decode-tokens", "128", "--tokens-before", "2", "--long-prompt-len", "600",
-        "--chunk-budget", "64", "--max-model-len", "1024", "--serve-args", serve_args(tiny_checkpoints),
-        "--results-root", str(tmp_path)])
+    code = bench_chunked_prefill.main(
+        [
+            "--num-streams",
+            str(num_streams),
+            "--decode-tokens",
+            "128",
+            "--tokens-before",
+            "2",
+            "--long-prompt-len",
+            "600",
+            "--chunk-budget",
+            "64",
+            "--max-model-len",
+            "1024",
+            "--serve-args",
+            serve_args(tiny_checkpoints),
+            "--results-root",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     _, data = only_result(tmp_path)
     chunked, unchunked = data["modes"]["chunked"], data["modes"]["unchunked"]
@@ -55,10 +84,32 @@ def test_chunked_prefill_keeps_decodes_stepping_while_the_prompt_prefills(tiny_c
 
 
 def test_priority_policy_serves_high_priority_requests_first(tiny_checkpoints, tmp_path):
-    code = bench_priority.main([
-        "--max-num-seqs", "2", "--num-low", "8", "--low-prompt-len", "16", "--low-output-len", "256:320",
-        "--num-high", "2", "--high-prompt-len", "16", "--high-output-len", "2", "--high-start-s", "0.2",
-        "--high-interval-s", "0.05", "--serve-args", serve_args(tiny_checkpoints), "--results-root", str(tmp_path)])
+    code = bench_priority.main(
+        [
+            "--max-num-seqs",
+            "2",
+            "--num-low",
+            "8",
+            "--low-prompt-len",
+            "16",
+            "--low-output-len",
+            "256:320",
+            "--num-high",
+            "2",
+            "--high-prompt-len",
+            "16",
+            "--high-output-len",
+            "2",
+            "--high-start-s",
+            "0.2",
+            "--high-interval-s",
+            "0.05",
+            "--serve-args",
+            serve_args(tiny_checkpoints),
+            "--results-root",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     _, data = only_result(tmp_path)
     priority, fcfs = data["policies"]["priority"], data["policies"]["fcfs"]

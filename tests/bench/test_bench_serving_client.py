@@ -63,8 +63,14 @@ async def serve_and_run(requests, max_concurrency):
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
-    target = Target(f"http://127.0.0.1:{port}/v1/completions", "fake", chat=False, token_id_prompts=True,
-                    ignore_eos=True, temperature=0.0)
+    target = Target(
+        f"http://127.0.0.1:{port}/v1/completions",
+        "fake",
+        chat=False,
+        token_id_prompts=True,
+        ignore_eos=True,
+        temperature=0.0,
+    )
     try:
         results, duration = await run_requests(target, requests, float("inf"), 1.0, max_concurrency, 0, "test")
     finally:

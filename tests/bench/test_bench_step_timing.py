@@ -17,15 +17,17 @@ def record(t: float, ids: list[str], finished: tuple[str, ...] = (), report: Sch
 
 
 def test_decode_window_starts_after_every_request_has_a_token_and_ends_at_the_first_finish():
-    recorder = StepRecorder([
-        record(0.0, ["a"]),  # b still prefilling
-        record(1.0, ["a", "b"], report=stats(2, 5.0, 1.0)),  # b's first token: the window starts after this
-        record(1.5, ["a", "b"], report=stats(9, 9.0, 9.0)),  # first report in the window: may cover older steps
-        record(2.0, ["a", "b"]),
-        record(2.5, ["a", "b"], report=stats(2, 1.0, 0.9)),
-        record(3.0, ["a", "b"], finished=("a",), report=stats(1, 0.5, 0.45)),
-        record(9.0, ["b"], finished=("b",)),  # after the first finish: not a full batch any more
-    ])
+    recorder = StepRecorder(
+        [
+            record(0.0, ["a"]),  # b still prefilling
+            record(1.0, ["a", "b"], report=stats(2, 5.0, 1.0)),  # b's first token: the window starts after this
+            record(1.5, ["a", "b"], report=stats(9, 9.0, 9.0)),  # first report in the window: may cover older steps
+            record(2.0, ["a", "b"]),
+            record(2.5, ["a", "b"], report=stats(2, 1.0, 0.9)),
+            record(3.0, ["a", "b"], finished=("a",), report=stats(1, 0.5, 0.45)),
+            record(9.0, ["b"], finished=("b",)),  # after the first finish: not a full batch any more
+        ]
+    )
     window = recorder.decode_window({"a", "b"})
     assert window.batch_size == 2
     assert window.num_steps == 4
@@ -57,8 +59,12 @@ def test_recorder_reads_step_outputs():
     from tokenmill.messages import StepOutputs
 
     recorder = StepRecorder()
-    recorder(StepOutputs([RequestOutput("a", [1, 2]), RequestOutput("b", [], finish_reason="length"),
-                          RequestOutput("c", [])], stats(1, 0.1, 0.09)))
+    recorder(
+        StepOutputs(
+            [RequestOutput("a", [1, 2]), RequestOutput("b", [], finish_reason="length"), RequestOutput("c", [])],
+            stats(1, 0.1, 0.09),
+        )
+    )
     [rec] = recorder.records
     assert rec.request_ids == ["a", "b"] and rec.num_new_tokens == 2 and rec.finished_ids == ["b"]
     assert rec.stats.num_steps == 1

@@ -9,8 +9,14 @@ import pytest
 from aiohttp import web
 
 from benchlib.launch import free_port
-from benchlib.streaming import (StreamTiming, completion_payload, http_session, served_model_name,
-                                split_gaps_at_window, stream_completion)
+from benchlib.streaming import (
+    StreamTiming,
+    completion_payload,
+    http_session,
+    served_model_name,
+    split_gaps_at_window,
+    stream_completion,
+)
 
 FIRST_DELAY_S = 0.3
 GAP_S = 0.2
@@ -32,8 +38,12 @@ async def fake_completions(request: web.Request) -> web.StreamResponse:
     await send({"choices": [{"index": 0, "text": "held back", "token_ids": []}]})
     await send({"choices": [{"index": 0, "text": "bc", "token_ids": [12, 13]}]}, GAP_S)
     await send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-    await send({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 3,
-                                         "prompt_tokens_details": {"cached_tokens": 32}}})
+    await send(
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 32}},
+        }
+    )
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

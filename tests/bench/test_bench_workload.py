@@ -42,8 +42,7 @@ def test_workload_is_deterministic_per_seed(smollm2_tokenizer):
 
 
 def test_text_workload_round_trips_through_the_tokenizer(smollm2_tokenizer):
-    for request in build_workload(smollm2_tokenizer, 8, LengthRange(20, 40), LengthRange(4, 4), seed=0,
-                                  with_text=True):
+    for request in build_workload(smollm2_tokenizer, 8, LengthRange(20, 40), LengthRange(4, 4), seed=0, with_text=True):
         assert request.prompt_text
         assert 0 < request.input_len <= 40
         assert smollm2_tokenizer.decode(request.prompt_ids) == request.prompt_text

@@ -28,9 +28,21 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("api-errors") / "server.log"
-    with Server("--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "128MiB",
-                "--max-request-body-bytes", str(BODY_LIMIT), "--max-num-seqs", "1",
-                "--max-waiting-requests", str(MAX_WAITING), log_path=log_path) as server:
+    with Server(
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        "128MiB",
+        "--max-request-body-bytes",
+        str(BODY_LIMIT),
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        str(MAX_WAITING),
+        log_path=log_path,
+    ) as server:
         yield server
 
 
@@ -81,8 +93,14 @@ BAD_FIELDS = [
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
-              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    (
+        "chat",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),
     ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
     ("chat", {"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs.tokenize"),
 ]
@@ -124,12 +142,17 @@ def test_unknown_model_is_404(client, model):
 
 def test_api_key_guards_all_but_health_and_ping(server, client, model):
     for path in ("/v1/models", "/v1/completions"):
-        response = requests.request("GET" if path == "/v1/models" else "POST", f"{server.url}{path}",
-                                    json={"model": model, "prompt": PROMPT}, timeout=30)
+        response = requests.request(
+            "GET" if path == "/v1/models" else "POST",
+            f"{server.url}{path}",
+            json={"model": model, "prompt": PROMPT},
+            timeout=30,
+        )
         assert_error_body(response, 401, "AuthenticationError")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).completions.create(
-            model=model, prompt=PROMPT, max_tokens=1)
+            model=model, prompt=PROMPT, max_tokens=1
+        )
     for path in ("/health", "/ping"):
         assert requests.get(f"{server.url}{path}", timeout=30).status_code == 200, path
     for path in ("/metrics", "/version"):
@@ -143,17 +166,21 @@ def test_body_too_large_is_413(server, client, model):
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(model=model, prompt="x" * (2 * BODY_LIMIT), max_tokens=1)
     assert caught.value.status_code == 413 and str(BODY_LIMIT) in caught.value.message
-    response = requests.post(f"{server.url}/v1/completions", data=b" " * (BODY_LIMIT + 1),
-                             headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
-                             timeout=30)
+    response = requests.post(
+        f"{server.url}/v1/completions",
+        data=b" " * (BODY_LIMIT + 1),
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        timeout=30,
+    )
     assert_error_body(response, 413, "RequestTooLargeError")
     assert_still_serves(client, model)
 
 
 def test_prompt_longer_than_the_context_is_400_with_both_numbers(server, client, model):
     long_prompt = "hello " * (MAX_MODEL_LEN + 50)
-    num_tokens = requests.post(f"{server.url}/tokenize", json={"prompt": long_prompt}, headers=auth(),
-                               timeout=30).json()["count"]
+    num_tokens = requests.post(
+        f"{server.url}/tokenize", json={"prompt": long_prompt}, headers=auth(), timeout=30
+    ).json()["count"]
     assert num_tokens > MAX_MODEL_LEN
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model, prompt=long_prompt, max_tokens=1)
@@ -172,8 +199,12 @@ def test_deeply_nested_json_is_400(server, client, model):
     depth = 1500  # deeper than msgspec can decode recursively; under the body limit
     tools = b'[{"type": "function", "function": ' + b'{"a": ' * depth + b"1" + b"}" * depth + b"}]"
     body = b'{"messages": [{"role": "user", "content": "Hi"}], "tools": %s}' % tools
-    response = requests.post(f"{server.url}/v1/chat/completions", data=body, timeout=30,
-                             headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    response = requests.post(
+        f"{server.url}/v1/chat/completions",
+        data=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     assert "nested" in assert_error_body(response, 400, "BadRequestError")["message"]
     assert_still_serves(client, model)
 
@@ -195,12 +226,14 @@ def wait_for_waiting_requests(url: str, count: int, deadline_s: float = 30) -> N
 
 def test_overload_is_429_with_retry_after(server, client, model):
     # --max-num-seqs 1: a long stream holds the only running slot; two more requests fill the waiting queue
-    running = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_MODEL_LEN - 16, stream=True,
-                                        extra_body={"ignore_eos": True})
+    running = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_MODEL_LEN - 16, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(running))
     with ThreadPoolExecutor(MAX_WAITING) as pool:
-        queued = [pool.submit(client.completions.create, model=model, prompt=PROMPT, max_tokens=1)
-                  for _ in range(MAX_WAITING)]
+        queued = [
+            pool.submit(client.completions.create, model=model, prompt=PROMPT, max_tokens=1) for _ in range(MAX_WAITING)
+        ]
         wait_for_waiting_requests(server.url, MAX_WAITING)
         with pytest.raises(openai.RateLimitError) as caught:
             client.completions.create(model=model, prompt=PROMPT, max_tokens=1)

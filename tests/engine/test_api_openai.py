@@ -17,8 +17,16 @@ import pytest
 import requests
 
 import tokenmill
-from tests.helpers.api_helpers import (API_KEY, auth, collect_stream, metric, metric_samples, result,
-                                      run_concurrently, strictly_valid)
+from tests.helpers.api_helpers import (
+    API_KEY,
+    auth,
+    collect_stream,
+    metric,
+    metric_samples,
+    result,
+    run_concurrently,
+    strictly_valid,
+)
 from tests.helpers.server import Server
 
 pytestmark = pytest.mark.slow
@@ -31,13 +39,20 @@ REPEATS = " ".join(["the"] * 12)
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "What is the tallest mountain in the world?"
 CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
-CHAT_WITH_PARTS = [{"role": "system", "content": SYSTEM},
-                   {"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
+CHAT_WITH_PARTS = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
+]
 TOOL_CHAT = [
     {"role": "system", "content": "You are a weather bot."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 25C"},
 ]
 TOOL_TOKENS = 10
@@ -48,8 +63,15 @@ RETURN_IDS = {"return_token_ids": True}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("api-openai") / "server.log"
-    with Server("--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "128MiB",
-                log_path=log_path) as server:
+    with Server(
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        "128MiB",
+        log_path=log_path,
+    ) as server:
         yield server
 
 
@@ -77,9 +99,12 @@ def detokenize(server: Server, tokens: list[int]) -> str:
 
 @pytest.fixture(scope="module")
 def prompt_ids(server) -> dict[str, list[int]]:
-    return {"fact": tokenize(server, prompt=FACT), "story": tokenize(server, prompt=STORY),
-            "repeats": tokenize(server, prompt=REPEATS),
-            "banana": tokenize(server, prompt=" banana", add_special_tokens=False)}
+    return {
+        "fact": tokenize(server, prompt=FACT),
+        "story": tokenize(server, prompt=STORY),
+        "repeats": tokenize(server, prompt=REPEATS),
+        "banana": tokenize(server, prompt=" banana", add_special_tokens=False),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +127,9 @@ def first_round(server, model, prompt_ids) -> dict:
             "seeded": complete(prompt=STORY, temperature=1.0, seed=11, extra_body={"ignore_eos": True}),
             "stream": collect_stream(greedy(prompt=FACT, stream=True, stream_options={"include_usage": True})),
             "repeats": greedy(prompt=REPEATS, extra_body=RETURN_IDS),
-            "repeats_penalized": greedy(prompt=REPEATS, presence_penalty=2.0, frequency_penalty=2.0,
-                                        extra_body=RETURN_IDS),
+            "repeats_penalized": greedy(
+                prompt=REPEATS, presence_penalty=2.0, frequency_penalty=2.0, extra_body=RETURN_IDS
+            ),
             "repeats_repetition_penalty": greedy(prompt=REPEATS, extra_body={**RETURN_IDS, "repetition_penalty": 2.0}),
             "banana_bias": greedy(prompt=FACT, max_tokens=3, logit_bias={str(banana): 100}, extra_body=RETURN_IDS),
             "top_k_1": complete(prompt=FACT, temperature=1.0, seed=5, extra_body={"top_k": 1}),
@@ -112,14 +138,21 @@ def first_round(server, model, prompt_ids) -> dict:
             "priority": greedy(prompt=FACT, extra_body={"priority": 3}),
             "chat": chat(messages=CHAT, max_completion_tokens=NEW_TOKENS, logprobs=True, top_logprobs=2),
             "chat_parts": chat(messages=CHAT_WITH_PARTS, max_completion_tokens=NEW_TOKENS),
-            "chat_stream": collect_stream(chat(messages=CHAT, max_completion_tokens=NEW_TOKENS, stream=True,
-                                               stream_options={"include_usage": True})),
+            "chat_stream": collect_stream(
+                chat(
+                    messages=CHAT, max_completion_tokens=NEW_TOKENS, stream=True, stream_options={"include_usage": True}
+                )
+            ),
             "tool": chat(messages=TOOL_CHAT, max_tokens=TOOL_TOKENS, logprobs=True),
             "tool_ignore_eos": chat(messages=TOOL_CHAT, max_tokens=TOOL_TOKENS, extra_body={"ignore_eos": True}),
-            "tool_special_tokens": chat(messages=TOOL_CHAT, max_tokens=TOOL_TOKENS,
-                                        extra_body={"ignore_eos": True, "skip_special_tokens": False}),
-            "tool_min_tokens": chat(messages=TOOL_CHAT, max_tokens=TOOL_TOKENS,
-                                    extra_body={"min_tokens": TOOL_MIN_TOKENS}),
+            "tool_special_tokens": chat(
+                messages=TOOL_CHAT,
+                max_tokens=TOOL_TOKENS,
+                extra_body={"ignore_eos": True, "skip_special_tokens": False},
+            ),
+            "tool_min_tokens": chat(
+                messages=TOOL_CHAT, max_tokens=TOOL_TOKENS, extra_body={"min_tokens": TOOL_MIN_TOKENS}
+            ),
         }
 
     return run_concurrently(server.url, build)
@@ -133,18 +166,18 @@ def first_new_token_index(token_ids: list[int]) -> int:
 @pytest.fixture(scope="module")
 def second_round(server, model, first_round) -> dict:
     greedy_choice = result(first_round, "greedy").choices[0]
-    stop = greedy_choice.text[len(greedy_choice.text) // 2:][:3]
+    stop = greedy_choice.text[len(greedy_choice.text) // 2 :][:3]
     stop_id = greedy_choice.token_ids[first_new_token_index(greedy_choice.token_ids)]
 
     def build(c: openai.AsyncOpenAI) -> dict:
-        greedy = functools.partial(c.completions.create, model=model, prompt=FACT, max_tokens=NEW_TOKENS,
-                                   temperature=0)
+        greedy = functools.partial(c.completions.create, model=model, prompt=FACT, max_tokens=NEW_TOKENS, temperature=0)
         return {
             "stop": greedy(stop=[stop, "never appears"]),
             "stop_included": greedy(stop=stop, extra_body={"include_stop_str_in_output": True}),
             "stop_token": greedy(extra_body={**RETURN_IDS, "stop_token_ids": [stop_id]}),
-            "first_token_banned": greedy(max_tokens=2, logit_bias={str(greedy_choice.token_ids[0]): -100},
-                                         extra_body=RETURN_IDS),
+            "first_token_banned": greedy(
+                max_tokens=2, logit_bias={str(greedy_choice.token_ids[0]): -100}, extra_body=RETURN_IDS
+            ),
         }
 
     return {"stop_string": stop, "stop_id": stop_id, **run_concurrently(server.url, build)}
@@ -186,7 +219,7 @@ def test_echo_prepends_the_prompt(server, first_round, prompt_ids):
     echoed = strictly_valid(result(first_round, "echo")).choices[0].text
     assert echoed.startswith(STORY) and len(echoed) > len(STORY)
     # greedy: 4 tokens continue the prompt as the first 4 of the longer run do
-    assert result(first_round, "texts").choices[1].text.startswith(echoed[len(STORY):])
+    assert result(first_round, "texts").choices[1].text.startswith(echoed[len(STORY) :])
     echoed_ids = strictly_valid(result(first_round, "echo_ids")).choices[0].text
     assert echoed_ids == echoed and detokenize(server, prompt_ids["story"]) == STORY
 
@@ -270,7 +303,7 @@ def test_stop_strings(first_round, second_round):
     stopped = strictly_valid(result(second_round, "stop")).choices[0]
     assert (stopped.text, stopped.finish_reason, stopped.stop_reason) == (greedy_text[:cut], "stop", stop)
     included = strictly_valid(result(second_round, "stop_included")).choices[0]
-    assert (included.text, included.finish_reason) == (greedy_text[:cut + len(stop)], "stop")
+    assert (included.text, included.finish_reason) == (greedy_text[: cut + len(stop)], "stop")
 
 
 def test_stop_token_ids(server, first_round, second_round):
@@ -280,7 +313,7 @@ def test_stop_token_ids(server, first_round, second_round):
     choice = response.choices[0]
     k = greedy_ids.index(stop_id)
     assert (choice.finish_reason, choice.stop_reason) == ("stop", stop_id)
-    assert choice.token_ids == greedy_ids[:k + 1] and response.usage.completion_tokens == k + 1
+    assert choice.token_ids == greedy_ids[: k + 1] and response.usage.completion_tokens == k + 1
     assert choice.text == detokenize(server, greedy_ids[:k])  # the stop token itself is not rendered
 
 
@@ -346,8 +379,9 @@ def test_min_tokens_holds_eos_back(first_round):
 
 
 def test_tokenize_and_detokenize(server, prompt_ids):
-    response = requests.post(f"{server.url}/tokenize", json={"prompt": FACT, "return_token_strs": True},
-                             headers=auth(), timeout=30)
+    response = requests.post(
+        f"{server.url}/tokenize", json={"prompt": FACT, "return_token_strs": True}, headers=auth(), timeout=30
+    )
     body = response.json()
     assert body["tokens"] == prompt_ids["fact"] and body["count"] == len(body["tokens"]) == len(body["token_strs"])
     assert body["max_model_len"] == MAX_MODEL_LEN
@@ -358,14 +392,17 @@ def test_tokenize_and_detokenize(server, prompt_ids):
 
 
 def test_version_and_health(server):
-    assert requests.get(f"{server.url}/version", headers=auth(), timeout=10).json() == {"version": tokenmill.__version__}
+    assert requests.get(f"{server.url}/version", headers=auth(), timeout=10).json() == {
+        "version": tokenmill.__version__
+    }
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_metrics_count_one_request(server, client, model, prompt_ids):
     before = metric_samples(server.url)
-    response = client.completions.create(model=model, prompt=FACT, max_tokens=2, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=model, prompt=FACT, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert response.usage.completion_tokens == 2
     after = metric_samples(server.url)
 
@@ -392,9 +429,19 @@ LONG = MAX_MODEL_LEN - 64
 
 async def open_streams(client: openai.AsyncOpenAI, model: str, chunks_each: int) -> list[openai.AsyncStream]:
     """NUM_STREAMS long streamed completions, each read for `chunks_each` chunks (with text) and left open."""
-    streams = await asyncio.gather(*(client.completions.create(
-        model=model, prompt=f"{SHARED_PREFIX}Tale number {i}:", max_tokens=LONG, temperature=0.8, stream=True,
-        extra_body={"ignore_eos": True}) for i in range(NUM_STREAMS)))
+    streams = await asyncio.gather(
+        *(
+            client.completions.create(
+                model=model,
+                prompt=f"{SHARED_PREFIX}Tale number {i}:",
+                max_tokens=LONG,
+                temperature=0.8,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(NUM_STREAMS)
+        )
+    )
 
     async def read(stream: openai.AsyncStream) -> None:
         chunks = aiter(stream)
@@ -422,26 +469,40 @@ def test_disconnected_clients_free_their_requests_and_blocks(server, client, mod
     num_engine_requests = NUM_STREAMS + 2 * NUM_UNSTREAMED
 
     async def scenario() -> tuple[float, float]:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
-                                      timeout=300) as async_client:
-            unstreamed = [asyncio.create_task(async_client.completions.create(
-                model=model, prompt=f"{SHARED_PREFIX}Tale number {i}:", max_tokens=LONG, n=2,
-                extra_body={"ignore_eos": True})) for i in range(NUM_STREAMS, NUM_STREAMS + NUM_UNSTREAMED)]
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300
+        ) as async_client:
+            unstreamed = [
+                asyncio.create_task(
+                    async_client.completions.create(
+                        model=model,
+                        prompt=f"{SHARED_PREFIX}Tale number {i}:",
+                        max_tokens=LONG,
+                        n=2,
+                        extra_body={"ignore_eos": True},
+                    )
+                )
+                for i in range(NUM_STREAMS, NUM_STREAMS + NUM_UNSTREAMED)
+            ]
             streams = await open_streams(async_client, model, chunks_each=2)
             _, usage_during, _ = await asyncio.to_thread(
-                poll_metrics, server.url, lambda running, usage: running == num_engine_requests)
+                poll_metrics, server.url, lambda running, usage: running == num_engine_requests
+            )
             # every connection drops mid-generation
             for task in unstreamed:
                 task.cancel()
             await asyncio.gather(*(stream.close() for stream in streams), *unstreamed, return_exceptions=True)
             _, _, seconds_to_free = await asyncio.to_thread(
-                poll_metrics, server.url, lambda running, usage: running == 0 and usage == 0)
+                poll_metrics, server.url, lambda running, usage: running == 0 and usage == 0
+            )
         return usage_during, seconds_to_free
 
     usage_during, seconds_to_free = asyncio.run(scenario())
     assert usage_during > 0 and metric(server.url, "vllm:num_requests_waiting") == 0
-    print(f"{num_engine_requests} requests of dropped clients freed in {seconds_to_free:.2f} s "
-          f"(KV usage {usage_during:.3f} before)")
+    print(
+        f"{num_engine_requests} requests of dropped clients freed in {seconds_to_free:.2f} s "
+        f"(KV usage {usage_during:.3f} before)"
+    )
     # Usage counts referenced blocks only: the freed prefix blocks stay cached, and the next request reuses them.
     again = client.completions.create(model=model, prompt=f"{SHARED_PREFIX}Tale number 99:", max_tokens=1)
     assert again.usage.prompt_tokens_details.cached_tokens >= 16

@@ -24,34 +24,63 @@ NEW_TOKENS = 6
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "What is the tallest mountain in the world?"
 CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
-ITEMS = [{"type": "message", "role": "system", "content": SYSTEM},
-         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                          "required": ["city"], "additionalProperties": False}}
+ITEMS = [
+    {"type": "message", "role": "system", "content": SYSTEM},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+]
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 TOOL_CHAT = [
     {"role": "system", "content": "You are a weather bot."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 25C"},
 ]
-TOOL_ITEMS = [{"role": "user", "content": "Weather in Paris?"},
-              {"type": "function_call", "call_id": "call_1", "name": "get_weather",
-               "arguments": '{"city": "Paris"}'},
-              {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 25C"}]
+TOOL_ITEMS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 25C"},
+]
 TOOL_TOKENS = 10  # the model ends this answer with EOS before (tests/engine/test_api_openai.py)
 HERMES_CALL = r'Sure\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,12}"\}\}</tool_call>'
-CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                "sunny": {"type": "boolean"}},
-               "required": ["city", "sunny"], "additionalProperties": False}
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("api-responses") / "server.log"
-    with Server("--api-key", API_KEY, "--max-model-len", "1024", "--kv-cache-memory-bytes", "128MiB",
-                "--tool-call-parser", "hermes", "--enable-auto-tool-choice", log_path=log_path) as server:
+    with Server(
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        "128MiB",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-auto-tool-choice",
+        log_path=log_path,
+    ) as server:
         yield server
 
 
@@ -72,26 +101,56 @@ def answers(server) -> dict:
         nested_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
         return {
             "chat": c.chat.completions.create(messages=CHAT, max_completion_tokens=NEW_TOKENS, **greedy),
-            "string": c.responses.create(input=QUESTION, instructions=SYSTEM, max_output_tokens=NEW_TOKENS,
-                                         **greedy),
+            "string": c.responses.create(input=QUESTION, instructions=SYSTEM, max_output_tokens=NEW_TOKENS, **greedy),
             "items": c.responses.create(input=ITEMS, max_output_tokens=NEW_TOKENS, **greedy),
-            "stream": events(c.responses.create(input=QUESTION, instructions=SYSTEM, max_output_tokens=NEW_TOKENS,
-                                                stream=True, **greedy)),
-            "tool_chat": c.chat.completions.create(messages=TOOL_CHAT, tools=[nested_tool], tool_choice="none",
-                                                   max_tokens=TOOL_TOKENS, **greedy),
-            "tool_helper": helper(c, input=TOOL_ITEMS, instructions="You are a weather bot.", tools=[WEATHER],
-                                  tool_choice="none", max_output_tokens=TOOL_TOKENS),
+            "stream": events(
+                c.responses.create(
+                    input=QUESTION, instructions=SYSTEM, max_output_tokens=NEW_TOKENS, stream=True, **greedy
+                )
+            ),
+            "tool_chat": c.chat.completions.create(
+                messages=TOOL_CHAT, tools=[nested_tool], tool_choice="none", max_tokens=TOOL_TOKENS, **greedy
+            ),
+            "tool_helper": helper(
+                c,
+                input=TOOL_ITEMS,
+                instructions="You are a weather bot.",
+                tools=[WEATHER],
+                tool_choice="none",
+                max_output_tokens=TOOL_TOKENS,
+            ),
             # tool_choice "auto": the hermes parser reads the call the model writes (a regex makes SmolLM2 write one)
-            "auto": helper(c, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=60,
-                           extra_body={"structured_outputs": {"regex": HERMES_CALL}}),
-            "named": c.responses.create(input="Weather in Paris?", tools=[WEATHER], max_output_tokens=40,
-                                        tool_choice={"type": "function", "name": "get_weather"}, **greedy),
-            "required": events(c.responses.create(input="Weather in Paris?", tools=[WEATHER], max_output_tokens=60,
-                                                  tool_choice="required", stream=True, **greedy)),
-            "json": c.responses.create(input="Pick a city and say whether it is sunny there.",
-                                       instructions="Answer with JSON.", max_output_tokens=60, **greedy,
-                                       text={"format": {"type": "json_schema", "name": "weather",
-                                                        "schema": CITY_SCHEMA, "strict": True}}),
+            "auto": helper(
+                c,
+                input="Weather in Paris?",
+                tools=[WEATHER],
+                max_output_tokens=60,
+                extra_body={"structured_outputs": {"regex": HERMES_CALL}},
+            ),
+            "named": c.responses.create(
+                input="Weather in Paris?",
+                tools=[WEATHER],
+                max_output_tokens=40,
+                tool_choice={"type": "function", "name": "get_weather"},
+                **greedy,
+            ),
+            "required": events(
+                c.responses.create(
+                    input="Weather in Paris?",
+                    tools=[WEATHER],
+                    max_output_tokens=60,
+                    tool_choice="required",
+                    stream=True,
+                    **greedy,
+                )
+            ),
+            "json": c.responses.create(
+                input="Pick a city and say whether it is sunny there.",
+                instructions="Answer with JSON.",
+                max_output_tokens=60,
+                **greedy,
+                text={"format": {"type": "json_schema", "name": "weather", "schema": CITY_SCHEMA, "strict": True}},
+            ),
         }
 
     return run_concurrently(server.url, build)
@@ -119,10 +178,18 @@ def test_typed_event_stream(answers):
     events = result(answers, "stream")
     whole = result(answers, "string")
     types = [event.type for event in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.incomplete"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert set(types[4:-4]) == {"response.output_text.delta"}
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert "".join(event.delta for event in events[4:-4]) == whole.output_text == events[-4].text
@@ -162,8 +229,9 @@ def test_forced_tool_choice_gives_function_calls(answers):
     assert all(item.type == "function_call" and item.name == "get_weather" for item in final.output)
     for item in final.output:
         jsonschema.validate(json.loads(item.arguments), WEATHER["parameters"])
-        streamed = "".join(e.delta for e in events
-                           if e.type == "response.function_call_arguments.delta" and e.item_id == item.id)
+        streamed = "".join(
+            e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == item.id
+        )
         assert streamed == item.arguments
 
 

@@ -28,12 +28,24 @@ pytestmark = pytest.mark.slow
 
 KEY = "sk-dashboard-test"
 MAX_TOKENS = 150
-SHARED_PREFIX = ("You are a careful assistant for a shipping company. Answer in full sentences, cite the relevant "
-                 "rule, and keep every answer under a hundred words. ") * 3
-QUESTIONS = ["Where is my parcel?", "Can I change the delivery address?", "What does express cost?",
-             "How are fragile items packed?", "Do you ship to islands?", "What if nobody is home?",
-             "Can I return a damaged item?", "How long is the warranty?", "Who pays customs fees?",
-             "Can I track a pallet?", "Is Sunday delivery possible?", "What is the weight limit?"]
+SHARED_PREFIX = (
+    "You are a careful assistant for a shipping company. Answer in full sentences, cite the relevant "
+    "rule, and keep every answer under a hundred words. "
+) * 3
+QUESTIONS = [
+    "Where is my parcel?",
+    "Can I change the delivery address?",
+    "What does express cost?",
+    "How are fragile items packed?",
+    "Do you ship to islands?",
+    "What if nobody is home?",
+    "Can I return a damaged item?",
+    "How long is the warranty?",
+    "Who pays customs fees?",
+    "Can I track a pallet?",
+    "Is Sunday delivery possible?",
+    "What is the weight limit?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +58,15 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1440,1080", "--force-device-scale-factor=1", "--hide-scrollbars"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1440,1080",
+        "--force-device-scale-factor=1",
+        "--hide-scrollbars",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(chromedriver), options=options)
     try:
@@ -62,8 +81,19 @@ def server(tmp_path_factory):
     # 64 MiB of KV is 91 blocks of SmolLM2 (1,456 tokens): 12 requests of ~93 + 150 tokens (64 of them a shared,
     # cached prefix) outgrow it about halfway, so some are preempted and recomputed; 128-token chunks make prefill
     # steps show next to decode steps
-    with Server("--max-model-len", "512", "--kv-cache-memory-bytes", "64MiB", "--max-num-seqs", "12",
-                "--max-num-batched-tokens", "128", "--api-key", KEY, log_path=log) as s:
+    with Server(
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        "64MiB",
+        "--max-num-seqs",
+        "12",
+        "--max-num-batched-tokens",
+        "128",
+        "--api-key",
+        KEY,
+        log_path=log,
+    ) as s:
         yield s
 
 
@@ -106,17 +136,30 @@ def test_dashboard_in_a_browser_under_load(browser, server, tmp_path):
 
     async def workload() -> list:
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=600) as client:
-            return await asyncio.gather(*[client.completions.create(
-                model="SmolLM2-135M-Instruct", prompt=SHARED_PREFIX + question, max_tokens=MAX_TOKENS, temperature=0,
-                extra_body={"ignore_eos": True, "priority": i % 3}) for i, question in enumerate(QUESTIONS)],
-                return_exceptions=True)
+            return await asyncio.gather(
+                *[
+                    client.completions.create(
+                        model="SmolLM2-135M-Instruct",
+                        prompt=SHARED_PREFIX + question,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0,
+                        extra_body={"ignore_eos": True, "priority": i % 3},
+                    )
+                    for i, question in enumerate(QUESTIONS)
+                ],
+                return_exceptions=True,
+            )
 
     results: list = []
     worker = threading.Thread(target=lambda: results.extend(asyncio.run(workload())))
     worker.start()
     try:
-        busy = wait_for(browser, lambda s: not worker.is_alive() or
-                        (int(s.get("running", 0)) >= 1 and int(s.get("blocksUsed", 0)) > 0), 120, "requests running")
+        busy = wait_for(
+            browser,
+            lambda s: not worker.is_alive() or (int(s.get("running", 0)) >= 1 and int(s.get("blocksUsed", 0)) > 0),
+            120,
+            "requests running",
+        )
         assert worker.is_alive(), f"the workload ended before the page saw it run: {results}"
         # the page keeps receiving updates while the workload runs, and draws what they carry
         seen_steps = {int(busy["stepId"])}
@@ -132,8 +175,13 @@ def test_dashboard_in_a_browser_under_load(browser, server, tmp_path):
             assert (state["shownUsed"], state["shownRunning"]) == (state["blocksUsed"], state["running"])
             assert state["queueRows"] == min(int(state["running"]) + int(state["waiting"]), 256)
             # the screenshot: a full pool, requests running and waiting, and a preemption on the timeline
-            if full is None and int(state["running"]) >= 3 and int(state["waiting"]) >= 1 and \
-                    int(state["blocksUsed"]) > num_blocks // 2 and int(state["preemptions"]) > 0:
+            if (
+                full is None
+                and int(state["running"]) >= 3
+                and int(state["waiting"]) >= 1
+                and int(state["blocksUsed"]) > num_blocks // 2
+                and int(state["preemptions"]) > 0
+            ):
                 time.sleep(1.5)  # a few more steps: the preempted requests' recompute shows as prefill
                 full = tmp_path / "dashboard.png"
                 browser.save_screenshot(str(full))
@@ -188,8 +236,9 @@ def test_dashboard_in_a_browser_under_load(browser, server, tmp_path):
 def test_debug_steps_streams_json_lines_to_scripts(server):
     """The same feed for scripts: JSON lines with the documented fields, behind the key."""
     assert requests.get(f"{server.url}/debug/steps?limit=1", timeout=10).status_code == 401
-    with requests.get(f"{server.url}/debug/steps?limit=3", headers={"Authorization": f"Bearer {KEY}"},
-                      stream=True, timeout=30) as resp:
+    with requests.get(
+        f"{server.url}/debug/steps?limit=3", headers={"Authorization": f"Bearer {KEY}"}, stream=True, timeout=30
+    ) as resp:
         assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("application/x-ndjson")
         lines = [line for line in resp.iter_lines() if line]
     import base64

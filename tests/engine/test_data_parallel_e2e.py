@@ -23,20 +23,37 @@ pytestmark = pytest.mark.slow
 
 TEXTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village at the edge of a great forest, there lived",
     "1, 2, 3, 4, 5,",
 ]
 NEW_TOKENS = 12
 # prompts shorter than a block (nothing to match or cache): the router sends them by load, so to both replicas
 FRESH = ["Tell me a story about a dragon.", "Why is the sea salty?"]
-SERVER_ARGS = ("--served-model-name", "m", "--dtype", "float32", "--max-model-len", "512",
-               "--kv-cache-memory-bytes", "64MiB", "--data-parallel-size", "2")
+SERVER_ARGS = (
+    "--served-model-name",
+    "m",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory-bytes",
+    "64MiB",
+    "--data-parallel-size",
+    "2",
+)
 
 
 def complete(url: str, prompt, **extra) -> requests.Response:
-    body = {"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     return requests.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
@@ -63,16 +80,20 @@ def child_of_replica(server: Server, role: str, replica: int) -> int:
 
 
 def engine_samples(url: str, name: str) -> dict[str, float]:
-    return {dict(labels)["engine"]: value for (sample, labels), value in metric_samples(url).items()
-            if sample == name and "engine" in dict(labels)}
+    return {
+        dict(labels)["engine"]: value
+        for (sample, labels), value in metric_samples(url).items()
+        if sample == name and "engine" in dict(labels)
+    }
 
 
 def test_two_replicas_match_transformers_and_survive_one_dying(tiny_checkpoints, smollm2_tokenizer, tmp_path):
     prompts = [smollm2_tokenizer.encode(text) for text in TEXTS]
     model = load_reference_model("llama", tiny_checkpoints)
     expected = [hf_greedy_reference(model, prompt, NEW_TOKENS) for prompt in prompts]
-    with Server(str(tiny_checkpoints("llama")), *SERVER_ARGS, log_path=tmp_path / "server.log",
-                startup_timeout=300) as server:
+    with Server(
+        str(tiny_checkpoints("llama")), *SERVER_ARGS, log_path=tmp_path / "server.log", startup_timeout=300
+    ) as server:
         kids = server.children()
         assert len(kids) == 4  # two replicas, each a scheduler and a worker
         assert requests.get(f"{server.url}/health", timeout=10).text == ""  # healthy: vLLM's empty 200
@@ -107,9 +128,12 @@ def test_two_replicas_match_transformers_and_survive_one_dying(tiny_checkpoints,
 
         def stream(index: int) -> None:
             try:
-                with requests.post(f"{server.url}/v1/completions", stream=True, timeout=60, json={
-                        "model": "m", "prompt": FRESH[index], "max_tokens": 50, "ignore_eos": True,
-                        "stream": True}) as response:
+                with requests.post(
+                    f"{server.url}/v1/completions",
+                    stream=True,
+                    timeout=60,
+                    json={"model": "m", "prompt": FRESH[index], "max_tokens": 50, "ignore_eos": True, "stream": True},
+                ) as response:
                     outcome[index]["status"] = response.status_code
                     outcome[index]["body"] = b"".join(response.iter_content(None)).decode(errors="replace")
             except requests.RequestException as exc:
@@ -126,8 +150,11 @@ def test_two_replicas_match_transformers_and_survive_one_dying(tiny_checkpoints,
             thread.join(60)
         assert not any(thread.is_alive() for thread in threads), "an in-flight request hung"
         failed = [o for o in outcome.values() if "exception" in o or '"error"' in o.get("body", "")]
-        finished = [o for o in outcome.values() if o.get("body", "").rstrip().endswith("data: [DONE]")
-                    and '"error"' not in o["body"]]
+        finished = [
+            o
+            for o in outcome.values()
+            if o.get("body", "").rstrip().endswith("data: [DONE]") and '"error"' not in o["body"]
+        ]
         assert len(failed) == 1 and len(finished) == 1, outcome
         assert failed[0]["ended"] - killed_at < 10, "the dead replica's request did not end fast"
 
@@ -158,15 +185,20 @@ def test_offline_two_replicas_match_transformers(tiny_checkpoints, smollm2_token
 
     prompts = [smollm2_tokenizer.encode(text) for text in TEXTS] * 2
     model = load_reference_model("qwen2", tiny_checkpoints)
-    expected = [hf_greedy_reference(model, prompt, NEW_TOKENS) for prompt in prompts[:len(TEXTS)]] * 2
+    expected = [hf_greedy_reference(model, prompt, NEW_TOKENS) for prompt in prompts[: len(TEXTS)]] * 2
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(str(tiny_checkpoints("qwen2")), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20,
-             data_parallel_size=2) as llm:
+    with LLM(
+        str(tiny_checkpoints("qwen2")),
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+        data_parallel_size=2,
+    ) as llm:
         assert len(llm.processes.children) == 4
         outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
         decisions = llm._engines.router.decisions
     for ours, reference in zip(outputs, expected):
         assert_greedy_match(ours, reference)
-    assert outputs[:len(TEXTS)] == outputs[len(TEXTS):]
+    assert outputs[: len(TEXTS)] == outputs[len(TEXTS) :]
     assert sum(sum(counts) for counts in decisions.values()) == len(prompts)
     assert all(sum(counts[r] for counts in decisions.values()) > 0 for r in (0, 1)), decisions

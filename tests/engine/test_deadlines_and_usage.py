@@ -29,9 +29,20 @@ SHARED = "You are a careful assistant who answers in full sentences and never ru
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("deadlines") / "server.log"
-    with Server("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "64MiB", "--max-num-seqs", "2",
-                "--max-queue-time", str(MAX_QUEUE_TIME_S), "--request-timeout", str(REQUEST_TIMEOUT_S),
-                log_path=log_path, startup_timeout=600) as server:
+    with Server(
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        "64MiB",
+        "--max-num-seqs",
+        "2",
+        "--max-queue-time",
+        str(MAX_QUEUE_TIME_S),
+        "--request-timeout",
+        str(REQUEST_TIMEOUT_S),
+        log_path=log_path,
+        startup_timeout=600,
+    ) as server:
         yield server
 
 
@@ -47,7 +58,7 @@ def sse_events(response: requests.Response) -> list[dict]:
     events = []
     for line in response.iter_lines():
         if line.startswith(b"data: ") and line != b"data: [DONE]":
-            events.append(json.loads(line[len(b"data: "):]))
+            events.append(json.loads(line[len(b"data: ") :]))
     return events
 
 
@@ -55,8 +66,10 @@ def wait_until_idle(server: Server, deadline_s: float = 30.0) -> float:
     """Seconds until /metrics shows no running or waiting request and no KV block in use."""
     start = time.monotonic()
     while True:
-        idle = all(metric(server.url, name) == 0 for name in
-                   ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"))
+        idle = all(
+            metric(server.url, name) == 0
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+        )
         waited = time.monotonic() - start
         if idle:
             return waited
@@ -71,8 +84,9 @@ def test_models_card_has_max_model_len_and_a_null_parent(server):
 
 def test_a_request_timeout_ends_a_completion_with_what_it_has(server):
     start = time.monotonic()
-    body = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True,
-                                            "timeout": 2.0}).json()
+    body = post(
+        server, "/v1/completions", {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "timeout": 2.0}
+    ).json()
     elapsed = time.monotonic() - start
     choice = body["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("length", "timeout")
@@ -82,9 +96,19 @@ def test_a_request_timeout_ends_a_completion_with_what_it_has(server):
 
 
 def test_a_deadline_ends_a_stream_with_usage_on_every_chunk_and_the_last(server):
-    response = post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG, "ignore_eos": True, "timeout": 2.0,
-        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, stream=True)
+    response = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": LONG,
+            "ignore_eos": True,
+            "timeout": 2.0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        stream=True,
+    )
     assert response.status_code == 200
     events = sse_events(response)
     *choice_chunks, usage_chunk = events
@@ -105,8 +129,9 @@ def test_the_server_request_timeout_bounds_a_request_without_its_own(server):
 
 
 def test_a_responses_timeout_ends_it_incomplete(server):
-    body = post(server, "/v1/responses", {"input": PROMPT, "max_output_tokens": LONG, "ignore_eos": True,
-                                          "timeout": 2.0}).json()
+    body = post(
+        server, "/v1/responses", {"input": PROMPT, "max_output_tokens": LONG, "ignore_eos": True, "timeout": 2.0}
+    ).json()
     assert body["status"] == "incomplete" and 0 < body["usage"]["output_tokens"] < LONG
 
 
@@ -114,8 +139,16 @@ def test_a_request_that_cannot_start_within_max_queue_time_gets_503_and_leaks_no
     # both sequences taken for longer than the queue limit (--request-timeout ends them), one after the other so that
     # neither waits behind the other's first step (seconds on a busy CPU)
     blocked: list[dict] = []
-    blockers = [threading.Thread(target=lambda i=i: blocked.append(post(server, "/v1/completions", {
-        "prompt": f"{PROMPT} {i}", "max_tokens": LONG, "ignore_eos": True}).json())) for i in range(2)]
+    blockers = [
+        threading.Thread(
+            target=lambda i=i: blocked.append(
+                post(
+                    server, "/v1/completions", {"prompt": f"{PROMPT} {i}", "max_tokens": LONG, "ignore_eos": True}
+                ).json()
+            )
+        )
+        for i in range(2)
+    ]
     deadline = time.monotonic() + 60
     for running, thread in enumerate(blockers, start=1):
         thread.start()
@@ -133,8 +166,12 @@ def test_a_request_that_cannot_start_within_max_queue_time_gets_503_and_leaks_no
 
 
 def test_a_dropped_stream_frees_its_request_within_a_step_or_two(server):
-    response = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True,
-                                                "stream": True}, stream=True)
+    response = post(
+        server,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True},
+        stream=True,
+    )
     lines = response.iter_lines()
     received = 0
     while received < 3:
@@ -150,9 +187,13 @@ def test_a_dropped_stream_frees_its_request_within_a_step_or_two(server):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_prefix_cache_hits_are_billed_as_cached_tokens(server, path):
     prompt = f"{SHARED} ({path})"
-    body = ({"prompt": prompt, "max_tokens": 1} if path == "/v1/completions" else
-            {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1} if path == "/v1/chat/completions"
-            else {"input": prompt, "max_output_tokens": 1})
+    body = (
+        {"prompt": prompt, "max_tokens": 1}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+        if path == "/v1/chat/completions"
+        else {"input": prompt, "max_output_tokens": 1}
+    )
     first, second = (post(server, path, body).json()["usage"] for _ in range(2))
     details = "input_tokens_details" if path == "/v1/responses" else "prompt_tokens_details"
     prompt_tokens = first["input_tokens" if path == "/v1/responses" else "prompt_tokens"]

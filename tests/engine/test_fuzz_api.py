@@ -36,17 +36,35 @@ sent = {"requests": 0, "4xx": 0, "2xx": 0}
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz")
     # a prompt logprobs budget the generated requests land on both sides of (fuzz_payloads.hostile_body)
-    with Server("--max-model-len", "512", "--kv-cache-memory-bytes", "64MiB", "--max-num-seqs", "8",
-                "--max-prompt-logprobs-elements", "20000", log_path=logs / "chat.log") as chat, \
-            Server("--task", "embed", "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
-                   log_path=logs / "embed.log") as embed:
+    with (
+        Server(
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory-bytes",
+            "64MiB",
+            "--max-num-seqs",
+            "8",
+            "--max-prompt-logprobs-elements",
+            "20000",
+            log_path=logs / "chat.log",
+        ) as chat,
+        Server(
+            "--task", "embed", "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", log_path=logs / "embed.log"
+        ) as embed,
+    ):
         yield {"chat": chat, "embed": embed}
 
 
 def send(base_url: str, request: FuzzRequest) -> tuple[int, bytes]:
     headers = {"Content-Type": request.content_type} if request.content_type else {}
-    with requests.request(request.method, base_url + request.path, data=request.body, headers=headers,
-                          timeout=REQUEST_TIMEOUT_S, stream=True) as response:
+    with requests.request(
+        request.method,
+        base_url + request.path,
+        data=request.body,
+        headers=headers,
+        timeout=REQUEST_TIMEOUT_S,
+        stream=True,
+    ) as response:
         return response.status_code, response.content  # a stream is read to its end
 
 
@@ -63,26 +81,109 @@ def check_answer(request: FuzzRequest, status: int, body: bytes) -> None:
 
 
 # No shrinking: each step of it is a round of live requests, and the failing request is printed whole anyway.
-@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
-                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 @given(batch=st.lists(st.tuples(st.sampled_from(["chat", "embed"]), fuzz_requests()), min_size=1, max_size=4))
 # failures the generated runs found once, kept so every run tries them (issue 28's: Responses function-call arguments
 # nested past the interpreter's stack, a structural tag's non-string begin, a schema integer msgpack cannot carry)
-@example(batch=[("chat", FuzzRequest("POST", "/v1/responses", json.dumps({"input": [
-    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}]}).encode(),
-    "application/json"))])
-@example(batch=[("chat", FuzzRequest("POST", "/v1/chat/completions", json.dumps({
-    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "response_format": {
-        "type": "structural_tag", "triggers": ["<f"], "structures": [{"begin": 5, "schema": {}, "end": "</f>"}]}}).encode(),
-    "application/json"))])
-@example(batch=[("chat", FuzzRequest("POST", "/v1/chat/completions", json.dumps({
-    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "structured_outputs": {"structural_tag": {
-        "triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"default": 2**65}, "end": "</f>"}]}}}).encode(),
-    "application/json"))])
-@example(batch=[("chat", FuzzRequest("POST", "/tokenize", b'{"prompt": "Hi", "messages": [{"content": "\xc7x"}]}', None))])
-@example(batch=[("chat", FuzzRequest("POST", "/v1/chat/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000
-                                     + b"}", "application/json"))])
+@example(
+    batch=[
+        (
+            "chat",
+            FuzzRequest(
+                "POST",
+                "/v1/responses",
+                json.dumps(
+                    {
+                        "input": [
+                            {
+                                "type": "function_call",
+                                "call_id": "c",
+                                "name": "f",
+                                "arguments": "[" * 100_000 + "]" * 100_000,
+                            }
+                        ]
+                    }
+                ).encode(),
+                "application/json",
+            ),
+        )
+    ]
+)
+@example(
+    batch=[
+        (
+            "chat",
+            FuzzRequest(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": "Hi"}],
+                        "max_tokens": 2,
+                        "response_format": {
+                            "type": "structural_tag",
+                            "triggers": ["<f"],
+                            "structures": [{"begin": 5, "schema": {}, "end": "</f>"}],
+                        },
+                    }
+                ).encode(),
+                "application/json",
+            ),
+        )
+    ]
+)
+@example(
+    batch=[
+        (
+            "chat",
+            FuzzRequest(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": "Hi"}],
+                        "max_tokens": 2,
+                        "structured_outputs": {
+                            "structural_tag": {
+                                "triggers": ["<f"],
+                                "structures": [{"begin": "<f>", "schema": {"default": 2**65}, "end": "</f>"}],
+                            }
+                        },
+                    }
+                ).encode(),
+                "application/json",
+            ),
+        )
+    ]
+)
+@example(
+    batch=[("chat", FuzzRequest("POST", "/tokenize", b'{"prompt": "Hi", "messages": [{"content": "\xc7x"}]}', None))]
+)
+@example(
+    batch=[
+        (
+            "chat",
+            FuzzRequest(
+                "POST",
+                "/v1/chat/completions",
+                b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                "application/json",
+            ),
+        )
+    ]
+)
 def test_no_request_gets_a_5xx_or_a_bare_error(servers, batch):
     with ThreadPoolExecutor(len(batch)) as pool:
         answers = list(pool.map(lambda item: send(servers[item[0]].url, item[1]), batch))
@@ -99,8 +200,11 @@ def test_after_the_fuzzing_each_instance_is_idle_whole_and_serving(servers, name
     assert server.proc.poll() is None, server.log_tail()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        idle = (metric(server.url, "vllm:num_requests_running") == 0 and metric(server.url, "vllm:num_requests_waiting") == 0
-                and metric(server.url, "vllm:kv_cache_usage_perc") == 0)
+        idle = (
+            metric(server.url, "vllm:num_requests_running") == 0
+            and metric(server.url, "vllm:num_requests_waiting") == 0
+            and metric(server.url, "vllm:kv_cache_usage_perc") == 0
+        )
         if idle:
             break
         time.sleep(0.5)

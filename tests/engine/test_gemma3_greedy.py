@@ -15,8 +15,10 @@ pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 24
 WINDOW = TINY_CONFIGS["gemma3"]["sliding_window"]
-SHARED = ("You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. "
-          "The user is a student preparing for an exam in European geography and history. ")
+SHARED = (
+    "You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. "
+    "The user is a student preparing for an exam in European geography and history. "
+)
 TEXTS = [
     "Hi",
     "The capital of France is",
@@ -34,14 +36,36 @@ def build_multimodal(root, tokenizer):
     path = root / "gemma3-multimodal"
     extra = {k: v for k, v in TINY_CONFIGS["gemma3"].items() if k not in ("architectures", "model_type")}
     extra.pop("final_logit_softcapping")  # transformers' Gemma3ForConditionalGeneration ignores it
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, initializer_range=0.1, **extra)
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=28, patch_size=14)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=3,
-                          boi_token_index=4, eoi_token_index=5, architectures=["Gemma3ForConditionalGeneration"],
-                          initializer_range=0.1)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        initializer_range=0.1,
+        **extra,
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=3,
+        boi_token_index=4,
+        eoi_token_index=5,
+        architectures=["Gemma3ForConditionalGeneration"],
+        initializer_range=0.1,
+    )
     torch.manual_seed(1)
     model = Gemma3ForConditionalGeneration(config).float().eval()
     with torch.no_grad():  # Gemma initialises its (1 + w) norms at w = 0: make them count
@@ -76,8 +100,9 @@ def test_gemma3_greedy_matches_transformers(kind, tiny_checkpoints, smollm2_toke
     assert min(len(p) for p in prompts) + NEW_TOKENS < WINDOW  # some sequences stay inside the window throughout
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(str(path), dtype="float32", max_model_len=1024, max_num_batched_tokens=16,
-             enable_prefix_caching=True) as llm:
+    with LLM(
+        str(path), dtype="float32", max_model_len=1024, max_num_batched_tokens=16, enable_prefix_caching=True
+    ) as llm:
         results = llm.generate(prompts + shared[:1], params, use_tqdm=False)
         results += llm.generate(shared[1:], params, use_tqdm=False)  # its shared prefix is cached by now
 

@@ -37,13 +37,23 @@ def smollm2_case(smollm2_tokenizer, smollm2_hf):
 
 
 @pytest.mark.parametrize("family", ["smollm2", "llama", "qwen2", "qwen3"])
-def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints, smollm2_tokenizer, tmp_path,
-                                                       request):
+def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints, smollm2_tokenizer, tmp_path, request):
     prompts = [smollm2_tokenizer.encode(t) for t in TEXTS]
     model_arg = str(smollm2_dir() / SMOLLM2_GGUF) if family == "smollm2" else str(tiny_checkpoints(family))
-    with Server(model_arg, "--served-model-name", "m", "--dtype", "float32", "--quantization", "none",
-                "--max-model-len", "1024",
-                "--kv-cache-memory-bytes", "256MiB", log_path=tmp_path / "server.log") as server:
+    with Server(
+        model_arg,
+        "--served-model-name",
+        "m",
+        "--dtype",
+        "float32",
+        "--quantization",
+        "none",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        "256MiB",
+        log_path=tmp_path / "server.log",
+    ) as server:
         with ThreadPoolExecutor(len(prompts)) as pool:
             ours = list(pool.map(lambda p: complete_ids(server.url, p, max_tokens=NEW_TOKENS), prompts))
     if family == "smollm2":
@@ -59,8 +69,9 @@ def run_offline(prompts, **engine_args) -> tuple[list[list[int]], "LLM"]:
     from tokenmill import LLM, SamplingParams
 
     # dequantized at load, as transformers runs the GGUF (tests/engine/test_quantized_gguf.py: the quantized path)
-    llm = LLM(str(smollm2_dir() / SMOLLM2_GGUF), dtype="float32", quantization="none", max_model_len=1024,
-              **engine_args)
+    llm = LLM(
+        str(smollm2_dir() / SMOLLM2_GGUF), dtype="float32", quantization="none", max_model_len=1024, **engine_args
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     results = llm.generate(prompts, params, use_tqdm=False)
     return [r.outputs[0].token_ids for r in results], llm
@@ -85,10 +96,14 @@ def test_scheduler_configurations_match_transformers(case, smollm2_case):
 
 
 def test_prefix_caching_hits_and_matches_transformers(smollm2_tokenizer, smollm2_hf):
-    shared = ("You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. "
-              "The user is a student preparing for an exam in European geography and history. ") * 3
-    prompts = [smollm2_tokenizer.encode(shared + q) for q in
-               ("What is the capital of Spain?", "Name a river in Germany.", "When did the Berlin wall fall?")]
+    shared = (
+        "You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. "
+        "The user is a student preparing for an exam in European geography and history. "
+    ) * 3
+    prompts = [
+        smollm2_tokenizer.encode(shared + q)
+        for q in ("What is the capital of Spain?", "Name a river in Germany.", "When did the Berlin wall fall?")
+    ]
     expected = references(smollm2_hf, prompts)
     from tokenmill import LLM, SamplingParams
 

@@ -21,8 +21,11 @@ TINY_ARGS = ("--kv-cache-memory-bytes", "64MiB", "--max-model-len", "512")
 
 
 def complete(url: str, max_tokens: int = 4) -> requests.Response:
-    return requests.post(f"{url}/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": "Hello there", "max_tokens": max_tokens, "temperature": 0})
+    return requests.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": "Hello there", "max_tokens": max_tokens, "temperature": 0},
+    )
 
 
 @pytest.fixture
@@ -54,9 +57,18 @@ def stream_in_background(url: str) -> tuple[threading.Thread, dict]:
 
     def stream():
         try:
-            with requests.post(f"{url}/v1/completions", stream=True, timeout=30, json={
-                    "model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-                    "stream": True}) as r:
+            with requests.post(
+                f"{url}/v1/completions",
+                stream=True,
+                timeout=30,
+                json={
+                    "model": "tiny",
+                    "prompt": "Once upon a time",
+                    "max_tokens": 400,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as r:
                 outcome["status"] = r.status_code
                 outcome["body"] = b"".join(r.iter_content(None)).decode(errors="replace")
         except requests.RequestException as exc:
@@ -81,8 +93,15 @@ def saw_health_503(server: Server, within_s: float) -> bool:
     return False
 
 
-def assert_failed_fast(server: Server, thread: threading.Thread, outcome: dict, failed_at: float, saw_503: bool,
-                       kids: list[int], within_s: float = 10) -> None:
+def assert_failed_fast(
+    server: Server,
+    thread: threading.Thread,
+    outcome: dict,
+    failed_at: float,
+    saw_503: bool,
+    kids: list[int],
+    within_s: float = 10,
+) -> None:
     thread.join(within_s + 5)
     assert not thread.is_alive(), "the in-flight request hung"
     assert outcome["done_at"] - failed_at < within_s
@@ -110,8 +129,15 @@ def test_killed_child_makes_health_503_and_fails_requests_fast(tiny_llama, tmp_p
 
 def test_a_worker_that_stops_answering_is_dead_after_the_step_timeout(tiny_llama, tmp_path):
     timeout_s = 2
-    server = Server(tiny_llama, "--served-model-name", "tiny", *TINY_ARGS, "--worker-step-timeout", str(timeout_s),
-                    log_path=tmp_path / "log").start()
+    server = Server(
+        tiny_llama,
+        "--served-model-name",
+        "tiny",
+        *TINY_ARGS,
+        "--worker-step-timeout",
+        str(timeout_s),
+        log_path=tmp_path / "log",
+    ).start()
     worker = child_by_role(server, "worker0")
     try:
         kids = server.children()
@@ -141,8 +167,14 @@ def test_killing_the_frontend_takes_the_children_down(tiny_llama, tmp_path):
 
 def test_two_instances_side_by_side(tiny_checkpoints, tmp_path):
     a = Server(str(tiny_checkpoints("llama")), "--served-model-name", "tiny", *TINY_ARGS, log_path=tmp_path / "a.log")
-    b = Server(str(tiny_checkpoints("qwen2")), "--served-model-name", "tiny", *TINY_ARGS, log_path=tmp_path / "b.log",
-               env={"TOKENMILL_LOG_IPC": "1"})
+    b = Server(
+        str(tiny_checkpoints("qwen2")),
+        "--served-model-name",
+        "tiny",
+        *TINY_ARGS,
+        log_path=tmp_path / "b.log",
+        env={"TOKENMILL_LOG_IPC": "1"},
+    )
     with a, b:
         ra, rb = complete(a.url), complete(b.url)
         assert ra.status_code == rb.status_code == 200
@@ -154,8 +186,13 @@ def test_two_instances_side_by_side(tiny_checkpoints, tmp_path):
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_missing_path_is_one_clear_sentence():

@@ -24,12 +24,21 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 1e-3
 MAX_GEN_TOKS = 8
 MULTIPLE_CHOICE = [
-    {"question": "Question: Which city is the capital of France, famous for the Eiffel Tower?\nAnswer:",
-     "choices": ["Paris", "London", "Berlin"], "answer": 0},
-    {"question": "Question: How many legs does a spider have? Count them carefully, one by one.\nAnswer:",
-     "choices": ["eight", "six", "four"], "answer": 0},
-    {"question": "Question: Snow and ice are the opposite of fire, because fire is hot and snow is\nAnswer:",
-     "choices": ["cold", "warm and sunny"], "answer": 0},
+    {
+        "question": "Question: Which city is the capital of France, famous for the Eiffel Tower?\nAnswer:",
+        "choices": ["Paris", "London", "Berlin"],
+        "answer": 0,
+    },
+    {
+        "question": "Question: How many legs does a spider have? Count them carefully, one by one.\nAnswer:",
+        "choices": ["eight", "six", "four"],
+        "answer": 0,
+    },
+    {
+        "question": "Question: Snow and ice are the opposite of fire, because fire is hot and snow is\nAnswer:",
+        "choices": ["cold", "warm and sunny"],
+        "answer": 0,
+    },
 ]
 GENERATION = [
     {"question": "Q: What is the capital of France?\nA:", "answer": " Paris"},
@@ -38,8 +47,10 @@ GENERATION = [
 
 
 def task_yaml(name: str, data: Path, body: str) -> str:
-    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-            f"test_split: test\ndoc_to_text: \"{{{{question}}}}\"\n{body}")
+    return (
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        f'test_split: test\ndoc_to_text: "{{{{question}}}}"\n{body}'
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +58,27 @@ def tasks_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("lm-eval-tasks")
     for name, docs in [("mc", MULTIPLE_CHOICE), ("gen", GENERATION)]:
         (root / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
-    (root / "tm_mc.yaml").write_text(task_yaml("tm_mc", root / "mc.jsonl", (
-        "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "metric_list:\n  - metric: acc\n")))
-    (root / "tm_gen.yaml").write_text(task_yaml("tm_gen", root / "gen.jsonl", (
-        "output_type: generate_until\ndoc_to_target: \"{{answer}}\"\n"
-        f"generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: {MAX_GEN_TOKS}\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")))
+    (root / "tm_mc.yaml").write_text(
+        task_yaml(
+            "tm_mc",
+            root / "mc.jsonl",
+            (
+                'output_type: multiple_choice\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+                "metric_list:\n  - metric: acc\n"
+            ),
+        )
+    )
+    (root / "tm_gen.yaml").write_text(
+        task_yaml(
+            "tm_gen",
+            root / "gen.jsonl",
+            (
+                'output_type: generate_until\ndoc_to_target: "{{answer}}"\n'
+                f'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: {MAX_GEN_TOKS}\n  do_sample: false\n'
+                "metric_list:\n  - metric: exact_match\n"
+            ),
+        )
+    )
     return root
 
 
@@ -61,8 +86,11 @@ def tasks_dir(tmp_path_factory) -> Path:
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The GGUF's tokenizer as a local HF directory, for lm-eval's huggingface tokenizer backend."""
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
-    subprocess.run([sys.executable, "-m", "tokenmill.frontend.gguf_tokenizer", str(smollm2_dir() / SMOLLM2_GGUF),
-                    str(out)], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "tokenmill.frontend.gguf_tokenizer", str(smollm2_dir() / SMOLLM2_GGUF), str(out)],
+        check=True,
+        timeout=300,
+    )
     return out
 
 
@@ -70,16 +98,51 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def samples(tasks_dir, tokenizer_dir, tmp_path_factory) -> dict[str, list[dict]]:
     """lm-eval's logged samples per task, from one run against a live float32 server (prompts chunked by 16)."""
     out = tmp_path_factory.mktemp("lm-eval-out")
-    with Server(str(smollm2_dir() / SMOLLM2_GGUF), "--served-model-name", "m", "--dtype", "float32", "-q", "none",
-                "--max-model-len", "512", "--max-num-batched-tokens", "16", "--kv-cache-memory-bytes", "64MiB",
-                log_path=out / "server.log") as server:
-        model_args = (f"model=m,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
-                      f"tokenizer={tokenizer_dir},num_concurrent=1,max_retries=1,max_length=512")
+    with Server(
+        str(smollm2_dir() / SMOLLM2_GGUF),
+        "--served-model-name",
+        "m",
+        "--dtype",
+        "float32",
+        "-q",
+        "none",
+        "--max-model-len",
+        "512",
+        "--max-num-batched-tokens",
+        "16",
+        "--kv-cache-memory-bytes",
+        "64MiB",
+        log_path=out / "server.log",
+    ) as server:
+        model_args = (
+            f"model=m,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={tokenizer_dir},num_concurrent=1,max_retries=1,max_length=512"
+        )
         env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
-                               "--model_args", model_args, "--tasks", "tm_mc", "tm_gen", "--include_path",
-                               str(tasks_dir), "--output_path", str(out / "results"), "--log_samples"],
-                              env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lm_eval",
+                "run",
+                "--model",
+                "local-completions",
+                "--model_args",
+                model_args,
+                "--tasks",
+                "tm_mc",
+                "tm_gen",
+                "--include_path",
+                str(tasks_dir),
+                "--output_path",
+                str(out / "results"),
+                "--log_samples",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = {}
     for task in ("tm_mc", "tm_gen"):
@@ -104,7 +167,7 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer(context + continuation, add_special_tokens=False).input_ids
     context_ids = tokenizer(context, add_special_tokens=False).input_ids
-    return context_ids, whole[len(context_ids):]
+    return context_ids, whole[len(context_ids) :]
 
 
 @torch.no_grad()
@@ -154,10 +217,10 @@ def test_generate_until_matches_transformers_greedy(samples, reference):
         prompt_ids = tokenizer(GENERATION[doc["doc_id"]]["question"], add_special_tokens=False).input_ids
         steps = hf_greedy_reference(model, prompt_ids, MAX_GEN_TOKS)
         ties = [i for i, (_, margin) in enumerate(steps) if margin < NEAR_TIE_MARGIN]
-        trusted = [token for token, _ in steps[:ties[0] if ties else len(steps)]]
+        trusted = [token for token, _ in steps[: ties[0] if ties else len(steps)]]
         expected = tokenizer.decode(trusted, skip_special_tokens=True)
         cut = [expected.index(stop) for stop in ("\n", tokenizer.eos_token) if stop in expected]
         if cut:  # lm-eval stops at "\n" (and the EOS text)
-            assert response == expected[:min(cut)]
+            assert response == expected[: min(cut)]
         else:
             assert response.startswith(expected) and expected, (response, expected)

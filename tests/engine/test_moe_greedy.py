@@ -12,11 +12,18 @@ from tests.helpers.reference import TEXTS, assert_greedy_match, hf_greedy_refere
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 24
-SHARED = ("You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. "
-          "The user is a student preparing for an exam in European geography and history. ") * 2
+SHARED = (
+    "You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. "
+    "The user is a student preparing for an exam in European geography and history. "
+) * 2
 QUESTIONS = ["What is the capital of Spain?", "Name a river in Germany."]
-ENGINE_ARGS = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=True,
-                   max_num_batched_tokens=32)
+ENGINE_ARGS = dict(
+    dtype="float32",
+    max_model_len=1024,
+    kv_cache_memory_bytes=256 << 20,
+    enable_prefix_caching=True,
+    max_num_batched_tokens=32,
+)
 
 
 def generate(model: str, prompts: list[list[int]], tensor_parallel_size: int = 1):

@@ -42,7 +42,8 @@ def test_more_prompts_than_max_waiting_requests(tiny_llama):
 def test_a_script_without_a_main_guard_runs(tiny_llama, tmp_path):
     # multiprocessing's spawn would re-run this script in every engine process (which then dies starting its own)
     script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         from tokenmill import LLM, SamplingParams
 
@@ -50,9 +51,11 @@ def test_a_script_without_a_main_guard_runs(tiny_llama, tmp_path):
         llm = LLM(sys.argv[1], max_model_len=256, kv_cache_memory_bytes=16 << 20)
         out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
         print("tokens", len(out[0].outputs[0].token_ids))
-    """))
-    done = subprocess.run([sys.executable, str(script), tiny_llama], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), tiny_llama], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["script ran", "tokens 4"]
 
@@ -60,8 +63,10 @@ def test_a_script_without_a_main_guard_runs(tiny_llama, tmp_path):
 @pytest.mark.slow
 def test_seeded_sampling_is_the_same_alone_and_when_preempted_under_load(tiny_llama):
     prompts = ["Once upon a time", "The weather today", "In a galaxy far away", "My favourite food is"]
-    params = [SamplingParams(max_tokens=40, temperature=1.0, top_k=200, seed=100 + i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, top_k=200, seed=100 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     # each request needs 3 blocks of 16 at most: alone it fits the 6 blocks, four at once do not
     with LLM(tiny_llama, num_kv_blocks=6, block_size=16, enable_prefix_caching=False, **SMALL) as llm:
         preemptions = []
@@ -75,9 +80,19 @@ def test_seeded_sampling_is_the_same_alone_and_when_preempted_under_load(tiny_ll
 
 
 def test_generation_config_defaults_are_read_as_vllm_does(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 7,
-         "do_sample": True, "bos_token_id": 1}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.6,
+                "top_p": 0.9,
+                "top_k": 20,
+                "repetition_penalty": 1.05,
+                "max_new_tokens": 7,
+                "do_sample": True,
+                "bos_token_id": 1,
+            }
+        )
+    )
     expected = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 7}
     assert generation_defaults(tmp_path, None, "auto") == expected
     assert generation_defaults(tmp_path / "elsewhere", None, str(tmp_path)) == expected  # a folder

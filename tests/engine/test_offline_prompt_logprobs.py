@@ -19,11 +19,18 @@ def test_offline_prompt_logprobs_equal_transformers(tiny_checkpoints):
     tokenizer = AutoTokenizer.from_pretrained(path)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     text = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
-    with LLM(path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=8,
-             enable_prefix_caching=True) as llm:
+    with LLM(
+        path,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+    ) as llm:
         (plain,) = llm.generate(text, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
-        (scored,) = llm.generate(text, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2, n=2),
-                                 use_tqdm=False)
+        (scored,) = llm.generate(
+            text, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2, n=2), use_tqdm=False
+        )
     assert plain.prompt_logprobs is None and plain.num_cached_tokens == 0
     ids = scored.prompt_token_ids
     assert ids == plain.prompt_token_ids and len(ids) > 8 and len(scored.outputs) == 2

@@ -17,11 +17,16 @@ from tests.helpers.parallel_e2e import assert_tp2_matches, offline_greedy
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
-SHARED = ("You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. The user "
-          "is a student preparing for an exam in European geography and history, and asks one question at a time. "
-          "Keep every answer under fifty words, name dates and places exactly, and say so when you do not know. ")
-QUESTIONS = ["What is the capital of Spain?", "Name a river in Germany and the sea it flows into.",
-             "When did the Berlin wall fall, and why?"]
+SHARED = (
+    "You are a careful assistant. Answer briefly and precisely, cite no sources, and never apologise. The user "
+    "is a student preparing for an exam in European geography and history, and asks one question at a time. "
+    "Keep every answer under fifty words, name dates and places exactly, and say so when you do not know. "
+)
+QUESTIONS = [
+    "What is the capital of Spain?",
+    "Name a river in Germany and the sea it flows into.",
+    "When did the Berlin wall fall, and why?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +42,19 @@ def expected(prompts, tiny_checkpoints):
     return [hf_greedy_reference(model, p, NEW_TOKENS) for p in prompts]
 
 
-def test_phi3_greedy_with_chunked_prefill_and_prefix_caching_matches_transformers(prompts, expected,
-                                                                                   tiny_checkpoints):
+def test_phi3_greedy_with_chunked_prefill_and_prefix_caching_matches_transformers(prompts, expected, tiny_checkpoints):
     from tokenmill import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(str(tiny_checkpoints("phi3")), dtype="float32", max_model_len=1024, enable_chunked_prefill=True,
-             enable_prefix_caching=True, max_num_batched_tokens=24, block_size=16) as llm:
+    with LLM(
+        str(tiny_checkpoints("phi3")),
+        dtype="float32",
+        max_model_len=1024,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=24,
+        block_size=16,
+    ) as llm:
         first = llm.generate(prompts[:1], params, use_tqdm=False)  # 24-token chunks, across position 64
         rest = llm.generate(prompts[1:], params, use_tqdm=False)  # these read the shared prefix from the cache
     results = first + rest

@@ -43,16 +43,21 @@ def generate(model: str, prompts: list[list[int]], **parallel) -> tuple[list[lis
 
 def assert_matches_transformers(family: str, tiny_checkpoints, prompts, outputs) -> None:
     reference = load_reference_model(family, tiny_checkpoints)
-    compared = [assert_greedy_match(ours, hf_greedy_reference(reference, prompt, NEW_TOKENS))
-                for ours, prompt in zip(outputs, prompts, strict=True)]
+    compared = [
+        assert_greedy_match(ours, hf_greedy_reference(reference, prompt, NEW_TOKENS))
+        for ours, prompt in zip(outputs, prompts, strict=True)
+    ]
     assert all(len(ours) == NEW_TOKENS for ours in outputs)
     assert sum(compared) >= len(outputs) * NEW_TOKENS // 2, f"too few tokens compared before near ties: {compared}"
 
 
 def test_two_pipeline_stages_match_transformers(tiny_checkpoints, prompts):
     outputs, llm = generate(str(tiny_checkpoints("qwen2")), prompts, pipeline_parallel_size=2)
-    assert [name for name, _ in llm.processes.children] == ["tokenmill-scheduler", "tokenmill-worker0",
-                                                            "tokenmill-worker1"]
+    assert [name for name, _ in llm.processes.children] == [
+        "tokenmill-scheduler",
+        "tokenmill-worker0",
+        "tokenmill-worker1",
+    ]
     assert_matches_transformers("qwen2", tiny_checkpoints, prompts, outputs)
 
 
@@ -101,8 +106,13 @@ def test_two_stages_of_two_ranks_on_a_two_node_ray_cluster_match_transformers(ti
         import ray
         from tokenmill import LLM, SamplingParams
 
-        with LLM(str(tiny_checkpoints("llama")), **ENGINE_ARGS, pipeline_parallel_size=2, tensor_parallel_size=2,
-                 distributed_executor_backend="ray") as llm:
+        with LLM(
+            str(tiny_checkpoints("llama")),
+            **ENGINE_ARGS,
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+        ) as llm:
             params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
             outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
             workers = llm.processes.replicas[0].ray_workers

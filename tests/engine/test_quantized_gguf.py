@@ -74,8 +74,10 @@ def test_weights_stay_quantized(runners):
 @pytest.fixture(scope="module")
 def greedy_reference(runners) -> tuple[list[list[int]], list[list[int]]]:
     tokenizer = smollm2_tokenizer()
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                           tokenize=False) for q in QUESTIONS]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     return prompts, run_greedy(runners["none"], prompts, NEW_TOKENS, num_blocks=NUM_BLOCKS)
 

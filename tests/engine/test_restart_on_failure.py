@@ -62,8 +62,9 @@ def readiness_during(url: str, records: list[StreamRecord], within_s: float) -> 
 
 
 def test_a_killed_worker_is_replaced_and_every_stream_completes(tiny_checkpoints, tmp_path):
-    with Server(str(tiny_checkpoints("llama")), *TINY_ARGS, "--restart-on-failure",
-                log_path=tmp_path / "log") as server:
+    with Server(
+        str(tiny_checkpoints("llama")), *TINY_ARGS, "--restart-on-failure", log_path=tmp_path / "log"
+    ) as server:
         undisturbed = run_all(server.url)
         assert all(r.done and r.completion_tokens == MAX_TOKENS for r in undisturbed)
         old_worker = worker_pid(server)
@@ -87,8 +88,14 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes(tiny_checkpoints
 
 def test_a_hung_worker_is_replaced_after_the_step_timeout(tiny_checkpoints, tmp_path):
     greedy = bodies()[:4]
-    with Server(str(tiny_checkpoints("llama")), *TINY_ARGS, "--restart-on-failure", "--worker-step-timeout", "1",
-                log_path=tmp_path / "log") as server:
+    with Server(
+        str(tiny_checkpoints("llama")),
+        *TINY_ARGS,
+        "--restart-on-failure",
+        "--worker-step-timeout",
+        "1",
+        log_path=tmp_path / "log",
+    ) as server:
         threads, undisturbed = start_streams(server.url, greedy)
         for thread in threads:
             thread.join(120)

@@ -23,9 +23,17 @@ def pair(command: str, env: dict, timeout: float = 400) -> subprocess.CompletedP
 
 @pytest.fixture
 def pair_env(tmp_path) -> dict:
-    return {**os.environ, "TOKENMILL_PAIR_DIR": str(tmp_path), "PYTHON": sys.executable,
-            "CHAT_PORT": str(free_port()), "EMBED_PORT": str(free_port()), "CHAT_KV_CACHE": "64MiB",
-            "CHAT_ARGS": "--max-model-len 512", "PAIR_HOST": "127.0.0.1", "STOP_TIMEOUT": "20"}
+    return {
+        **os.environ,
+        "TOKENMILL_PAIR_DIR": str(tmp_path),
+        "PYTHON": sys.executable,
+        "CHAT_PORT": str(free_port()),
+        "EMBED_PORT": str(free_port()),
+        "CHAT_KV_CACHE": "64MiB",
+        "CHAT_ARGS": "--max-model-len 512",
+        "PAIR_HOST": "127.0.0.1",
+        "STOP_TIMEOUT": "20",
+    }
 
 
 def instance_pids(run_dir: Path) -> list[int]:
@@ -46,12 +54,19 @@ def test_pair_serves_chat_and_embeddings_then_stops_cleanly(pair_env, tmp_path):
 
         chat_url = f"http://127.0.0.1:{pair_env['CHAT_PORT']}"
         embed_url = f"http://127.0.0.1:{pair_env['EMBED_PORT']}"
-        chat = requests.post(f"{chat_url}/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
-            "temperature": 0})
+        chat = requests.post(
+            f"{chat_url}/v1/chat/completions",
+            timeout=120,
+            json={
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        )
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
-        embedding = requests.post(f"{embed_url}/v1/embeddings", timeout=120,
-                                  json={"input": ["The cat sat on the mat.", "hello"]})
+        embedding = requests.post(
+            f"{embed_url}/v1/embeddings", timeout=120, json={"input": ["The cat sat on the mat.", "hello"]}
+        )
         assert embedding.status_code == 200
         assert [len(d["embedding"]) for d in embedding.json()["data"]] == [384, 384]
         # each instance serves its own task only

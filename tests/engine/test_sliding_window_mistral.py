@@ -39,13 +39,20 @@ def test_mistral_sliding_window_matches_transformers_with_bounded_blocks(tiny_ch
 
     summaries = []
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(str(path), dtype="float32", max_model_len=512, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
-             enable_prefix_caching=True) as llm:
+    with LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=512,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    ) as llm:
         # one at a time, so the pool's use is this request's; the second shares the first's prompt prefix
         results = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         llm.watch_steps(summaries.append, interval_s=0.001)
-        long = llm.generate([prompts[0]], SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True),
-                            use_tqdm=False)[0]
+        long = llm.generate(
+            [prompts[0]], SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False
+        )[0]
         llm.watch_steps(None)
     compared = [assert_greedy_match(r.outputs[0].token_ids, e) for r, e in zip(results, expected)]
     assert all(len(r.outputs[0].token_ids) == NEW_TOKENS for r in results)

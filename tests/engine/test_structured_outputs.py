@@ -26,15 +26,24 @@ pytestmark = pytest.mark.slow
 NUM_SCHEMAS = int(os.environ.get("TOKENMILL_SCHEMA_COUNT", "200"))
 MAX_TOKENS = 400
 CONCURRENCY = 32
-PROMPT = [{"role": "system", "content": "You answer with one JSON object and nothing else."},
-          {"role": "user", "content": "Invent some data for a small record."}]
+PROMPT = [
+    {"role": "system", "content": "You answer with one JSON object and nothing else."},
+    {"role": "user", "content": "Invent some data for a small record."},
+]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("structured") / "server.log"
-    with Server("--max-model-len", "1024", "--kv-cache-memory-bytes", "256MiB", "--max-num-seqs",
-                str(CONCURRENCY), log_path=log_path) as server:
+    with Server(
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        "256MiB",
+        "--max-num-seqs",
+        str(CONCURRENCY),
+        log_path=log_path,
+    ) as server:
         yield server
 
 
@@ -59,8 +68,14 @@ async def _ask_all(url: str, model: str, schemas: list[dict], stream: bool) -> l
 
     async def ask(i: int, schema: dict) -> tuple[str, str]:
         async with gate:
-            kwargs = dict(model=model, messages=PROMPT, temperature=1.0, max_tokens=MAX_TOKENS, seed=i,
-                          response_format=schema_format(schema))
+            kwargs = dict(
+                model=model,
+                messages=PROMPT,
+                temperature=1.0,
+                max_tokens=MAX_TOKENS,
+                seed=i,
+                response_format=schema_format(schema),
+            )
             if not stream:
                 response = await client.chat.completions.create(**kwargs)
                 return response.choices[0].message.content, response.choices[0].finish_reason
@@ -93,8 +108,9 @@ def test_random_json_schemas_give_valid_json_at_temperature_1(server, model, str
 
 def test_each_kind_of_constraint(client, model):
     def chat(**extra) -> list[str]:
-        response = client.chat.completions.create(model=model, messages=PROMPT, temperature=1.0, max_tokens=60,
-                                                  seed=3, **extra)
+        response = client.chat.completions.create(
+            model=model, messages=PROMPT, temperature=1.0, max_tokens=60, seed=3, **extra
+        )
         assert all(c.finish_reason == "stop" for c in response.choices), "cut off: the constraint was not completed"
         return [c.message.content for c in response.choices]
 
@@ -111,34 +127,54 @@ def test_each_kind_of_constraint(client, model):
     assert chat(extra_body={"guided_grammar": gbnf})[0] in ("color: red", "color: green", "color: blue")
     # free-form JSON at temperature 1 can fill any max_tokens inside one string: greedy, asked for a short object
     short = client.chat.completions.create(
-        model=model, temperature=0, max_tokens=100, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": 'Reply with a JSON object like {"answer": 4}: what is 2 + 2?'}])
+        model=model,
+        temperature=0,
+        max_tokens=100,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'Reply with a JSON object like {"answer": 4}: what is 2 + 2?'}],
+    )
     assert short.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(short.choices[0].message.content), dict)
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
-              "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     assert 1 <= json.loads(chat(extra_body={"guided_json": schema})[0])["n"] <= 9
 
-    completion = client.completions.create(model=model, prompt="Answer in JSON:", max_tokens=60, temperature=1.0,
-                                           n=2, seed=5, extra_body={"structured_outputs": {"json": schema}})
+    completion = client.completions.create(
+        model=model,
+        prompt="Answer in JSON:",
+        max_tokens=60,
+        temperature=1.0,
+        n=2,
+        seed=5,
+        extra_body={"structured_outputs": {"json": schema}},
+    )
     for choice in completion.choices:
         jsonschema.validate(json.loads(choice.text), schema)
         assert choice.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
-    ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
-    ({"structured_outputs": {"json": {"type": "object"}, "backend": "xgrammar"}}, "structured_outputs.backend"),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-    ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "guided_json"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+        ({"structured_outputs": {"json": {"type": "object"}, "backend": "xgrammar"}}, "structured_outputs.backend"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "guided_json"),
+    ],
+)
 def test_invalid_constraints_are_400s_naming_the_field(client, model, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=PROMPT, max_tokens=5, extra_body=body)
@@ -146,6 +182,7 @@ def test_invalid_constraints_are_400s_naming_the_field(client, model, body, para
     assert error["param"] == param, error
     assert error["type"] == "BadRequestError"
     # the server is still serving, with nothing left behind
-    ok = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=3,
-                                        extra_body={"guided_choice": ["fine"]})
+    ok = client.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=3, extra_body={"guided_choice": ["fine"]}
+    )
     assert ok.choices[0].message.content == "fine"

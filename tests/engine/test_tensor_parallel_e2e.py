@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 TEXTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village at the edge of a great forest, there lived",
 ]
 
@@ -44,9 +44,23 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
 
 def test_default_model_served_on_two_ranks_matches_one_rank_and_transformers(prompts, tiny_checkpoints, tmp_path):
     model = str(smollm2_dir() / SMOLLM2_GGUF)
-    with Server(model, "--served-model-name", "m", "--tensor-parallel-size", "2", "--dtype", "float32",
-                "--quantization", "none", "--max-model-len", "1024", "--kv-cache-memory-bytes", "256MiB", log_path=tmp_path / "server.log",
-                startup_timeout=300) as server:
+    with Server(
+        model,
+        "--served-model-name",
+        "m",
+        "--tensor-parallel-size",
+        "2",
+        "--dtype",
+        "float32",
+        "--quantization",
+        "none",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        "256MiB",
+        log_path=tmp_path / "server.log",
+        startup_timeout=300,
+    ) as server:
         for rank in (0, 1):
             child_by_role(server, f"worker{rank}")  # raises unless that rank's process is up
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -65,18 +79,37 @@ def test_tiny_qwen2_offline_on_two_ranks_matches_one_rank_and_transformers(promp
 
 
 def test_killing_rank1_mid_request_takes_the_instance_down(tiny_checkpoints, tmp_path):
-    server = Server(str(tiny_checkpoints("llama")), "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                    "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "512", log_path=tmp_path / "server.log",
-                    startup_timeout=300).start()
+    server = Server(
+        str(tiny_checkpoints("llama")),
+        "--served-model-name",
+        "tiny",
+        "--tensor-parallel-size",
+        "2",
+        "--kv-cache-memory-bytes",
+        "64MiB",
+        "--max-model-len",
+        "512",
+        log_path=tmp_path / "server.log",
+        startup_timeout=300,
+    ).start()
     try:
         kids = server.children()
         outcome: dict = {}
 
         def stream() -> None:  # a long generation, so rank 0 is mid-step (in an all-reduce) when rank 1 dies
             try:
-                with requests.post(f"{server.url}/v1/completions", stream=True, timeout=60, json={
-                        "model": "tiny", "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True,
-                        "stream": True}) as response:
+                with requests.post(
+                    f"{server.url}/v1/completions",
+                    stream=True,
+                    timeout=60,
+                    json={
+                        "model": "tiny",
+                        "prompt": "Once upon a time",
+                        "max_tokens": 500,
+                        "ignore_eos": True,
+                        "stream": True,
+                    },
+                ) as response:
                     outcome["body"] = b"".join(response.iter_content(None)).decode(errors="replace")
             except requests.RequestException as exc:
                 outcome["exception"] = repr(exc)

@@ -26,21 +26,39 @@ pytestmark = pytest.mark.slow
 
 WEATHER_PARAMETERS = {
     "type": "object",
-    "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
-                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
-TIME_PARAMETERS = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
-                   "required": ["zone"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast in a city",
-                                           "parameters": WEATHER_PARAMETERS}},
-         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
-                                           "parameters": TIME_PARAMETERS}}]
+TIME_PARAMETERS = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather forecast in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "The time in a zone", "parameters": TIME_PARAMETERS},
+    },
+]
 SCHEMAS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
-ASK = [{"role": "system", "content": "You are a weather assistant. Use the tools."},
-       {"role": "user", "content": "What is the weather in Paris for the next two days?"}]
+ASK = [
+    {"role": "system", "content": "You are a weather assistant. Use the tools."},
+    {"role": "user", "content": "What is the weather in Paris for the next two days?"},
+]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 MAX_TOKENS = 160
 
@@ -61,9 +79,19 @@ def tool_model(tiny_checkpoints, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_server(tool_model, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("tool-calling") / "tiny.log"
-    with Server(str(tool_model), "--served-model-name", "tiny", "--tool-call-parser", "hermes",
-                "--enable-auto-tool-choice", "--max-model-len", "1024", "--kv-cache-memory-bytes", "64MiB",
-                log_path=log_path) as server:
+    with Server(
+        str(tool_model),
+        "--served-model-name",
+        "tiny",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-auto-tool-choice",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        "64MiB",
+        log_path=log_path,
+    ) as server:
         yield server
 
 
@@ -73,8 +101,9 @@ def tiny(tiny_server) -> openai.OpenAI:
 
 
 def ask(client: openai.OpenAI, model: str, messages=ASK, **fields):
-    return client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                          **{"temperature": 0, "max_tokens": MAX_TOKENS, **fields})
+    return client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, **{"temperature": 0, "max_tokens": MAX_TOKENS, **fields}
+    )
 
 
 def valid_calls(message) -> list[tuple[str, dict]]:
@@ -112,8 +141,10 @@ def check_forced_calls(client: openai.OpenAI, model: str) -> list:
         assert choice.finish_reason == "tool_calls", choice
         calls = valid_calls(choice.message)
         assert len(calls) == 1 and (names is None or [n for n, _ in calls] == names), calls
-    for response, fields in ((named, {"tool_choice": NAMED}),
-                             (required, {"tool_choice": "required", "parallel_tool_calls": False})):
+    for response, fields in (
+        (named, {"tool_choice": NAMED}),
+        (required, {"tool_choice": "required", "parallel_tool_calls": False}),
+    ):
         calls, finish = streamed_calls(client, model, **fields)
         whole = [(c.function.name, c.function.arguments) for c in response.choices[0].message.tool_calls]
         assert (calls, finish) == (whole, "tool_calls")
@@ -127,15 +158,19 @@ def test_forced_tool_calls_validate_and_stream_the_same(tiny):
 def test_tool_call_round_trip_renders_and_answers(tiny, tiny_server):
     response = ask(tiny, "tiny", tool_choice=NAMED)
     message = response.choices[0].message
-    (name, arguments), = valid_calls(message)
-    conversation = [*ASK, message.model_dump(exclude_none=True),
-                    {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "Sunny, 25C"}]
+    ((name, arguments),) = valid_calls(message)
+    conversation = [
+        *ASK,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "Sunny, 25C"},
+    ]
     answer = ask(tiny, "tiny", messages=conversation)  # tool_choice "auto": the hermes parser reads the output
     choice = answer.choices[0]
     assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
     assert choice.message.tool_calls is None  # random weights do not call tools on their own
-    tokens = requests.post(f"{tiny_server.url}/tokenize", json={"messages": conversation, "tools": TOOLS},
-                           timeout=30).json()["tokens"]
+    tokens = requests.post(
+        f"{tiny_server.url}/tokenize", json={"messages": conversation, "tools": TOOLS}, timeout=30
+    ).json()["tokens"]
     prompt = requests.post(f"{tiny_server.url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
     assert f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>' in prompt
     assert "<tool_response>\nSunny, 25C\n</tool_response>" in prompt and '"name": "get_time"' in prompt
@@ -145,8 +180,15 @@ def test_langchain_bind_tools_round_trip(tiny_server):
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", model="tiny", temperature=0,
-                     max_tokens=MAX_TOKENS, max_retries=0, timeout=300)
+    llm = ChatOpenAI(
+        base_url=f"{tiny_server.url}/v1",
+        api_key="none",
+        model="tiny",
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        max_retries=0,
+        timeout=300,
+    )
     messages = [SystemMessage(ASK[0]["content"]), HumanMessage(ASK[1]["content"])]
     for tool_choice in ("get_weather", "required"):
         bound = llm.bind_tools(TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)

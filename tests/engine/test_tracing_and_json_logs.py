@@ -47,11 +47,25 @@ def test_a_request_span_reaches_the_collector_and_every_process_logs_json(tmp_pa
     endpoint = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
     log_path = tmp_path / "server.log"
     try:
-        with Server("--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", "--otlp-traces-endpoint", endpoint,
-                    "--log-format", "json", "--enable-log-requests", log_path=log_path, startup_timeout=600) as server:
-            response = requests.post(f"{server.url}/v1/completions", timeout=300,
-                                     headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"},
-                                     json={"prompt": "The capital of France is", "max_tokens": 3})
+        with Server(
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory-bytes",
+            "32MiB",
+            "--otlp-traces-endpoint",
+            endpoint,
+            "--log-format",
+            "json",
+            "--enable-log-requests",
+            log_path=log_path,
+            startup_timeout=600,
+        ) as server:
+            response = requests.post(
+                f"{server.url}/v1/completions",
+                timeout=300,
+                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"},
+                json={"prompt": "The capital of France is", "max_tokens": 3},
+            )
             assert response.status_code == 200
             request_id = response.json()["id"]
             deadline = time.monotonic() + 30  # the exporter sends in batches, every few seconds

@@ -24,8 +24,9 @@ def smollm2_dir() -> str:
 def smollm2_model() -> ModelConfig:
     path = smollm2_dir()
     assert os.path.isfile(os.path.join(path, SMOLLM2_GGUF))
-    return ModelConfig(model=path, path=path, gguf_file=SMOLLM2_GGUF, served_model_name="smollm2",
-                       max_model_len=256, task="generate")
+    return ModelConfig(
+        model=path, path=path, gguf_file=SMOLLM2_GGUF, served_model_name="smollm2", max_model_len=256, task="generate"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,10 @@ from tokenmill.config import replace
 from tokenmill.frontend.tokenizer import encode_text
 
 HI = [{"role": "user", "content": "Hi"}]
-THINKING_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                     "{% if add_generation_prompt %}<assistant>{% if enable_thinking %}<think>{% endif %}{% endif %}")
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if enable_thinking %}<think>{% endif %}{% endif %}"
+)
 
 
 def with_template(tokenizer, template: str):
@@ -89,10 +91,12 @@ async def test_a_template_that_runs_long_stops_at_the_timeout(smollm2_model, tok
 
 @async_test
 async def test_a_template_that_renders_too_much_stops_at_the_size_limit(smollm2_model, tokenizer):
-    templates = ["{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",  # output, streamed and counted
-                 "{{ ('ab' * 100000000)|length }}",  # one value, checked before it is built
-                 "{{ 'x'|center(1000000000) }}",  # a filter's size argument
-                 "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"]
+    templates = [
+        "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",  # output, streamed and counted
+        "{{ ('ab' * 100000000)|length }}",  # one value, checked before it is built
+        "{{ 'x'|center(1000000000) }}",  # a filter's size argument
+        "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    ]
     for template in templates:
         async with serving(smollm2_model, with_template(tokenizer, template), max_chat_template_chars=100_000) as h:
             status, body, _ = await h.post("/v1/chat/completions", chat())
@@ -122,8 +126,10 @@ async def test_a_huge_prompt_is_tokenized_off_the_event_loop(smollm2_model, toke
 
         ticking = asyncio.create_task(ticker())
         await asyncio.sleep(0.05)
-        for path, body in (("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}),
-                           ("/v1/chat/completions", chat(messages=[{"role": "user", "content": text}]))):
+        for path, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}),
+            ("/v1/chat/completions", chat(messages=[{"role": "user", "content": text}])),
+        ):
             status, answer, _ = await h.post(path, body)
             assert_error(status, answer, 400, "BadRequestError")
             assert "maximum context length" in answer["error"]["message"]
@@ -137,8 +143,9 @@ async def test_a_huge_prompt_is_tokenized_off_the_event_loop(smollm2_model, toke
 async def test_continue_final_message_and_tools_still_render(smollm2_model, tokenizer):
     messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
     async with serving(replace(smollm2_model), tokenizer) as h:
-        status, body, _ = await h.post("/v1/chat/completions", chat(messages=messages, add_generation_prompt=False,
-                                                                    continue_final_message=True))
+        status, body, _ = await h.post(
+            "/v1/chat/completions", chat(messages=messages, add_generation_prompt=False, continue_final_message=True)
+        )
         assert status == 200, body
         expected = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
         assert h.engine.requests[0].prompt_token_ids == encode_text(tokenizer, expected, add_special_tokens=False)

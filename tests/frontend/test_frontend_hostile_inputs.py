@@ -14,21 +14,51 @@ def structural_tag(schema: dict) -> dict:
     return {"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}]}
 
 
-
 HOSTILE = [
-    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP_ARGUMENTS}]},
-     "input[0].arguments"),
-    ("/v1/chat/completions", {"response_format": {"type": "structural_tag", "triggers": ["<f"], "structures": [
-        {"begin": 5, "schema": {"type": "object"}, "end": "</f>"}]}}, "response_format"),
-    ("/v1/chat/completions", {"structured_outputs": {"structural_tag": {"triggers": ["<f"], "structures": [
-        {"begin": "<f>", "schema": {"type": "object"}, "end": ["</f>"]}]}}}, "structured_outputs"),
-    ("/v1/chat/completions", {"structured_outputs": {"structural_tag": structural_tag(HUGE_SCHEMA)}},
-     "structured_outputs"),
-    ("/v1/completions", {"response_format": {"type": "structural_tag", **structural_tag(
-        {"type": "integer", "maximum": -(2**64)})}}, "response_format"),
+    (
+        "/v1/responses",
+        {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP_ARGUMENTS}]},
+        "input[0].arguments",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "response_format": {
+                "type": "structural_tag",
+                "triggers": ["<f"],
+                "structures": [{"begin": 5, "schema": {"type": "object"}, "end": "</f>"}],
+            }
+        },
+        "response_format",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "structured_outputs": {
+                "structural_tag": {
+                    "triggers": ["<f"],
+                    "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": ["</f>"]}],
+                }
+            }
+        },
+        "structured_outputs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"structured_outputs": {"structural_tag": structural_tag(HUGE_SCHEMA)}},
+        "structured_outputs",
+    ),
+    (
+        "/v1/completions",
+        {"response_format": {"type": "structural_tag", **structural_tag({"type": "integer", "maximum": -(2**64)})}},
+        "response_format",
+    ),
     ("/v1/chat/completions", {"structured_outputs": {"json": HUGE_SCHEMA}}, "structured_outputs"),
-    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": HUGE_SCHEMA}}},
-     "text.format.schema"),
+    (
+        "/v1/responses",
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": HUGE_SCHEMA}}},
+        "text.format.schema",
+    ),
 ]
 
 

@@ -13,8 +13,17 @@ from tokenmill.frontend.limits import json_depth_exceeds
 from tokenmill.frontend.protocol import ChatCompletionRequest, decode_request
 from tokenmill.frontend.unsupported import refuse_unsupported
 
-SMALL = dict(max_n=4, max_logprobs=3, max_stop_strings=2, max_stop_string_chars=8, max_stop_token_ids=2,
-             max_logit_bias=2, max_json_depth=4, max_cache_salt_bytes=8, max_prompt_logprobs_elements=24)
+SMALL = dict(
+    max_n=4,
+    max_logprobs=3,
+    max_stop_strings=2,
+    max_stop_string_chars=8,
+    max_stop_token_ids=2,
+    max_logit_bias=2,
+    max_json_depth=4,
+    max_cache_salt_bytes=8,
+    max_prompt_logprobs_elements=24,
+)
 HI = [{"role": "user", "content": "Hi"}]
 
 OVER_LIMITS = [
@@ -29,15 +38,27 @@ OVER_LIMITS = [
     ("/v1/completions", {"logit_bias": {"5": 1, "6": 1, "7": 1}}, "logit_bias", "--max-logit-bias"),
     ("/v1/chat/completions", {"tools": [{"a": [[[[1]]]]}]}, "tools", "--max-json-depth"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"x": [[[[1]]]]}}, "chat_template_kwargs", "--max-json-depth"),
-    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"f": {"a": [[1]]}}]}]},
-     "messages[0].tool_calls", "--max-json-depth"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"f": {"a": [[1]]}}]}]},
+        "messages[0].tool_calls",
+        "--max-json-depth",
+    ),
     ("/v1/completions", {"cache_salt": "x" * 9}, "cache_salt", "--max-cache-salt-bytes"),
     ("/v1/chat/completions", {"cache_salt": "é" * 5}, "cache_salt", "--max-cache-salt-bytes"),  # 10 bytes
     # prompt tokens x (k + 1) x n: 8 tokens x 4 > 24, and the chat template's tokens x 4
-    ("/v1/completions", {"prompt": "one two three four five six seven eight", "prompt_logprobs": 3},
-     "prompt_logprobs", "--max-prompt-logprobs-elements"),
-    ("/v1/completions", {"prompt": "one two three four", "echo": True, "logprobs": 2, "n": 3, "max_tokens": 1},
-     "prompt_logprobs", "--max-prompt-logprobs-elements"),
+    (
+        "/v1/completions",
+        {"prompt": "one two three four five six seven eight", "prompt_logprobs": 3},
+        "prompt_logprobs",
+        "--max-prompt-logprobs-elements",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "one two three four", "echo": True, "logprobs": 2, "n": 3, "max_tokens": 1},
+        "prompt_logprobs",
+        "--max-prompt-logprobs-elements",
+    ),
     ("/v1/chat/completions", {"prompt_logprobs": 3}, "prompt_logprobs", "--max-prompt-logprobs-elements"),
 ]
 
@@ -55,11 +76,21 @@ async def test_limits_are_400s_naming_the_field_and_the_limit(smollm2_model, tok
             assert_error(status, body, 400, "BadRequestError", param)
             assert flag in body["error"]["message"], body
         assert h.engine.requests == []
-        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", {
-            "n": 4, "logprobs": 3, "stop": ["12345678", "b"], "stop_token_ids": [5, 6], "logit_bias": {"5": 1}}))
+        status, body, _ = await h.post(
+            "/v1/completions",
+            body_for(
+                "/v1/completions",
+                {"n": 4, "logprobs": 3, "stop": ["12345678", "b"], "stop_token_ids": [5, 6], "logit_bias": {"5": 1}},
+            ),
+        )
         assert status == 200, body
-        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", {
-            "prompt": "one two three four five six", "prompt_logprobs": 3, "cache_salt": "é" * 4}))
+        status, body, _ = await h.post(
+            "/v1/completions",
+            body_for(
+                "/v1/completions",
+                {"prompt": "one two three four five six", "prompt_logprobs": 3, "cache_salt": "é" * 4},
+            ),
+        )
         assert status == 200, body
 
 
@@ -69,8 +100,16 @@ def test_default_limits_are_at_least_openais_and_vllms():
 
 
 BIG = 2**64
-BEYOND_64_BITS = [("seed", BIG), ("seed", -(2**63) - 1), ("top_k", BIG), ("priority", BIG), ("max_tokens", BIG),
-                  ("min_tokens", BIG), ("n", BIG), ("logprobs", BIG)]
+BEYOND_64_BITS = [
+    ("seed", BIG),
+    ("seed", -(2**63) - 1),
+    ("top_k", BIG),
+    ("priority", BIG),
+    ("max_tokens", BIG),
+    ("min_tokens", BIG),
+    ("n", BIG),
+    ("logprobs", BIG),
+]
 
 
 @async_test
@@ -91,10 +130,12 @@ async def test_deeply_nested_json_is_a_400_not_a_recursion_error(smollm2_model, 
     deep_object = b'{"a": ' * 100_000 + b"1" + b"}" * 100_000
     deep_array = b"[" * 100_000 + b"]" * 100_000
     message = b'{"role": "user", "content": "x"}'
-    bodies = [("/v1/chat/completions", b'{"messages": [%s], "tools": [%s]}' % (message, deep_object)),
-              ("/v1/chat/completions", b'{"messages": [%s], "chat_template_kwargs": %s}' % (message, deep_object)),
-              ("/v1/completions", b'{"prompt": "x", "some_unknown_field": %s}' % deep_array),
-              ("/tokenize", b'{"messages": [{"role": "assistant", "tool_calls": [%s]}]}' % deep_object)]
+    bodies = [
+        ("/v1/chat/completions", b'{"messages": [%s], "tools": [%s]}' % (message, deep_object)),
+        ("/v1/chat/completions", b'{"messages": [%s], "chat_template_kwargs": %s}' % (message, deep_object)),
+        ("/v1/completions", b'{"prompt": "x", "some_unknown_field": %s}' % deep_array),
+        ("/tokenize", b'{"messages": [{"role": "assistant", "tool_calls": [%s]}]}' % deep_object),
+    ]
     async with serving(smollm2_model, tokenizer) as h:
         for path, body in bodies:
             status, answer, _ = await h.post(path, data=body, headers={"Content-Type": "application/json"})
@@ -122,12 +163,35 @@ UNSUPPORTED = [
 ]
 # their no-op values, and fields no schema knows, are accepted as before
 NO_OPS = [
-    ("/v1/completions", {"best_of": 1, "suffix": None, "response_format": {"type": "text"}, "use_beam_search": False,
-                         "some_future_field": {"x": 1}}),
-    ("/v1/chat/completions", {"tool_choice": "none", "parallel_tool_calls": True, "modalities": ["text"],
-                              "response_format": {"type": "text"}, "function_call": None, "store": True}),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
-                              "parallel_tool_calls": False}),
+    (
+        "/v1/completions",
+        {
+            "best_of": 1,
+            "suffix": None,
+            "response_format": {"type": "text"},
+            "use_beam_search": False,
+            "some_future_field": {"x": 1},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "tool_choice": "none",
+            "parallel_tool_calls": True,
+            "modalities": ["text"],
+            "response_format": {"type": "text"},
+            "function_call": None,
+            "store": True,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "none",
+            "parallel_tool_calls": False,
+        },
+    ),
 ]
 
 
@@ -145,8 +209,9 @@ async def test_unimplemented_fields_are_400s_naming_them(smollm2_model, tokenize
 
 
 def test_refuse_unsupported_names_the_field():
-    request = decode_request(b'{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}',
-                             ChatCompletionRequest)
+    request = decode_request(
+        b'{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}', ChatCompletionRequest
+    )
     with pytest.raises(APIError) as info:
         refuse_unsupported(request)
     assert info.value.param == "functions" and "tools" in info.value.message
@@ -156,16 +221,18 @@ def test_refuse_unsupported_names_the_field():
 async def test_choices_share_one_engine_parameter_set_without_stop_strings(smollm2_model, tokenizer):
     stops = ["never-appears-1", "never-appears-2"]
     async with serving(smollm2_model, tokenizer) as h:
-        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", {
-            "n": 3, "stop": stops, "logit_bias": {"5": 1.5}}))
+        status, body, _ = await h.post(
+            "/v1/completions", body_for("/v1/completions", {"n": 3, "stop": stops, "logit_bias": {"5": 1.5}})
+        )
         assert status == 200 and len(body["choices"]) == 3
         params = [r.sampling for r in h.engine.requests]
         # stop strings are matched in the frontend: the engine never gets them; unseeded choices share one object
         assert all(p.stop == [] and p.logit_bias == {5: 1.5} for p in params)
         assert params[0] is params[1] is params[2]
         h.engine.requests.clear()
-        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", {
-            "n": 2, "seed": 7, "stop": ["lo"], "prompt": "Hello"}))
+        status, body, _ = await h.post(
+            "/v1/completions", body_for("/v1/completions", {"n": 2, "seed": 7, "stop": ["lo"], "prompt": "Hello"})
+        )
         assert [r.sampling.seed for r in h.engine.requests] == [7, 8]
         assert all(r.sampling.stop == [] for r in h.engine.requests)
         # the stop string still ends each choice (the fake engine echoes the prompt)

@@ -36,9 +36,10 @@ def test_the_schedulers_overload_reason_crosses_as_a_kind():
 async def test_scheduler_overload_is_429_with_retry_after_and_its_message(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.reject_with = Rejection(OVERLOADED, "overloaded")
-        for path, body in (("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
-                           ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                     "stream": True})):
+        for path, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}),
+        ):
             status, error, headers = await h.post(path, body)
             assert_error(status, error, 429, "RateLimitError")
             assert error["error"]["message"] == OVERLOADED and headers["Retry-After"] == "1"

@@ -31,7 +31,7 @@ async def sse_events(h, path: str, body: dict) -> list[dict]:
     async with h.http.post(h.url(path), json=body) as resp:
         assert resp.status == 200, await resp.text()
         raw = (await resp.read()).decode()
-    events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -40,8 +40,9 @@ async def sse_events(h, path: str, body: dict) -> list[dict]:
 async def test_completion_prompt_logprobs_in_vllms_shape(smollm2_model, tokenizer):
     ids = tokenizer.encode(PROMPT)
     async with serving(smollm2_model, tokenizer) as h:
-        status, body, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
-                                                           "prompt_logprobs": 2, "n": 2})
+        status, body, _ = await h.post(
+            "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2, "n": 2}
+        )
         plain_status, plain, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
     assert status == 200 and plain_status == 200, body
     assert h.engine.groups[0].sampling.prompt_logprobs == 2 and h.engine.groups[1].sampling.prompt_logprobs is None
@@ -57,8 +58,9 @@ async def test_echo_with_logprobs_covers_prompt_then_completion(smollm2_model, t
     texts = [tokenizer.decode([t]) for t in ids]
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.replies = [[500, 501]]
-        status, body, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
-                                                           "echo": True, "logprobs": 1})
+        status, body, _ = await h.post(
+            "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1}
+        )
     assert status == 200, body
     assert h.engine.requests[0].sampling.prompt_logprobs == 1  # echo + logprobs asks for prompt logprobs (vLLM)
     (choice,) = body["choices"]
@@ -81,10 +83,14 @@ async def test_echo_with_max_tokens_0_returns_the_prompt_alone(smollm2_model, to
     ids = tokenizer.encode(PROMPT)
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.replies = [[500]]
-        status, body, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": [ids], "max_tokens": 0,
-                                                           "echo": True, "logprobs": 0})
-        events = await sse_events(h, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0,
-                                                          "echo": True, "logprobs": 0, "stream": True})
+        status, body, _ = await h.post(
+            "/v1/completions", {"model": MODEL, "prompt": [ids], "max_tokens": 0, "echo": True, "logprobs": 0}
+        )
+        events = await sse_events(
+            h,
+            "/v1/completions",
+            {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0, "stream": True},
+        )
         refused, error, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
     assert status == 200, body
     assert h.engine.requests[0].sampling.max_tokens == 1  # the engine generates one token, not shown (vLLM)
@@ -134,8 +140,10 @@ async def test_prompt_logprobs_with_stream_are_a_400(smollm2_model, tokenizer):
 async def test_chat_prompt_logprobs_are_top_level(smollm2_model, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     async with serving(smollm2_model, tokenizer) as h:
-        status, body, _ = await h.post("/v1/chat/completions", {"model": MODEL, "messages": messages,
-                                                                "max_tokens": 2, "prompt_logprobs": 0, "n": 2})
+        status, body, _ = await h.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": messages, "max_tokens": 2, "prompt_logprobs": 0, "n": 2},
+        )
         _, plain, _ = await h.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2})
     assert status == 200, body
     prompt_ids = h.engine.groups[0].prompt_token_ids
@@ -147,8 +155,9 @@ async def test_chat_prompt_logprobs_are_top_level(smollm2_model, tokenizer):
 @async_test
 async def test_echo_without_logprobs_computes_no_prompt_logprobs(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer) as h:
-        status, body, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1,
-                                                           "echo": True})
+        status, body, _ = await h.post(
+            "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "echo": True}
+        )
     assert status == 200 and body["choices"][0]["logprobs"] is None
     assert h.engine.requests[0].sampling.prompt_logprobs is None and "prompt_logprobs" not in body["choices"][0]
 
@@ -158,8 +167,9 @@ def test_echo_top_logprobs_keep_the_token_and_the_first_k_of_a_longer_list(token
     then the most likely other token (the token's own top entry folds into its first place)."""
     texts = TokenTexts(tokenizer)
     ids = [100, 200, 300]
-    entries = PromptLogprobs.from_entries([(-1.0, 1, [200, 7, 8], [-1.0, -2.0, -3.0]),
-                                           (-2.5, 3, [9, 10, 300], [-0.5, -1.5, -2.5])], 3)
+    entries = PromptLogprobs.from_entries(
+        [(-1.0, 1, [200, 7, 8], [-1.0, -2.0, -3.0]), (-2.5, 3, [9, 10, 300], [-0.5, -1.5, -2.5])], 3
+    )
     logprobs, end = echo_logprobs(ids, entries, 1, texts)
     assert logprobs.top_logprobs == [None, {texts[200]: -1.0, texts[7]: -2.0}, {texts[300]: -2.5, texts[9]: -0.5}]
     assert logprobs.token_logprobs == [None, -1.0, -2.5] and end == sum(len(texts[t]) for t in ids)

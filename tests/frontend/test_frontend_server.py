@@ -45,8 +45,9 @@ async def test_completion_stream_with_usage(smollm2_model, tokenizer):
     prompt = "Streaming: naïve café 😀 works"
     ids = tokenizer.encode(prompt)
     async with serving(smollm2_model, tokenizer) as h:
-        stream = await h.client.completions.create(model=MODEL, prompt=prompt, max_tokens=len(ids), stream=True,
-                                                   stream_options={"include_usage": True})
+        stream = await h.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=len(ids), stream=True, stream_options={"include_usage": True}
+        )
         chunks = [chunk async for chunk in stream]
     text = "".join(c.text for chunk in chunks for c in chunk.choices)
     finishes = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
@@ -59,8 +60,9 @@ async def test_completion_stream_with_usage(smollm2_model, tokenizer):
 @async_test
 async def test_completion_many_prompts_and_n(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer) as h:
-        resp = await h.client.completions.create(model=MODEL, prompt=["one two three", "four five six"], n=2,
-                                                 seed=5, max_tokens=2)
+        resp = await h.client.completions.create(
+            model=MODEL, prompt=["one two three", "four five six"], n=2, seed=5, max_tokens=2
+        )
         requests = {r.request_id: r for r in h.engine.requests}
         groups = h.engine.groups
     assert [(g.sampling.n, len(g.prompt_token_ids) > 0) for g in groups] == [(2, True), (2, True)]  # one per prompt
@@ -68,7 +70,11 @@ async def test_completion_many_prompts_and_n(smollm2_model, tokenizer):
     first, second = (tokenizer.decode(tokenizer.encode(p)[:2]) for p in ["one two three", "four five six"])
     assert [c.text for c in resp.choices] == [first, first, second, second]
     assert {rid: r.sampling.seed for rid, r in requests.items()} == {
-        f"{resp.id}-0-0": 5, f"{resp.id}-0-1": 6, f"{resp.id}-1-0": 5, f"{resp.id}-1-1": 6}  # prompt, then choice
+        f"{resp.id}-0-0": 5,
+        f"{resp.id}-0-1": 6,
+        f"{resp.id}-1-0": 5,
+        f"{resp.id}-1-1": 6,
+    }  # prompt, then choice
     prompt_tokens = len(tokenizer.encode("one two three")) + len(tokenizer.encode("four five six"))
     assert resp.usage.prompt_tokens == prompt_tokens and resp.usage.completion_tokens == 8
 
@@ -80,8 +86,10 @@ async def test_completion_token_id_prompts_and_echo(smollm2_model, tokenizer):
         single = await h.client.completions.create(model=MODEL, prompt=a, max_tokens=1)
         double = await h.client.completions.create(model=MODEL, prompt=[a, b], max_tokens=2, echo=True)
     assert single.choices[0].text == tokenizer.decode(a[:1])
-    assert [c.text for c in double.choices] == ["Alpha beta" + tokenizer.decode(a[:2]),
-                                               "Gamma delta epsilon" + tokenizer.decode(b[:2])]
+    assert [c.text for c in double.choices] == [
+        "Alpha beta" + tokenizer.decode(a[:2]),
+        "Gamma delta epsilon" + tokenizer.decode(b[:2]),
+    ]
 
 
 @async_test
@@ -104,8 +112,9 @@ async def test_stop_string_ends_and_aborts(smollm2_model, tokenizer):
         h.engine.replies = [list(reply), list(reply)]
         resp = await h.client.completions.create(model=MODEL, prompt="count", max_tokens=20, stop=["three", "zzz"])
         assert h.engine.aborted == [f"{resp.id}-0"]
-        stream = await h.client.completions.create(model=MODEL, prompt="count", max_tokens=20, stop="three",
-                                                   stream=True)
+        stream = await h.client.completions.create(
+            model=MODEL, prompt="count", max_tokens=20, stop="three", stream=True
+        )
         chunks = [c async for c in stream]
     choice = resp.choices[0]
     assert choice.text == "one two " and choice.finish_reason == "stop" and choice.stop_reason == "three"
@@ -118,12 +127,20 @@ async def test_stop_string_ends_and_aborts(smollm2_model, tokenizer):
 async def test_stop_token_ids_and_eos(smollm2_model, tokenizer):
     stop_id = tokenizer.encode(" world")[0]
     async with serving(smollm2_model, tokenizer) as h:
-        h.engine.replies = [tokenizer.encode("Hello world more"), tokenizer.encode("Hello world more"),
-                            tokenizer.encode("Bye") + [EOS_ID]]
-        hidden = await h.client.completions.create(model=MODEL, prompt="x", max_tokens=9,
-                                                   extra_body={"stop_token_ids": [stop_id]})
-        shown = await h.client.completions.create(model=MODEL, prompt="x", max_tokens=9, extra_body={
-            "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+        h.engine.replies = [
+            tokenizer.encode("Hello world more"),
+            tokenizer.encode("Hello world more"),
+            tokenizer.encode("Bye") + [EOS_ID],
+        ]
+        hidden = await h.client.completions.create(
+            model=MODEL, prompt="x", max_tokens=9, extra_body={"stop_token_ids": [stop_id]}
+        )
+        shown = await h.client.completions.create(
+            model=MODEL,
+            prompt="x",
+            max_tokens=9,
+            extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": True},
+        )
         eos = await h.client.completions.create(model=MODEL, prompt="x", max_tokens=9)
     assert (hidden.choices[0].text, hidden.choices[0].stop_reason) == ("Hello", stop_id)
     assert hidden.usage.completion_tokens == 2  # the stop token is counted, not rendered
@@ -137,15 +154,20 @@ async def test_stop_token_ids_and_eos(smollm2_model, tokenizer):
 @async_test
 async def test_chat_completion(smollm2_model, tokenizer):
     reply = tokenizer.encode("Hi there! 😀") + [EOS_ID]
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},
+    ]
     expected_prompt = tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say\nhi"}],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.replies = [reply]
-        resp = await h.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=50,
-                                                      temperature=0.0, extra_body={"top_k": 5})
+        resp = await h.client.chat.completions.create(
+            model=MODEL, messages=messages, max_completion_tokens=50, temperature=0.0, extra_body={"top_k": 5}
+        )
     choice = resp.choices[0]
     assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant" and choice.message.content == "Hi there! 😀"
@@ -162,8 +184,13 @@ async def test_chat_stream_n2_with_usage(smollm2_model, tokenizer):
     reply = tokenizer.encode(text) + [EOS_ID]
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.replies = [list(reply), list(reply)]
-        stream = await h.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go"}],
-                                                        n=2, stream=True, stream_options={"include_usage": True})
+        stream = await h.client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "go"}],
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [c async for c in stream]
     for index in (0, 1):
         own = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
@@ -179,12 +206,12 @@ async def test_chat_logprobs(smollm2_model, tokenizer):
     reply = tokenizer.encode("Sure thing") + [EOS_ID]
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.replies = [reply]
-        resp = await h.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ok?"}],
-                                                      logprobs=True, top_logprobs=2)
+        resp = await h.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "ok?"}], logprobs=True, top_logprobs=2
+        )
     content = resp.choices[0].logprobs.content
     assert [e.token for e in content] == [tokenizer.decode([t]) for t in reply]
-    assert all(e.logprob == -0.25 and len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode())
-               for e in content)
+    assert all(e.logprob == -0.25 and len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
     assert content[0].top_logprobs[1].token == tokenizer.decode([reply[0] + 1])
 
 
@@ -202,19 +229,29 @@ async def test_bad_requests_are_400_naming_the_field(smollm2_model, tokenizer):
             ("/v1/completions", {"model": MODEL, "prompt": long_prompt}, "prompt"),
             ("/v1/completions", {"model": MODEL, "prompt": [10, 99999]}, "prompt"),
             ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
-            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type"),
+            (
+                "/v1/chat/completions",
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                },
+                "messages[0].content[0].type",
+            ),
             ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "n": 0}, "n"),
         ]
         for path, body, param in cases:
             status, error, _ = await h.post(path, body)
             assert_error(status, error, 400, "BadRequestError", param)
             await h.good_completion()
-        status, error, _ = await h.post("/v1/completions", data=b'{"prompt": ',
-                                        headers={"Content-Type": "application/json"})
+        status, error, _ = await h.post(
+            "/v1/completions", data=b'{"prompt": ', headers={"Content-Type": "application/json"}
+        )
         assert_error(status, error, 400, "BadRequestError")
         status, error, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 5})
-        assert "maximum context length is 256 tokens. However, your request has 300 input tokens" in error["error"]["message"]
+        assert (
+            "maximum context length is 256 tokens. However, your request has 300 input tokens"
+            in error["error"]["message"]
+        )
         with pytest.raises(openai.BadRequestError):
             await h.client.completions.create(model=MODEL, prompt="x", top_p=5)
         await h.good_completion()
@@ -237,8 +274,9 @@ async def test_api_key(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer, api_key="s3cret") as h:
         status, error, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": "x"})
         assert_error(status, error, 401, "AuthenticationError")
-        status, error, _ = await h.post("/v1/completions", {"model": MODEL, "prompt": "x"},
-                                        headers={"Authorization": "Bearer wrong"})
+        status, error, _ = await h.post(
+            "/v1/completions", {"model": MODEL, "prompt": "x"}, headers={"Authorization": "Bearer wrong"}
+        )
         assert_error(status, error, 401, "AuthenticationError")
         wrong = AsyncOpenAI(base_url=h.url("/v1"), api_key="nope", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
@@ -272,10 +310,17 @@ async def test_body_too_large_is_413(smollm2_model, tokenizer):
 @async_test
 async def test_full_queue_is_429_with_retry_after(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer, max_waiting=4) as h:
-        h.engine.latest_stats = SchedulerStats(num_running=8, num_waiting=4, kv_cache_usage=0.9,
-                                               prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
-        status, error, headers = await h.post("/v1/chat/completions", {
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        h.engine.latest_stats = SchedulerStats(
+            num_running=8,
+            num_waiting=4,
+            kv_cache_usage=0.9,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+        )
+        status, error, headers = await h.post(
+            "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        )
         assert_error(status, error, 429, "RateLimitError")
         assert headers["Retry-After"] == "1"
         h.engine.latest_stats = None
@@ -300,8 +345,9 @@ async def test_dead_engine_is_503(smollm2_model, tokenizer):
 async def test_engine_dying_mid_stream_sends_an_error_event(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.step_delay_s = 0.01
-        async with h.http.post(h.url("/v1/completions"), json={"model": MODEL, "prompt": "a b c d e f g h",
-                                                                "stream": True}) as resp:
+        async with h.http.post(
+            h.url("/v1/completions"), json={"model": MODEL, "prompt": "a b c d e f g h", "stream": True}
+        ) as resp:
             assert resp.status == 200
             await resp.content.readline()
             h.engine.dead_reason = "scheduler died"
@@ -316,8 +362,10 @@ async def test_wrong_task_endpoints_are_400(smollm2_model, tokenizer):
         assert_error(status, error, 400, "BadRequestError")
         assert "generate" in error["error"]["message"]
     async with serving(replace(smollm2_model, task="embed"), tokenizer) as h:
-        for path, body in [("/v1/completions", {"model": MODEL, "prompt": "x"}),
-                           ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]})]:
+        for path, body in [
+            ("/v1/completions", {"model": MODEL, "prompt": "x"}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
+        ]:
             status, error, _ = await h.post(path, body)
             assert_error(status, error, 400, "BadRequestError")
             assert "embed" in error["error"]["message"]
@@ -330,8 +378,10 @@ async def test_wrong_task_endpoints_are_400(smollm2_model, tokenizer):
 async def test_disconnect_mid_stream_aborts(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.hold = True
-        resp = await h.http.post(h.url("/v1/chat/completions"), json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2})
+        resp = await h.http.post(
+            h.url("/v1/chat/completions"),
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2},
+        )
         assert resp.status == 200
         assert (await resp.content.readline()).startswith(b"data: ")
         resp.close()  # drop the connection
@@ -347,8 +397,11 @@ async def test_disconnect_before_a_non_streamed_answer_aborts(smollm2_model, tok
     async with serving(smollm2_model, tokenizer) as h:
         h.engine.hold = True
         with pytest.raises(asyncio.TimeoutError):
-            await h.http.post(h.url("/v1/completions"), json={"model": MODEL, "prompt": "hello there"},
-                              timeout=aiohttp.ClientTimeout(total=0.5))
+            await h.http.post(
+                h.url("/v1/completions"),
+                json={"model": MODEL, "prompt": "hello there"},
+                timeout=aiohttp.ClientTimeout(total=0.5),
+            )
         await asyncio.wait_for(h.engine.aborted_event.wait(), 5)
         assert h.engine.aborted == [h.engine.requests[0].request_id]
 
@@ -371,26 +424,38 @@ async def test_models_version_tokenize_detokenize(smollm2_model, tokenizer):
         assert chat["tokens"][0] == 1 and chat["tokens"][-3:] == tokenizer.encode("assistant\n")
         status, body, _ = await h.post("/detokenize", {"tokens": body["tokens"]})
         assert status == 200 and body["prompt"] == "Hello world 😀"
-        status, error, _ = await h.post("/detokenize", {"tokens": [10 ** 6]})
+        status, error, _ = await h.post("/detokenize", {"tokens": [10**6]})
         assert_error(status, error, 400, "BadRequestError", "tokens")
 
 
 @async_test
 async def test_metrics(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer) as h:
-        h.engine.latest_stats = SchedulerStats(num_running=3, num_waiting=1, kv_cache_usage=0.5,
-                                               prefix_cache_queries=40, prefix_cache_hits=16, num_preemptions=2)
+        h.engine.latest_stats = SchedulerStats(
+            num_running=3,
+            num_waiting=1,
+            kv_cache_usage=0.5,
+            prefix_cache_queries=40,
+            prefix_cache_hits=16,
+            num_preemptions=2,
+        )
         resp = await h.client.completions.create(model=MODEL, prompt="one two three", max_tokens=2)
         async with h.http.get(h.url("/metrics")) as http_resp:
             text = await http_resp.text()
     label = f'{{model_name="{MODEL}"}}'
-    for line in [f"vllm:num_requests_running{label} 3.0", f"vllm:num_requests_waiting{label} 1.0",
-                 f"vllm:kv_cache_usage_perc{label} 0.5", f"vllm:prefix_cache_queries_total{label} 40.0",
-                 f"vllm:prefix_cache_hits_total{label} 16.0", f"vllm:num_preemptions_total{label} 2.0",
-                 f"vllm:prompt_tokens_total{label} {resp.usage.prompt_tokens}.0",
-                 f"vllm:generation_tokens_total{label} 2.0", f"vllm:time_to_first_token_seconds_count{label} 1.0",
-                 f"vllm:inter_token_latency_seconds_count{label} 1.0",
-                 f"vllm:e2e_request_latency_seconds_count{label} 1.0"]:
+    for line in [
+        f"vllm:num_requests_running{label} 3.0",
+        f"vllm:num_requests_waiting{label} 1.0",
+        f"vllm:kv_cache_usage_perc{label} 0.5",
+        f"vllm:prefix_cache_queries_total{label} 40.0",
+        f"vllm:prefix_cache_hits_total{label} 16.0",
+        f"vllm:num_preemptions_total{label} 2.0",
+        f"vllm:prompt_tokens_total{label} {resp.usage.prompt_tokens}.0",
+        f"vllm:generation_tokens_total{label} 2.0",
+        f"vllm:time_to_first_token_seconds_count{label} 1.0",
+        f"vllm:inter_token_latency_seconds_count{label} 1.0",
+        f"vllm:e2e_request_latency_seconds_count{label} 1.0",
+    ]:
         assert line in text, line
 
 
@@ -401,8 +466,13 @@ async def test_cors(smollm2_model, tokenizer):
             assert resp.headers["Access-Control-Allow-Origin"] == "http://app.example"
         async with h.http.get(h.url("/v1/models"), headers={"Origin": "http://evil.example"}) as resp:
             assert "Access-Control-Allow-Origin" not in resp.headers
-        async with h.http.options(h.url("/v1/chat/completions"), headers={
-                "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
-                "Access-Control-Request-Headers": "authorization, content-type"}) as resp:
+        async with h.http.options(
+            h.url("/v1/chat/completions"),
+            headers={
+                "Origin": "http://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        ) as resp:
             assert resp.status == 200 and "POST" in resp.headers["Access-Control-Allow-Methods"]
             assert resp.headers["Access-Control-Allow-Origin"] == "http://app.example"

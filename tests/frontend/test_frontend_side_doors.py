@@ -25,9 +25,15 @@ from tokenmill.config import EngineConfig, ServerConfig
 
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-KEYED = [("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
-         ("GET", "/version", None), ("GET", "/metrics", None), ("GET", "/v1/models", None),
-         ("GET", "/debug/steps?limit=1", None), ("GET", "/dashboard", None)]
+KEYED = [
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/version", None),
+    ("GET", "/metrics", None),
+    ("GET", "/v1/models", None),
+    ("GET", "/debug/steps?limit=1", None),
+    ("GET", "/dashboard", None),
+]
 
 
 @contextlib.asynccontextmanager
@@ -39,8 +45,9 @@ async def serving(model, tokenizer, engine: FakeEngine | None = None, **server_f
         yield server, http
 
 
-async def status_of(http: aiohttp.ClientSession, server: TestServer, method: str, path: str, body=None,
-                    headers=None) -> int:
+async def status_of(
+    http: aiohttp.ClientSession, server: TestServer, method: str, path: str, body=None, headers=None
+) -> int:
     async with http.request(method, server.make_url(path), json=body, headers=headers) as resp:
         if resp.content_type == "application/x-ndjson":
             return resp.status  # an endless stream: the status is all we need
@@ -79,10 +86,14 @@ async def test_ping_is_503_when_the_engine_is_gone(smollm2_model, tokenizer):
 @async_test
 async def test_health_names_no_address(smollm2_model, tokenizer):
     engine = FakeEngine()
-    engine.dead_reason = ("tokenmill-worker1 (Ray actor on 10.1.2.3) ended: RayActorError: lost tcp://10.1.2.3:41234 "
-                          "and [fe80::1]:8000, gcs at 2001:db8::7 (pid 4242)")
-    async with serving(smollm2_model, tokenizer, engine) as (server, http), \
-            http.get(server.make_url("/health")) as resp:
+    engine.dead_reason = (
+        "tokenmill-worker1 (Ray actor on 10.1.2.3) ended: RayActorError: lost tcp://10.1.2.3:41234 "
+        "and [fe80::1]:8000, gcs at 2001:db8::7 (pid 4242)"
+    )
+    async with (
+        serving(smollm2_model, tokenizer, engine) as (server, http),
+        http.get(server.make_url("/health")) as resp,
+    ):
         assert resp.status == 503
         message = (await resp.json())["error"]["message"]
     assert "tokenmill-worker1" in message and "RayActorError" in message and "pid 4242" in message
@@ -100,8 +111,11 @@ def test_without_addresses_keeps_plain_text():
 async def test_access_log_has_no_query_string(smollm2_model, tokenizer, caplog):
     caplog.set_level(logging.INFO, logger="aiohttp.access")
     async with serving(smollm2_model, tokenizer, api_key=KEY) as (server, http):
-        async with http.get(server.make_url(f"/dashboard?token={KEY}"), allow_redirects=False,
-                            headers={"Referer": f"http://example/dashboard?token={KEY}"}) as resp:
+        async with http.get(
+            server.make_url(f"/dashboard?token={KEY}"),
+            allow_redirects=False,
+            headers={"Referer": f"http://example/dashboard?token={KEY}"},
+        ) as resp:
             assert resp.status == 303
         await asyncio.sleep(0.05)  # the line is written after the response
     lines = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
@@ -114,8 +128,9 @@ async def test_access_log_has_no_query_string(smollm2_model, tokenizer, caplog):
 async def test_dashboard_cookie_expires_and_is_secure_over_tls(smollm2_model, tokenizer, tls):
     config = EngineConfig(model=smollm2_model, server=ServerConfig(api_key=KEY))
     app = build_app(config, FakeEngine(), tokenizer)
-    request = make_mocked_request("GET", f"/dashboard?token={KEY}", app=app,
-                                  sslcontext=ssl.create_default_context() if tls else None)
+    request = make_mocked_request(
+        "GET", f"/dashboard?token={KEY}", app=app, sslcontext=ssl.create_default_context() if tls else None
+    )
     match = await app.router.resolve(request)
     response = await match.handler(request)
     cookie = response.cookies[COOKIE_NAME].OutputString()

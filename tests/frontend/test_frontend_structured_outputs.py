@@ -14,43 +14,84 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 ACCEPTED = [
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "s", "schema": SCHEMA, "strict": True}}}, StructuredOutputsParams(json=SCHEMA)),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+        StructuredOutputsParams(json=SCHEMA),
+    ),
     ("/v1/chat/completions", {"response_format": {"type": "text"}}, None),
-    ("/v1/chat/completions", {"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}},
-     StructuredOutputsParams(regex="[a-z]+")),
+    (
+        "/v1/chat/completions",
+        {"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}},
+        StructuredOutputsParams(regex="[a-z]+"),
+    ),
     ("/v1/completions", {"structured_outputs": {"choice": ["x", "y"]}}, StructuredOutputsParams(choice=["x", "y"])),
-    ("/v1/completions", {"structured_outputs": {"grammar": 'start: "a"+'}},
-     StructuredOutputsParams(grammar='start: "a"+')),
-    ("/v1/completions", {"structured_outputs": {"json": json.dumps(SCHEMA)}},
-     StructuredOutputsParams(json=json.dumps(SCHEMA))),
+    (
+        "/v1/completions",
+        {"structured_outputs": {"grammar": 'start: "a"+'}},
+        StructuredOutputsParams(grammar='start: "a"+'),
+    ),
+    (
+        "/v1/completions",
+        {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+        StructuredOutputsParams(json=json.dumps(SCHEMA)),
+    ),
     ("/v1/completions", {"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
     ("/v1/completions", {"guided_regex": "a|b"}, StructuredOutputsParams(regex="a|b")),
     ("/v1/completions", {"guided_choice": ["a"]}, StructuredOutputsParams(choice=["a"])),
     ("/v1/completions", {"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
-    ("/v1/completions", {"response_format": {"type": "structural_tag", "structures": [
-        {"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f"]}},
-     StructuredOutputsParams(structural_tag={"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
-                                             "triggers": ["<f"]})),
+    (
+        "/v1/completions",
+        {
+            "response_format": {
+                "type": "structural_tag",
+                "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+                "triggers": ["<f"],
+            }
+        },
+        StructuredOutputsParams(
+            structural_tag={"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f"]}
+        ),
+    ),
 ]
 
 REFUSED = [
     ("/v1/chat/completions", {"response_format": "json"}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "s", "schema": {"type": "object", "required": 5}}}}, "response_format"),
+    (
+        "/v1/chat/completions",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"type": "object", "required": 5}},
+            }
+        },
+        "response_format",
+    ),
     ("/v1/completions", {"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {"choice": []}}, "structured_outputs"),
     ("/v1/completions", {"structured_outputs": {"whitespace_pattern": " *"}}, "structured_outputs"),
-    ("/v1/completions", {"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
-     "structured_outputs.disable_additional_properties"),
+    (
+        "/v1/completions",
+        {"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
+        "structured_outputs.disable_additional_properties",
+    ),
     ("/v1/completions", {"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
     ("/v1/completions", {"guided_choice": "a"}, "guided_choice"),
     ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
     ("/v1/completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
-    ("/v1/completions", {"response_format": {"type": "structural_tag", "structures": [
-        {"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<g"]}}, "response_format"),
+    (
+        "/v1/completions",
+        {
+            "response_format": {
+                "type": "structural_tag",
+                "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+                "triggers": ["<g"],
+            }
+        },
+        "response_format",
+    ),
 ]
 
 

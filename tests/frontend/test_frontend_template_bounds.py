@@ -10,8 +10,13 @@ import jinja2
 import pytest
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 
-from tokenmill.frontend.chat_template import (ChatTemplate, RenderLimitError, RenderLimits, TemplateCache,
-                                              compile_chat_template)
+from tokenmill.frontend.chat_template import (
+    ChatTemplate,
+    RenderLimitError,
+    RenderLimits,
+    TemplateCache,
+    compile_chat_template,
+)
 
 LIMIT = 100_000
 LIMITS = RenderLimits(timeout_s=5.0, max_chars=LIMIT)
@@ -40,7 +45,7 @@ HOSTILE = {
     "plus +": CHUNK + "{{ s + s }}",
     "list +": CHUNK + "{{ (s|list) + (s|list) }}",
     "doubling in a loop": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
-                          "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}",
     "filter format": f"{{{{ '%0{BIG}d'|format(1) }}}}",
     "filter join": CHUNK + "{{ [s, s]|join }}",
     "filter replace": CHUNK + "{{ s|replace('x', 'xx') }}",
@@ -72,19 +77,28 @@ def test_a_growing_operation_is_refused_before_it_allocates(source):
     assert peak < PEAK_BYTES, f"{peak} bytes allocated"
 
 
-@pytest.mark.parametrize("source", [f"{{{{ '%0{BIG}d' % 1 }}}}", f"{{{{ 'x'|center({BIG}) }}}}",
-                                    f"{{{{ 'ab' * {BIG} }}}}", f"{{{{ '%0{BIG}d'|format(1) }}}}",
-                                    f"{{% set x = '%0{BIG}d' % 1 %}}{{{{ x|length }}}}"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        f"{{{{ '%0{BIG}d' % 1 }}}}",
+        f"{{{{ 'x'|center({BIG}) }}}}",
+        f"{{{{ 'ab' * {BIG} }}}}",
+        f"{{{{ '%0{BIG}d'|format(1) }}}}",
+        f"{{% set x = '%0{BIG}d' % 1 %}}{{{{ x|length }}}}",
+    ],
+)
 def test_compiling_folds_nothing_large(source):
     peak, error = peak_of(lambda: ChatTemplate(source))
     assert error is None and peak < PEAK_BYTES, f"{peak} bytes allocated compiling {source}"
 
 
 def test_ordinary_templates_still_render():
-    source = ("{% for m in messages %}{{ '<|%s|>' % m.role }}{{ '{}: {}'.format(m.role, m.content) }}"
-              "{{ (m.content ~ '!')|indent(2) }}{{ ['a', 'b']|join(', ') }}{{ 'x'.ljust(3) + '|' }}"
-              "{{ {'k': [1, 2]}|tojson(indent=2) }}{{ '%05.1f'|format(2.5) }}{{ m.content.replace('h', 'H') }}"
-              "{% endfor %}{{ (lipsum(2, html=false)|length > 0)|string }}")
+    source = (
+        "{% for m in messages %}{{ '<|%s|>' % m.role }}{{ '{}: {}'.format(m.role, m.content) }}"
+        "{{ (m.content ~ '!')|indent(2) }}{{ ['a', 'b']|join(', ') }}{{ 'x'.ljust(3) + '|' }}"
+        "{{ {'k': [1, 2]}|tojson(indent=2) }}{{ '%05.1f'|format(2.5) }}{{ m.content.replace('h', 'H') }}"
+        "{% endfor %}{{ (lipsum(2, html=false)|length > 0)|string }}"
+    )
     text = ChatTemplate(source).render(HI, limits=LIMITS, special_tokens={})
     assert text == ('<|user|>user: hihi!a, bx  |{\n  "k": [\n    1,\n    2\n  ]\n}002.5HiTrue')
 
@@ -121,8 +135,9 @@ def test_a_request_template_compiles_within_the_deadline():
 async def test_a_template_too_slow_to_compile_is_a_400(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer, trust_request_chat_template=True, chat_template_timeout_s=0.3) as h:
         start = time.monotonic()
-        status, body, _ = await h.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2,
-                                                                "chat_template": SLOW_TO_COMPILE})
+        status, body, _ = await h.post(
+            "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2, "chat_template": SLOW_TO_COMPILE}
+        )
         assert_error(status, body, 400, "BadRequestError", "chat_template")
         assert "compile" in body["error"]["message"] and time.monotonic() - start < 5
         await h.good_completion()

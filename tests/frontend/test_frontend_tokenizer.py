@@ -15,9 +15,11 @@ from tokenmill.frontend.tokenizer import load_tokenizer, read_chat_template, ren
 from tests.helpers.frontend_fakes import FakeEngine
 from tokenmill.config import EngineConfig, replace
 
-STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
-                   "{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                   "{% if add_generation_prompt %}[assistant] {% endif %}")
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+    "{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 def test_read_chat_template(tmp_path):

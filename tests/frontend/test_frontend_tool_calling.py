@@ -17,15 +17,24 @@ from tests.helpers.chat_templates import HERMES_TOOL_TEMPLATE
 from tokenmill.config import replace
 from tokenmill.frontend.reasoning_parsers import end_marker_ids, get_reasoning_parser
 
-WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                      "required": ["city"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER_PARAMETERS}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER_PARAMETERS},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
 ASK = [{"role": "user", "content": "Weather in Paris and the time?"}]
 AUTO = dict(tool_call_parser="hermes", enable_auto_tool_choice=True)
-TWO_CALLS = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
-             '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+TWO_CALLS = (
+    'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +90,25 @@ def reassemble(chunks: list[ChatCompletionChunk], index: int = 0) -> dict:
             if choice.finish_reason is not None:
                 assert finish is None
                 finish = choice.finish_reason
-    return {"content": content or None, "reasoning": reasoning or None, "finish": finish,
-            "calls": [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)],
-            "ids": [calls[i]["id"] for i in sorted(calls)]}
+    return {
+        "content": content or None,
+        "reasoning": reasoning or None,
+        "finish": finish,
+        "calls": [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)],
+        "ids": [calls[i]["id"] for i in sorted(calls)],
+    }
 
 
 def summary(response: ChatCompletion, index: int = 0) -> dict:
     choice = response.choices[index]
     message = choice.message
-    return {"content": message.content, "reasoning": getattr(message, "reasoning_content", None),
-            "finish": choice.finish_reason,
-            "calls": [(c.function.name, c.function.arguments) for c in message.tool_calls or []],
-            "ids": [c.id for c in message.tool_calls or []]}
+    return {
+        "content": message.content,
+        "reasoning": getattr(message, "reasoning_content", None),
+        "finish": choice.finish_reason,
+        "calls": [(c.function.name, c.function.arguments) for c in message.tool_calls or []],
+        "ids": [c.id for c in message.tool_calls or []],
+    }
 
 
 def same_but_ids(a: dict, b: dict) -> bool:
@@ -124,8 +140,11 @@ async def test_auto_tool_calls_whole_and_streamed(model, tool_tokenizer):
 async def test_auto_without_a_call_is_plain_content_and_a_cut_call_stays_length(model, tool_tokenizer):
     cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     async with serving(model, tool_tokenizer, **AUTO) as h:
-        h.engine.replies = [reply(tool_tokenizer, "It is sunny."), reply(tool_tokenizer, cut, eos=False),
-                            reply(tool_tokenizer, cut, eos=False)]
+        h.engine.replies = [
+            reply(tool_tokenizer, "It is sunny."),
+            reply(tool_tokenizer, cut, eos=False),
+            reply(tool_tokenizer, cut, eos=False),
+        ]
         plain = summary(await whole(h, tools=TOOLS))
         truncated = summary(await whole(h, tools=TOOLS))
         truncated_stream = reassemble(await streamed(h, tools=TOOLS))
@@ -152,8 +171,9 @@ async def test_parallel_tool_calls_false_keeps_the_first_call(model, tool_tokeni
         h.engine.replies = [reply(tool_tokenizer, TWO_CALLS), reply(tool_tokenizer, TWO_CALLS)]
         got = summary(await whole(h, tools=TOOLS, parallel_tool_calls=False))
         chunks = await streamed(h, tools=TOOLS, parallel_tool_calls=False)
-        status, answer, _ = await h.post("/v1/chat/completions", body(tools=TOOLS, tool_choice="required",
-                                                                      parallel_tool_calls=False))
+        status, answer, _ = await h.post(
+            "/v1/chat/completions", body(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        )
         schema = json.loads(h.engine.requests[-1].sampling.structured_outputs.json)
     assert got["calls"] == [("get_weather", '{"city": "Paris", "days": 2}')] and got["finish"] == "tool_calls"
     assert same_but_ids(reassemble(chunks), got)
@@ -173,7 +193,7 @@ async def test_n_choices_are_parsed_independently(model, tool_tokenizer):
 @async_test
 async def test_mistral_parser_keeps_special_tokens(model, tool_tokenizer):
     async with serving(model, tool_tokenizer, tool_call_parser="mistral", enable_auto_tool_choice=True) as h:
-        h.engine.replies = [reply(tool_tokenizer, '[TOOL_CALLS]get_time{}')]
+        h.engine.replies = [reply(tool_tokenizer, "[TOOL_CALLS]get_time{}")]
         got = summary(await whole(h, tools=TOOLS))
         await whole(h, tools=TOOLS, tool_choice="none")
     assert got["calls"] == [("get_time", "{}")] and len(got["ids"][0]) == 9
@@ -218,8 +238,19 @@ async def test_named_function_is_enforced_with_its_parameters_schema(model, tool
 
 @async_test
 async def test_required_schema_hoists_defs(model, tool_tokenizer):
-    with_defs = [{"type": "function", "function": {"name": "place", "parameters": {
-        "type": "object", "properties": {"where": {"$ref": "#/$defs/City"}}, "$defs": {"City": {"type": "string"}}}}}]
+    with_defs = [
+        {
+            "type": "function",
+            "function": {
+                "name": "place",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"where": {"$ref": "#/$defs/City"}},
+                    "$defs": {"City": {"type": "string"}},
+                },
+            },
+        }
+    ]
     async with serving(model, tool_tokenizer) as h:
         h.engine.replies = [reply(tool_tokenizer, '[{"name":"place","parameters":{"where":"Oslo"}}]')]
         got = summary(await whole(h, tools=with_defs, tool_choice="required"))
@@ -239,23 +270,65 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "Invalid"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "Invalid"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-     "response_format"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-      "structured_outputs": {"regex": "a+"}}, "tool_choice", "structured_outputs"),
+    (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+        "response_format",
+    ),
+    (
+        {
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "structured_outputs": {"regex": "a+"},
+        },
+        "tool_choice",
+        "structured_outputs",
+    ),
     ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0].function", None),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type", None),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters",
-     None),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-      "parallel_tool_calls": "maybe"}, "parallel_tool_calls", None),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
-      "tool_choice": "required"}, "tools", None),
-    ({"messages": [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}]}]},
-     "messages[1].tool_calls[0].function.arguments", None),
-    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
-     "messages[1].tool_calls[0].function", None),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+        "tools[0].function.parameters",
+        None,
+    ),
+    (
+        {
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": "maybe",
+        },
+        "parallel_tool_calls",
+        None,
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+        None,
+    ),
+    (
+        {
+            "messages": [
+                *ASK,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}
+                    ],
+                },
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+        None,
+    ),
+    (
+        {"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
+        "messages[1].tool_calls[0].function",
+        None,
+    ),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
 ]
 
@@ -269,8 +342,12 @@ async def test_what_cannot_be_honoured_is_a_400_naming_the_field(model, tool_tok
             assert words is None or words in answer["error"]["message"], (fields, answer)
         assert h.engine.requests == []
         # what vLLM accepts: "required" with no tools is "none"; "none" with tools renders them
-        for fields in ({"tools": [], "tool_choice": "required"}, {"tools": TOOLS, "tool_choice": "none"},
-                       {"tool_choice": "none"}, {"tools": TOOLS, "tool_choice": "none", "parallel_tool_calls": True}):
+        for fields in (
+            {"tools": [], "tool_choice": "required"},
+            {"tools": TOOLS, "tool_choice": "none"},
+            {"tool_choice": "none"},
+            {"tools": TOOLS, "tool_choice": "none", "parallel_tool_calls": True},
+        ):
             await whole(h, **fields)
         assert all(r.sampling.structured_outputs is None for r in h.engine.requests)
 
@@ -280,12 +357,23 @@ async def test_what_cannot_be_honoured_is_a_400_naming_the_field(model, tool_tok
 
 @async_test
 async def test_assistant_tool_calls_and_tool_results_round_trip_through_the_template(model, tool_tokenizer):
-    conversation = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "chatcmpl-tool-1", "type": "function", "function": {"name": "get_weather",
-                                                                   "arguments": '{"city": "Paris"}'}},
-        {"id": "chatcmpl-tool-2", "type": "function", "function": {"name": "get_time", "arguments": ""}}]},
+    conversation = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "chatcmpl-tool-1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {"id": "chatcmpl-tool-2", "type": "function", "function": {"name": "get_time", "arguments": ""}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "Sunny, 25C"},
-        {"role": "tool", "tool_call_id": "chatcmpl-tool-2", "content": "12:00"}]
+        {"role": "tool", "tool_call_id": "chatcmpl-tool-2", "content": "12:00"},
+    ]
     async with serving(model, tool_tokenizer, **AUTO) as h:
         h.engine.replies = [reply(tool_tokenizer, "Sunny and noon.")]
         got = summary(await whole(h, tools=TOOLS, messages=conversation))
@@ -304,8 +392,11 @@ async def test_assistant_tool_calls_and_tool_results_round_trip_through_the_temp
 async def test_reasoning_content_whole_and_streamed(model, tool_tokenizer):
     thought = "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."
     async with serving(model, tool_tokenizer, reasoning_parser="qwen3") as h:
-        h.engine.replies = [reply(tool_tokenizer, thought), reply(tool_tokenizer, thought),
-                            reply(tool_tokenizer, "No thoughts.")]
+        h.engine.replies = [
+            reply(tool_tokenizer, thought),
+            reply(tool_tokenizer, thought),
+            reply(tool_tokenizer, "No thoughts."),
+        ]
         got = summary(await whole(h))
         chunks = await streamed(h)
         plain = summary(await whole(h))
@@ -317,8 +408,10 @@ async def test_reasoning_content_whole_and_streamed(model, tool_tokenizer):
 
 @async_test
 async def test_tool_calls_are_read_after_the_reasoning(model, tool_tokenizer):
-    output = ('<think>\nI could write <tool_call> here and it is still thinking.\n</think>\n\n'
-              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    output = (
+        "<think>\nI could write <tool_call> here and it is still thinking.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    )
     async with serving(model, tool_tokenizer, reasoning_parser="qwen3", **AUTO) as h:
         h.engine.replies = [reply(tool_tokenizer, output), reply(tool_tokenizer, output)]
         got = summary(await whole(h, tools=TOOLS))
@@ -333,11 +426,13 @@ async def test_structured_outputs_begin_after_thinking_unless_it_is_off(model, t
     named = {"type": "function", "function": {"name": "get_weather"}}
     end_ids = end_marker_ids(get_reasoning_parser("deepseek_r1"), tool_tokenizer)
     async with serving(model, tool_tokenizer, reasoning_parser="deepseek_r1") as h:
-        h.engine.replies = [reply(tool_tokenizer, 'Paris it is.</think>{"city":"Paris"}'),
-                            reply(tool_tokenizer, '{"city":"Paris"}'), reply(tool_tokenizer, "{}")]
+        h.engine.replies = [
+            reply(tool_tokenizer, 'Paris it is.</think>{"city":"Paris"}'),
+            reply(tool_tokenizer, '{"city":"Paris"}'),
+            reply(tool_tokenizer, "{}"),
+        ]
         thinking = summary(await whole(h, tools=TOOLS, tool_choice=named))
-        off = summary(await whole(h, tools=TOOLS, tool_choice=named,
-                                  chat_template_kwargs={"enable_thinking": False}))
+        off = summary(await whole(h, tools=TOOLS, tool_choice=named, chat_template_kwargs={"enable_thinking": False}))
         await whole(h, response_format={"type": "json_object"})
         prompt = tool_tokenizer.decode(h.engine.requests[1].prompt_token_ids)
     first, second, third = (r.sampling.structured_outputs for r in h.engine.requests)

@@ -33,8 +33,9 @@ def traced_requests(model, tokenizer, bodies: list[tuple[str, dict, dict]]) -> l
     engine.replies = [[11, 12, 13, 14]] * len(bodies)
 
     async def run() -> None:
-        app = build_app(EngineConfig(model=model, server=ServerConfig()), engine, tokenizer,
-                        tracer=provider.get_tracer("test"))
+        app = build_app(
+            EngineConfig(model=model, server=ServerConfig()), engine, tokenizer, tracer=provider.get_tracer("test")
+        )
         async with TestServer(app) as server, aiohttp.ClientSession() as http:
             for path, body, headers in bodies:
                 async with http.post(server.make_url(path), json=body, headers=headers) as response:
@@ -49,10 +50,18 @@ def traced_requests(model, tokenizer, bodies: list[tuple[str, dict, dict]]) -> l
 
 def test_one_span_per_request_with_timings_tokens_finish_reason_and_the_callers_trace(smollm2_model, tokenizer):
     traceparent = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
-    spans = traced_requests(smollm2_model, tokenizer, [
-        ("/v1/completions", {"prompt": "Hello world", "max_tokens": 4, "n": 2}, {"traceparent": traceparent}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-                                  "stream": True}, {})])
+    spans = traced_requests(
+        smollm2_model,
+        tokenizer,
+        [
+            ("/v1/completions", {"prompt": "Hello world", "max_tokens": 4, "n": 2}, {"traceparent": traceparent}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True},
+                {},
+            ),
+        ],
+    )
     assert len(spans) == 2
     completion, chat = spans
     assert f"{completion.context.trace_id:032x}" == TRACE_ID  # the W3C traceparent became its parent

@@ -7,8 +7,12 @@ import random
 
 import pytest
 
-from tokenmill.frontend.reasoning_parsers import (end_marker_ids, get_reasoning_parser, reasoning_parser_names,
-                                                  thinking_closed_by_prompt)
+from tokenmill.frontend.reasoning_parsers import (
+    end_marker_ids,
+    get_reasoning_parser,
+    reasoning_parser_names,
+    thinking_closed_by_prompt,
+)
 
 CASES = {
     # output -> (reasoning, content)

@@ -16,8 +16,9 @@ from tokenmill.frontend.lifecycle import ServerLifecycle
 from tokenmill.frontend.restarting_client import EngineHandle, RestartingEngineClient
 from tokenmill.messages import EngineReady, EngineRequest, RequestOutput, SamplingParams, choice_requests
 
-READY = EngineReady(num_kv_blocks=8, block_size=16, max_model_len=64, weight_bytes=0, device="cpu", dtype="float32",
-                    architecture="fake")
+READY = EngineReady(
+    num_kv_blocks=8, block_size=16, max_model_len=64, weight_bytes=0, device="cpu", dtype="float32", architecture="fake"
+)
 
 
 def token_at(request_id: str, position: int) -> int:
@@ -73,8 +74,9 @@ class FakeEngine:
                 raise EngineDeadError(self.dead_reason)
             token = token_at(choice.request_id, position)
             position += 1
-            yield RequestOutput(choice.request_id, [token],
-                                "length" if position == choice.sampling.max_tokens else None)
+            yield RequestOutput(
+                choice.request_id, [token], "length" if position == choice.sampling.max_tokens else None
+            )
 
 
 class Engines:
@@ -95,8 +97,7 @@ class Engines:
         return self.handle(engine)
 
 
-async def started_client(engines: Engines, lifecycle: ServerLifecycle, max_restarts: int = 3
-                         ) -> RestartingEngineClient:
+async def started_client(engines: Engines, lifecycle: ServerLifecycle, max_restarts: int = 3) -> RestartingEngineClient:
     client = RestartingEngineClient(engines.handle(engines.all[0]), engines.launch, lifecycle, max_restarts, 300.0)
     client.start()
     await client.wait_ready()
@@ -112,8 +113,9 @@ async def collect(stream: AsyncIterator[RequestOutput], into: list[int]) -> str 
 
 
 def request(n: int = 2, max_tokens: int = 40) -> EngineRequest:
-    return EngineRequest(request_id="req", prompt_token_ids=[1, 2, 3],
-                         sampling=SamplingParams(n=n, max_tokens=max_tokens, temperature=0))
+    return EngineRequest(
+        request_id="req", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(n=n, max_tokens=max_tokens, temperature=0)
+    )
 
 
 async def wait_until(condition, within_s: float = 5.0) -> None:

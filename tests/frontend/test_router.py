@@ -12,8 +12,9 @@ BLOCK = 4
 
 def prompt(system: int, user: int, system_blocks: int = 8, user_tokens: int = 3) -> list[int]:
     """A shared 'system prompt' (system_blocks full blocks) then a few tokens of its own."""
-    return [1000 * system + i for i in range(system_blocks * BLOCK)] + [50_000 + user * 10 + i
-                                                                          for i in range(user_tokens)]
+    return [1000 * system + i for i in range(system_blocks * BLOCK)] + [
+        50_000 + user * 10 + i for i in range(user_tokens)
+    ]
 
 
 def test_the_replica_holding_the_longest_prefix_wins():
@@ -27,7 +28,7 @@ def test_the_replica_holding_the_longest_prefix_wins():
         assert router.route(prompt(1, user)) == homes[1]
     assert router.decisions["prefix"][homes[1]] == 5
     # a request sharing only a longer part of one prefix than of another goes where more of it is cached
-    partial = prompt(2, 0, system_blocks=8)[:6 * BLOCK] + [7] * (10 * BLOCK)
+    partial = prompt(2, 0, system_blocks=8)[: 6 * BLOCK] + [7] * (10 * BLOCK)
     assert router.indexes[homes[2]].match(router.keys(partial)) == 6
     assert router.route(partial) == homes[2]
 
@@ -56,7 +57,7 @@ def test_a_short_match_or_an_imbalance_routes_by_load():
     home = router.route(prompt(1, 0))
     other = 1 - home
     # a match of 2 blocks out of 20 is under the cache threshold (0.3): routed by load, the idle replica
-    weak = prompt(1, 0, system_blocks=8)[:2 * BLOCK] + [3] * (18 * BLOCK)
+    weak = prompt(1, 0, system_blocks=8)[: 2 * BLOCK] + [3] * (18 * BLOCK)
     assert router.route(weak) == other
     router.in_flight[home], router.in_flight[other] = 20, 2  # 18 apart and 10x: imbalanced
     assert router.route(prompt(1, 1)) == other

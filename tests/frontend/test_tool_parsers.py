@@ -10,9 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.frontend.tool_parsers import (ExtractedToolCalls, NamedToolCallParser, RequiredToolCallsParser,
-                                             ToolParser, fold, get_tool_parser, random_tool_call_id,
-                                             tool_parser_names)
+from tokenmill.frontend.tool_parsers import (
+    ExtractedToolCalls,
+    NamedToolCallParser,
+    RequiredToolCallsParser,
+    ToolParser,
+    fold,
+    get_tool_parser,
+    random_tool_call_id,
+    tool_parser_names,
+)
 from tokenmill.frontend.tool_parsers.mistral import mistral_tool_call_id
 
 
@@ -62,42 +69,79 @@ def assert_streams_like_whole(make: callable, text: str, seed: int = 0) -> Extra
 
 # ------------------------------------------------------------------------------------------ well-formed outputs
 
-WEATHER = {"city": "Paris", "days": [1, 2], "opts": {"unit": "c", "note": "a \"quoted\" } brace"}}
+WEATHER = {"city": "Paris", "days": [1, 2], "opts": {"unit": "c", "note": 'a "quoted" } brace'}}
 WELL_FORMED = {
     "hermes": [
-        ('<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + '}\n</tool_call>',
-         None, [("get_weather", json.dumps(WEATHER))]),
-        ('Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
-         '{"arguments": {"y": [true, null, 2.5e-3]}, "name": "b"}\n</tool_call>\n',
-         "Let me look.\n", [("a", '{"x": 1}'), ("b", '{"y": [true, null, 2.5e-3]}')]),
-        ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone, <tool>s are tags.',
-         "\nDone, <tool>s are tags.", [("f", "{}")]),
-        ('<tool_call>{"name": "last", "arguments": {"unterminated": "tag"}}', None,
-         [("last", '{"unterminated": "tag"}')]),
-        ('<tool_call>{"name": "uni\\u00e9", "extra": [1, {"n": 2}], "arguments": "{\\"s\\": 1}"}</tool_call>', None,
-         [("unié", '"{\\"s\\": 1}"')]),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + "}\n</tool_call>",
+            None,
+            [("get_weather", json.dumps(WEATHER))],
+        ),
+        (
+            'Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
+            '{"arguments": {"y": [true, null, 2.5e-3]}, "name": "b"}\n</tool_call>\n',
+            "Let me look.\n",
+            [("a", '{"x": 1}'), ("b", '{"y": [true, null, 2.5e-3]}')],
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone, <tool>s are tags.',
+            "\nDone, <tool>s are tags.",
+            [("f", "{}")],
+        ),
+        (
+            '<tool_call>{"name": "last", "arguments": {"unterminated": "tag"}}',
+            None,
+            [("last", '{"unterminated": "tag"}')],
+        ),
+        (
+            '<tool_call>{"name": "uni\\u00e9", "extra": [1, {"n": 2}], "arguments": "{\\"s\\": 1}"}</tool_call>',
+            None,
+            [("unié", '"{\\"s\\": 1}"')],
+        ),
     ],
     "llama3_json": [
-        ('{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + '}', None,
-         [("get_weather", json.dumps(WEATHER))]),
-        ('  <|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {"y": "z"}}', None,
-         [("a", '{"x": 1}'), ("b", '{"y": "z"}')]),
+        (
+            '{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + "}",
+            None,
+            [("get_weather", json.dumps(WEATHER))],
+        ),
+        (
+            '  <|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {"y": "z"}}',
+            None,
+            [("a", '{"x": 1}'), ("b", '{"y": "z"}')],
+        ),
         ('{"name": "a", "parameters": {"x": -1.5}}\n\nThat is all.', "\n\nThat is all.", [("a", '{"x": -1.5}')]),
     ],
     "mistral": [
-        ('[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + '}, '
-         '{"name": "b", "arguments": {}}]', None, [("get_weather", json.dumps(WEATHER)), ("b", "{}")]),
-        ('Sure. [TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', "Sure. ",
-         [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}')]),
+        (
+            '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + "}, "
+            '{"name": "b", "arguments": {}}]',
+            None,
+            [("get_weather", json.dumps(WEATHER)), ("b", "{}")],
+        ),
+        (
+            'Sure. [TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
+            "Sure. ",
+            [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}')],
+        ),
         ('[TOOL_CALLS]a{"x": [1, {"y": "}"}]},b{}', None, [("a", '{"x": [1, {"y": "}"}]}'), ("b", "{}")]),
     ],
     "pythonic": [
-        ('[get_weather(city="Paris", unit=\'c\'), get_time()]', None,
-         [("get_weather", '{"city": "Paris", "unit": "c"}'), ("get_time", "{}")]),
-        ("\n[f(a=[1, -2.5, 1e3, {'k': None, \"q\": [True, False]}], b='it\\'s \"x\"\\n', c=0x10,)]", None,
-         [("f", '{"a": [1, -2.5, 1000.0, {"k": null, "q": [true, false]}], "b": "it\'s \\"x\\"\\n", "c": 16}')]),
-        ('[f(x=1), g(y={"nested": {"deep": []}})] and some words', " and some words",
-         [("f", '{"x": 1}'), ("g", '{"y": {"nested": {"deep": []}}}')]),
+        (
+            "[get_weather(city=\"Paris\", unit='c'), get_time()]",
+            None,
+            [("get_weather", '{"city": "Paris", "unit": "c"}'), ("get_time", "{}")],
+        ),
+        (
+            "\n[f(a=[1, -2.5, 1e3, {'k': None, \"q\": [True, False]}], b='it\\'s \"x\"\\n', c=0x10,)]",
+            None,
+            [("f", '{"a": [1, -2.5, 1000.0, {"k": null, "q": [true, false]}], "b": "it\'s \\"x\\"\\n", "c": 16}')],
+        ),
+        (
+            '[f(x=1), g(y={"nested": {"deep": []}})] and some words',
+            " and some words",
+            [("f", '{"x": 1}'), ("g", '{"y": {"nested": {"deep": []}}}')],
+        ),
     ],
 }
 
@@ -120,18 +164,30 @@ def test_every_registered_parser_is_covered_and_unknown_names_list_the_choices()
 
 
 def test_tool_call_ids_are_vllms():
-    ids = {get_tool_parser("hermes")().extract('<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-                                                ).tool_calls[0].id for _ in range(5)}
+    ids = {
+        get_tool_parser("hermes")().extract('<tool_call>{"name": "f", "arguments": {}}</tool_call>').tool_calls[0].id
+        for _ in range(5)
+    }
     assert len(ids) == 5 and all(i.startswith("chatcmpl-tool-") and len(i) == 14 + 32 for i in ids)
     assert random_tool_call_id() != random_tool_call_id()
-    mistral = get_tool_parser("mistral")().extract('[TOOL_CALLS]f{}').tool_calls[0].id
+    mistral = get_tool_parser("mistral")().extract("[TOOL_CALLS]f{}").tool_calls[0].id
     assert len(mistral) == 9 and mistral.isalnum() and len(mistral_tool_call_id()) == 9
     assert get_tool_parser("mistral").keeps_special_tokens and not get_tool_parser("hermes").keeps_special_tokens
 
 
 def test_plain_text_is_all_content_in_every_parser():
-    texts = ["", "Hello there.", "   spaced  ", "a < b and c > d", "<tool_cal", "[TOOL_CALL", "{not json",
-             "[1, 2, 3]", "<|python_ta", "Call f(x=1) please"]
+    texts = [
+        "",
+        "Hello there.",
+        "   spaced  ",
+        "a < b and c > d",
+        "<tool_cal",
+        "[TOOL_CALL",
+        "{not json",
+        "[1, 2, 3]",
+        "<|python_ta",
+        "Call f(x=1) please",
+    ]
     for name in tool_parser_names():
         for text in texts:
             whole = parser(name).extract(text)
@@ -143,18 +199,41 @@ def test_plain_text_is_all_content_in_every_parser():
 # ------------------------------------------------------------------------------------------ malformed outputs
 
 MALFORMED = {
-    "hermes": ['<tool_call>not json</tool_call> after', '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
-               '<tool_call>{"name": "f"}</tool_call>', 'x <tool_call>[{"name": "f", "arguments": {}}]</tool_call>',
-               '<tool_call>{"name": "f", "arguments": {"a": 1}} trailing</tool_call>',
-               '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>',
-               '<tool_call>{"name": "f", "arguments": {"a": "cut off',
-               '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": [}'],
-    "llama3_json": ['{"name": "f"}', '{"name": "f", "parameters": {}, "arguments": {}}', 'Sure: {"name": "f"}',
-                    '{"name": "f", "parameters": {"a": [1, 2}}', '{"name": "f", "parameters": {"a"'],
-    "mistral": ['[TOOL_CALLS] sorry, no', '[TOOL_CALLS] [{"name": "f"}]', '[TOOL_CALLS]f {"a": 1}',
-                '[TOOL_CALLS] [{"name": "f", "arguments": {}}', '[TOOL_CALLS]f{"a": nope}'],
-    "pythonic": ["[1, 2]", "[f(x)]", "[f(a=b)]", "[f(a=1) g()]", "[f(a='unterminated)]", "[f(a=1+2j)]",
-                 "[f(a={1: 2})]", "[f(a=float('inf'))]", "[f(a=1)"],
+    "hermes": [
+        "<tool_call>not json</tool_call> after",
+        '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f"}</tool_call>',
+        'x <tool_call>[{"name": "f", "arguments": {}}]</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"a": 1}} trailing</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"a": "cut off',
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": [}',
+    ],
+    "llama3_json": [
+        '{"name": "f"}',
+        '{"name": "f", "parameters": {}, "arguments": {}}',
+        'Sure: {"name": "f"}',
+        '{"name": "f", "parameters": {"a": [1, 2}}',
+        '{"name": "f", "parameters": {"a"',
+    ],
+    "mistral": [
+        "[TOOL_CALLS] sorry, no",
+        '[TOOL_CALLS] [{"name": "f"}]',
+        '[TOOL_CALLS]f {"a": 1}',
+        '[TOOL_CALLS] [{"name": "f", "arguments": {}}',
+        '[TOOL_CALLS]f{"a": nope}',
+    ],
+    "pythonic": [
+        "[1, 2]",
+        "[f(x)]",
+        "[f(a=b)]",
+        "[f(a=1) g()]",
+        "[f(a='unterminated)]",
+        "[f(a=1+2j)]",
+        "[f(a={1: 2})]",
+        "[f(a=float('inf'))]",
+        "[f(a=1)",
+    ],
 }
 
 
@@ -175,8 +254,12 @@ def test_malformed_outputs_fall_back_to_content(name):
 
 
 def test_a_malformed_call_before_any_call_streams_as_content():
-    for name, text in [("hermes", "Hi <tool_call>oops</tool_call> bye"), ("pythonic", "[1, 2]"),
-                       ("llama3_json", '{"name": "f"}'), ("mistral", "[TOOL_CALLS] nothing")]:
+    for name, text in [
+        ("hermes", "Hi <tool_call>oops</tool_call> bye"),
+        ("pythonic", "[1, 2]"),
+        ("llama3_json", '{"name": "f"}'),
+        ("mistral", "[TOOL_CALLS] nothing"),
+    ]:
         for pieces in chunkings(text, random.Random(3), 10):
             p = parser(name)
             assert fold(stream(p, pieces)) == ExtractedToolCalls(text, []) and not p.failed
@@ -196,33 +279,42 @@ def test_truncated_outputs_either_parse_or_are_content():
                 else:
                     assert whole.content == prefix
                 p = parser(name)
-                folded = fold(stream(p, [prefix[:end // 2], prefix[end // 2:]]))
+                folded = fold(stream(p, [prefix[: end // 2], prefix[end // 2 :]]))
                 assert p.failed or folded == whole, (name, prefix)
 
 
 # ------------------------------------------------------------------------------------------ generated outputs
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**12), 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 ARGUMENTS = st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4)
 NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,12}", fullmatch=True)
 CALLS = st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=3)
 
 
 def random_pieces(text: str, seed: int) -> list[str]:
-    return next(iter(chunkings(text, random.Random(seed), 1))) if seed % 3 == 0 else \
-        list(chunkings(text, random.Random(seed), 1))[-1]
+    return (
+        next(iter(chunkings(text, random.Random(seed), 1)))
+        if seed % 3 == 0
+        else list(chunkings(text, random.Random(seed), 1))[-1]
+    )
 
 
 @settings(max_examples=150, deadline=None)
 @given(CALLS, st.text(max_size=20).filter(lambda t: "<" not in t), st.booleans(), st.integers(0, 10**6))
 def test_hermes_reads_any_generated_calls(calls, before, compact, seed):
     separators = (",", ":") if compact else None
-    text = before + "".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a}, separators=separators)}\n'
-                            f'</tool_call>\n' for n, a in calls)
+    text = before + "".join(
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, separators=separators)}\n</tool_call>\n"
+        for n, a in calls
+    )
     whole = parser("hermes").extract(text)
     assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [(n, a) for n, a in calls]
     assert whole.content == (before or None)
@@ -246,21 +338,28 @@ def test_llama3_mistral_and_required_read_any_generated_calls(calls, seed):
     text = json.dumps([{"name": n, "parameters": a} for n, a in calls], separators=(",", ":"))
     whole = RequiredToolCallsParser().extract(text)
     assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [(n, a) for n, a in calls]
-    assert fold(stream(RequiredToolCallsParser(make_id=fixed_id), random_pieces(text, seed))) == \
-        RequiredToolCallsParser(make_id=fixed_id).extract(text)
+    assert fold(
+        stream(RequiredToolCallsParser(make_id=fixed_id), random_pieces(text, seed))
+    ) == RequiredToolCallsParser(make_id=fixed_id).extract(text)
 
 
 PY_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**12), 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 IDENTIFIERS = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(IDENTIFIERS, st.dictionaries(IDENTIFIERS, PY_VALUES, max_size=4)), min_size=1, max_size=3),
-       st.integers(0, 10**6))
+@given(
+    st.lists(st.tuples(IDENTIFIERS, st.dictionaries(IDENTIFIERS, PY_VALUES, max_size=4)), min_size=1, max_size=3),
+    st.integers(0, 10**6),
+)
 def test_pythonic_reads_any_generated_calls(calls, seed):
     text = "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls) + "]"
     whole = parser("pythonic").extract(text)
@@ -282,13 +381,37 @@ def test_required_output_is_a_list_of_calls():
     text = '[{"name":"a","parameters":{"x":1}},{"parameters":{},"name":"b"}]'
     whole = assert_streams_like_whole(lambda: RequiredToolCallsParser(make_id=fixed_id), text)
     assert (whole.content, calls_of(whole)) == (None, [("a", '{"x":1}'), ("b", "{}")])
-    for bad in ['[]', '{"name": "a", "parameters": {}}', '[{"name": "a"}]', '[{"name":"a","parameters":{}}',
-                '[{"name":"a","parameters":{}}] extra']:
+    for bad in [
+        "[]",
+        '{"name": "a", "parameters": {}}',
+        '[{"name": "a"}]',
+        '[{"name":"a","parameters":{}}',
+        '[{"name":"a","parameters":{}}] extra',
+    ]:
         assert RequiredToolCallsParser().extract(bad) == ExtractedToolCalls(bad, []), bad
 
 
-MUTATIONS = ["<tool_call>", "</tool_call>", "}", "{", "[", "]", '"', "\\", " ", "\n", "[TOOL_CALLS]", ",", ";", ")",
-             "(", "'", "x", "=", ":"]
+MUTATIONS = [
+    "<tool_call>",
+    "</tool_call>",
+    "}",
+    "{",
+    "[",
+    "]",
+    '"',
+    "\\",
+    " ",
+    "\n",
+    "[TOOL_CALLS]",
+    ",",
+    ";",
+    ")",
+    "(",
+    "'",
+    "x",
+    "=",
+    ":",
+]
 
 
 @pytest.mark.parametrize("name", sorted(WELL_FORMED))
@@ -301,8 +424,11 @@ def test_mutated_outputs_stream_like_whole(name):
         text = rng.choice(WELL_FORMED[name])[0]
         for _ in range(rng.randint(1, 2)):
             at = rng.randrange(len(text) + 1)
-            text = text[:at] + rng.choice(MUTATIONS) + text[at:] if rng.random() < 0.5 else \
-                text[:at] + text[at + rng.randint(1, 3):]
+            text = (
+                text[:at] + rng.choice(MUTATIONS) + text[at:]
+                if rng.random() < 0.5
+                else text[:at] + text[at + rng.randint(1, 3) :]
+            )
         whole = parser(name).extract(text)
         for call in whole.tool_calls:
             json.loads(call.arguments)

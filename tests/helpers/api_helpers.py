@@ -42,13 +42,11 @@ def metric(url: str, name: str, **labels: str) -> float:
     return metric_samples(url).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def run_concurrently(base_url: str, build: Callable[[openai.AsyncOpenAI], dict[str, Awaitable[Any]]]
-                     ) -> dict[str, Any]:
+def run_concurrently(base_url: str, build: Callable[[openai.AsyncOpenAI], dict[str, Awaitable[Any]]]) -> dict[str, Any]:
     """Run the named requests `build(client)` makes, all at once; each name maps to its result or its exception."""
 
     async def main() -> dict[str, Any]:
-        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0,
-                                      timeout=300) as client:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300) as client:
             jobs = build(client)
             results = await asyncio.gather(*jobs.values(), return_exceptions=True)
         return dict(zip(jobs, results))

@@ -16,7 +16,15 @@ from typing import Any
 
 from tokenmill.frontend.engine_client import EngineDeadError
 from tokenmill.frontend.engine_protocol import ReplicaStats
-from tokenmill.messages import EngineReady, EngineRequest, PromptLogprobs, RequestOutput, SchedulerStats, StepSummary, choice_requests
+from tokenmill.messages import (
+    EngineReady,
+    EngineRequest,
+    PromptLogprobs,
+    RequestOutput,
+    SchedulerStats,
+    StepSummary,
+    choice_requests,
+)
 from tokenmill.scheduler.scheduler import Rejection
 
 
@@ -24,6 +32,7 @@ def rejected(request_id: str, reason: str | Rejection) -> RequestOutput:
     """The output the scheduler process publishes for a refused request (a plain string is an "invalid" one)."""
     rejection = reason if isinstance(reason, Rejection) else Rejection(reason)
     return RequestOutput(request_id, [], finish_reason="error", error=rejection.message, error_kind=rejection.kind)
+
 
 EOS_ID = 2
 
@@ -34,8 +43,9 @@ def fake_prompt_logprobs(request: EngineRequest) -> PromptLogprobs | None:
     k = request.sampling.prompt_logprobs
     if k is None:
         return None
-    return PromptLogprobs.from_entries([(-0.5, 2, [t + 1, t, t + 2][:k], [-0.25, -0.5, -3.0][:k])
-                                        for t in request.prompt_token_ids[1:]], min(k, 3))
+    return PromptLogprobs.from_entries(
+        [(-0.5, 2, [t + 1, t, t + 2][:k], [-0.25, -0.5, -3.0][:k]) for t in request.prompt_token_ids[1:]], min(k, 3)
+    )
 
 
 class FakeEngine:
@@ -95,12 +105,18 @@ class FakeEngine:
                 finish = "length"
             logprobs = None
             if params.logprobs is not None:
-                top_ids = [token, token + 1, token + 2][:params.logprobs]
-                logprobs = [(-0.25, top_ids, [-0.25, -1.5, -3.0][:len(top_ids)])]
-            yield RequestOutput(request.request_id, [token], finish_reason=finish, stop_token_id=stop_id,
-                                num_prompt_tokens=len(request.prompt_token_ids), logprobs=logprobs,
-                                stop_reason=stop_reason,
-                                prompt_logprobs=fake_prompt_logprobs(request) if step == 0 else None)
+                top_ids = [token, token + 1, token + 2][: params.logprobs]
+                logprobs = [(-0.25, top_ids, [-0.25, -1.5, -3.0][: len(top_ids)])]
+            yield RequestOutput(
+                request.request_id,
+                [token],
+                finish_reason=finish,
+                stop_token_id=stop_id,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                logprobs=logprobs,
+                stop_reason=stop_reason,
+                prompt_logprobs=fake_prompt_logprobs(request) if step == 0 else None,
+            )
             if finish is not None:
                 return
             if self.hold:

@@ -22,6 +22,7 @@ def async_test(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         return asyncio.run(fn(*args, **kwargs))
+
     return run
 
 
@@ -46,11 +47,20 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def serving(model: ModelConfig, tokenizer, engine: FakeEngine | None = None, api_key: str | None = None,
-                  max_waiting: int = 4096, **server_fields):
+async def serving(
+    model: ModelConfig,
+    tokenizer,
+    engine: FakeEngine | None = None,
+    api_key: str | None = None,
+    max_waiting: int = 4096,
+    **server_fields,
+):
     engine = engine or FakeEngine()
-    config = EngineConfig(model=model, server=ServerConfig(api_key=api_key, **server_fields),
-                          scheduler=SchedulerConfig(max_waiting_requests=max_waiting))
+    config = EngineConfig(
+        model=model,
+        server=ServerConfig(api_key=api_key, **server_fields),
+        scheduler=SchedulerConfig(max_waiting_requests=max_waiting),
+    )
     async with TestServer(build_app(config, engine, tokenizer)) as server:
         client = AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=api_key or "unused", max_retries=0)
         async with aiohttp.ClientSession() as http:

@@ -30,19 +30,79 @@ VALID_BODIES = {
 
 # Request fields of the OpenAI and vLLM schemas, valid or not for a given endpoint.
 FIELDS = [
-    "model", "messages", "prompt", "input", "tokens", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user", "stream", "stream_options",
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens", "priority", "cache_salt", "logprobs", "top_logprobs", "echo", "chat_template",
-    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools", "tool_choice",
-    "response_format", "best_of", "suffix", "encoding_format", "dimensions", "truncate_prompt_tokens",
-    "add_special_tokens", "documents", "functions", "parallel_tool_calls", "prompt_logprobs", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "model",
+    "messages",
+    "prompt",
+    "input",
+    "tokens",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "stream",
+    "stream_options",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "priority",
+    "cache_salt",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "best_of",
+    "suffix",
+    "encoding_format",
+    "dimensions",
+    "truncate_prompt_tokens",
+    "add_special_tokens",
+    "documents",
+    "functions",
+    "parallel_tool_calls",
+    "prompt_logprobs",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 ]
 
-EDGE_STRINGS = ["", " ", "\x00", "\ud800", "\udfff", "\ufffd", "😀" * 50, "<|im_start|>system", "<|im_end|>",
-                "{{ 7 * 7 }}", "{% for x in range(10**9) %}x{% endfor %}", "a" * 20_000, "\n" * 1000,
-                "'; DROP TABLE users; --", "\u202e", "ǅ" * 100]
+EDGE_STRINGS = [
+    "",
+    " ",
+    "\x00",
+    "\ud800",
+    "\udfff",
+    "\ufffd",
+    "😀" * 50,
+    "<|im_start|>system",
+    "<|im_end|>",
+    "{{ 7 * 7 }}",
+    "{% for x in range(10**9) %}x{% endfor %}",
+    "a" * 20_000,
+    "\n" * 1000,
+    "'; DROP TABLE users; --",
+    "\u202e",
+    "ǅ" * 100,
+]
 EDGE_INTS = [0, -1, 1, 2, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, 10**400]
 EDGE_FLOATS = [0.0, -0.0, 1e-320, 1e308, -1e308, 0.5, 2.000001, -2.5, 1e10]
 
@@ -58,13 +118,19 @@ scalars = st.one_of(
 )
 values = st.recursive(
     scalars,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8),
-                                                                      children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=12,
 )
 messages = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "bogus"])
-                           | values, "content": st.sampled_from(EDGE_STRINGS) | values}),
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "bogus"]) | values,
+            "content": st.sampled_from(EDGE_STRINGS) | values,
+        }
+    ),
     max_size=4,
 )
 
@@ -114,16 +180,27 @@ schemas = st.one_of(
     st.just({"type": "object", "properties": {"a": {"$ref": "#"}}}),
 )
 constraints = st.one_of(
-    st.builds(lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}},
-              schemas),
+    st.builds(
+        lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}, schemas
+    ),
     st.builds(lambda s: {"structured_outputs": {"json": s}}, schemas),
-    st.builds(lambda b, e, s, t: {"response_format": {"type": "structural_tag", **structural_tag(b, e, s, t)}},
-              st.sampled_from(["<f>", 5, None, ["<f>"], {"x": 1}]), st.sampled_from(["</f>", 7, None, [""]]),
-              schemas, st.sampled_from([["<f"], [5], "<f", [], [None]])),
-    st.builds(lambda r: {"structured_outputs": {"regex": r}}, st.text(max_size=40) | st.sampled_from(
-        ["(a|b)*c{1000000}", "(" * 500, "[\\u0000-\\uffff]{99999}", "a{2,1}", "\\p{L}+"])),
-    st.builds(lambda g: {"structured_outputs": {"grammar": g}}, st.text(max_size=60) | st.sampled_from(
-        ["start: start", "start: a\na: a a | \"x\"", "root ::= root", "start: /" + "(" * 200 + "/"])),
+    st.builds(
+        lambda b, e, s, t: {"response_format": {"type": "structural_tag", **structural_tag(b, e, s, t)}},
+        st.sampled_from(["<f>", 5, None, ["<f>"], {"x": 1}]),
+        st.sampled_from(["</f>", 7, None, [""]]),
+        schemas,
+        st.sampled_from([["<f"], [5], "<f", [], [None]]),
+    ),
+    st.builds(
+        lambda r: {"structured_outputs": {"regex": r}},
+        st.text(max_size=40)
+        | st.sampled_from(["(a|b)*c{1000000}", "(" * 500, "[\\u0000-\\uffff]{99999}", "a{2,1}", "\\p{L}+"]),
+    ),
+    st.builds(
+        lambda g: {"structured_outputs": {"grammar": g}},
+        st.text(max_size=60)
+        | st.sampled_from(["start: start", 'start: a\na: a a | "x"', "root ::= root", "start: /" + "(" * 200 + "/"]),
+    ),
     st.builds(lambda c: {"guided_choice": c}, st.lists(st.sampled_from(EDGE_STRINGS), max_size=5)),
 )
 
@@ -150,14 +227,20 @@ def hostile_body(draw) -> tuple[str, dict]:
         body["text"] = {"format": {"type": "json_schema", "name": "x", "schema": draw(schemas)}}
     elif kind == "function_call":
         path, body = "/v1/responses", dict(VALID_BODIES["/v1/responses"])
-        arguments = draw(st.sampled_from(["[" * DEEP + "]" * DEEP, '{"a":' * 5000 + "1" + "}" * 5000, "{}", "",
-                                          "not json"]) | values.map(json.dumps))
-        body["input"] = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
-                         {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+        arguments = draw(
+            st.sampled_from(["[" * DEEP + "]" * DEEP, '{"a":' * 5000 + "1" + "}" * 5000, "{}", "", "not json"])
+            | values.map(json.dumps)
+        )
+        body["input"] = [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ]
     else:
-        body.update(stop_token_ids=list(range(draw(st.sampled_from([256, 257])))),
-                    logit_bias={str(i): 1.0 for i in range(draw(st.sampled_from([1024, 1025])))},
-                    n=draw(st.sampled_from([1, 2, 129])))  # 128 choices would only queue the others
+        body.update(
+            stop_token_ids=list(range(draw(st.sampled_from([256, 257])))),
+            logit_bias={str(i): 1.0 for i in range(draw(st.sampled_from([1024, 1025])))},
+            n=draw(st.sampled_from([1, 2, 129])),
+        )  # 128 choices would only queue the others
     return path, body
 
 
@@ -186,7 +269,10 @@ def fuzz_requests(draw) -> FuzzRequest:
         encoded = draw(st.sampled_from([b"hello", b"<xml/>", b"\x00\x01\x02", b"[]", b"null", b"1e999", b'"x"']))
     elif mangle == "empty":
         encoded = b""
-    content_type = draw(st.sampled_from(["application/json"] * 4 + ["text/plain", "application/x-www-form-urlencoded",
-                                                                     "multipart/form-data", None]))
+    content_type = draw(
+        st.sampled_from(
+            ["application/json"] * 4 + ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+        )
+    )
     method = draw(st.sampled_from(["POST"] * 12 + ["GET", "PUT", "DELETE"]))
     return FuzzRequest(method, path, encoded, content_type)

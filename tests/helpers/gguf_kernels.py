@@ -15,10 +15,16 @@ needs_kernels = pytest.mark.skipif(gguf_ops.library() is None, reason="no C++ co
 
 # byte offsets of each block type's fp16 scales: (offset, low, high) for a uniform draw
 _SCALES = {
-    Q.Q4_0: [(0, -0.02, 0.02)], Q.Q8_0: [(0, -0.02, 0.02)], Q.Q4_1: [(0, 0.0, 0.02), (2, -0.15, 0.0)],
-    Q.Q5_0: [(0, -0.01, 0.01)], Q.Q5_1: [(0, 0.0, 0.01), (2, -0.15, 0.0)], Q.IQ4_NL: [(0, -0.001, 0.001)],
-    Q.Q2_K: [(80, 0.0, 0.01), (82, 0.0, 0.01)], Q.Q3_K: [(108, -0.003, 0.003)],
-    Q.Q4_K: [(0, 0.0, 0.003), (2, 0.0, 0.003)], Q.Q5_K: [(0, 0.0, 0.002), (2, 0.0, 0.003)],
+    Q.Q4_0: [(0, -0.02, 0.02)],
+    Q.Q8_0: [(0, -0.02, 0.02)],
+    Q.Q4_1: [(0, 0.0, 0.02), (2, -0.15, 0.0)],
+    Q.Q5_0: [(0, -0.01, 0.01)],
+    Q.Q5_1: [(0, 0.0, 0.01), (2, -0.15, 0.0)],
+    Q.IQ4_NL: [(0, -0.001, 0.001)],
+    Q.Q2_K: [(80, 0.0, 0.01), (82, 0.0, 0.01)],
+    Q.Q3_K: [(108, -0.003, 0.003)],
+    Q.Q4_K: [(0, 0.0, 0.003), (2, 0.0, 0.003)],
+    Q.Q5_K: [(0, 0.0, 0.002), (2, 0.0, 0.003)],
     Q.Q6_K: [(208, -0.002, 0.002)],
 }
 
@@ -29,7 +35,7 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Ge
     raw = rng.integers(0, 256, size=(n, k // block_elems, block_bytes), dtype=np.uint8)
     for offset, low, high in _SCALES[qtype]:
         halves = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
-        raw[:, :, offset:offset + 2] = halves[..., None].view(np.uint8)
+        raw[:, :, offset : offset + 2] = halves[..., None].view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -53,11 +59,15 @@ def check(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType, y: t
     xq, amax = quantized_activations(x.float().numpy(), GGML_QUANT_SIZES[qtype][0])
     got = y.double().numpy()
     magnitude = np.abs(xq) @ (2 * np.abs(w) + np.abs(w).max(axis=1, keepdims=True)).T
-    np.testing.assert_array_less(np.abs(got - xq @ w.T), 1e-6 * magnitude + 1e-30,
-                                 err_msg=f"{qtype.name}: not the int8-activation result")
+    np.testing.assert_array_less(
+        np.abs(got - xq @ w.T), 1e-6 * magnitude + 1e-30, err_msg=f"{qtype.name}: not the int8-activation result"
+    )
     bound = (amax / 254) @ np.abs(w).T
-    np.testing.assert_array_less(np.abs(got - x64 @ w.T), bound * (1 + 1e-4) + 1e-5 * magnitude,
-                                 err_msg=f"{qtype.name}: off the exact product by more than the int8 rounding")
+    np.testing.assert_array_less(
+        np.abs(got - x64 @ w.T),
+        bound * (1 + 1e-4) + 1e-5 * magnitude,
+        err_msg=f"{qtype.name}: off the exact product by more than the int8 rounding",
+    )
 
 
 def check_float(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType, y: torch.Tensor) -> None:
@@ -65,5 +75,8 @@ def check_float(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType
     w = gguf_quants.dequantize(blocks, qtype).astype(np.float64).reshape(n, k)
     x64 = x.double().numpy()
     magnitude = np.abs(x64) @ np.abs(w).T
-    np.testing.assert_array_less(np.abs(y.double().numpy() - x64 @ w.T), 2e-6 * magnitude + 1e-30,
-                                 err_msg=f"{qtype.name}: float activations off the float64 product")
+    np.testing.assert_array_less(
+        np.abs(y.double().numpy() - x64 @ w.T),
+        2e-6 * magnitude + 1e-30,
+        err_msg=f"{qtype.name}: float activations off the float64 product",
+    )

@@ -14,8 +14,13 @@ import random
 import string
 from typing import Any
 
-PATTERNS = [r"^[a-z]{1,8}$", r"^[A-Z]{2}-[0-9]{3}$", r"^(red|green|blue)$", r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$",
-            r"^[a-f0-9]{6}$"]
+PATTERNS = [
+    r"^[a-z]{1,8}$",
+    r"^[A-Z]{2}-[0-9]{3}$",
+    r"^(red|green|blue)$",
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$",
+    r"^[a-f0-9]{6}$",
+]
 WORDS = ["alpha", "beta", "gamma", "delta", "north", "south", "cat", "dog", "yes", "no", "x y", "ünï"]
 
 
@@ -38,8 +43,12 @@ def _value(rng: random.Random, depth: int) -> dict[str, Any]:
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 5000)}
     if kind == "number":
         low = rng.randint(-100, 100)
-        return {"type": "number", "minimum": low, "maximum": low + rng.randint(1, 200),
-                "multipleOf": rng.choice([0.5, 0.25, 0.125])}
+        return {
+            "type": "number",
+            "minimum": low,
+            "maximum": low + rng.randint(1, 200),
+            "multipleOf": rng.choice([0.5, 0.25, 0.125]),
+        }
     if kind == "boolean":
         return {"type": "boolean"}
     if kind == "null":

@@ -52,9 +52,7 @@ def make_paged_cache(
         write_kv_ref(key, value, k_cache, v_cache, slots)
         keys.append(key)
         values.append(value)
-    return PagedCache(
-        k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), keys, values
-    )
+    return PagedCache(k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), keys, values)
 
 
 def poison_blocks_before_windows(cache, first_keys: list[int], block_size: int) -> None:

@@ -76,16 +76,24 @@ def awq_tensors(q: Int4Quantized, zero_point: bool = True) -> dict[str, torch.Te
 
 def gptq_tensors(q: Int4Quantized, zero_offset: int = 1) -> dict[str, torch.Tensor]:
     """GPTQ tensors; v1 (`zero_offset=1`) stores each zero point minus one."""
-    return {"qweight": pack_int4(q.codes, 0), "qzeros": pack_int4(q.zeros - zero_offset, 1), "scales": q.scales,
-            "g_idx": q.g_idx}
+    return {
+        "qweight": pack_int4(q.codes, 0),
+        "qzeros": pack_int4(q.zeros - zero_offset, 1),
+        "scales": q.scales,
+        "g_idx": q.g_idx,
+    }
 
 
 def compressed_int4_tensors(q: Int4Quantized, sym: bool) -> dict[str, torch.Tensor]:
     """compressed-tensors pack-quantized tensors: `[out, in]`-shaped, packed along the input dim (codes are the
     signed values + 8), zero points packed along the output dim."""
     n = q.codes.shape[1]
-    tensors = {"weight_packed": pack_int4(q.codes.T, 1), "weight_scale": q.scales.T.contiguous(),
-               "weight_shape": torch.tensor([n, q.codes.shape[0]]), "weight_g_idx": q.g_idx}
+    tensors = {
+        "weight_packed": pack_int4(q.codes.T, 1),
+        "weight_scale": q.scales.T.contiguous(),
+        "weight_shape": torch.tensor([n, q.codes.shape[0]]),
+        "weight_g_idx": q.g_idx,
+    }
     if not sym:
         tensors["weight_zero_point"] = pack_int4(q.zeros.T, 0)
     return tensors
@@ -114,8 +122,17 @@ def _layer_input(name: str) -> str:
 
 
 def write_quantized_checkpoint(
-    dense_dir: Path, out_dir: Path, reference_dir: Path, method: str, *, group_size: int = 32, desc_act: bool = False,
-    sym: bool = False, per_channel: bool = True, static_input_scale: bool = False, seed: int = 0,
+    dense_dir: Path,
+    out_dir: Path,
+    reference_dir: Path,
+    method: str,
+    *,
+    group_size: int = 32,
+    desc_act: bool = False,
+    sym: bool = False,
+    per_channel: bool = True,
+    static_input_scale: bool = False,
+    seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Quantize every decoder linear layer of `dense_dir` ("awq", "gptq", "fp8", or compressed-tensors'
     "compressed-int4" / "compressed-fp8") into `out_dir`, and write the
@@ -153,30 +170,72 @@ def write_quantized_checkpoint(
         reference[name] = q.dense().float()
     config = json.loads((dense_dir / "config.json").read_text())
     if method == "awq":
-        quant_config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-                        "version": "gemm", "modules_to_not_convert": None}
+        quant_config = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
     elif method == "gptq":
-        quant_config = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act,
-                        "sym": sym, "checkpoint_format": "gptq"}
+        quant_config = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": desc_act,
+            "sym": sym,
+            "checkpoint_format": "gptq",
+        }
     elif method == "fp8":
-        quant_config = {"quant_method": "fp8", "activation_scheme": "static" if static_input_scale else "dynamic",
-                        "ignored_layers": ["lm_head"]}
+        quant_config = {
+            "quant_method": "fp8",
+            "activation_scheme": "static" if static_input_scale else "dynamic",
+            "ignored_layers": ["lm_head"],
+        }
     else:  # compressed-tensors: one config group for every Linear but the LM head
         if method == "compressed-int4":
-            scheme = {"weights": {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
-                                  "group_size": group_size, "actorder": "group" if desc_act else None},
-                      "input_activations": None, "format": "pack-quantized"}
+            scheme = {
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": sym,
+                    "strategy": "group",
+                    "group_size": group_size,
+                    "actorder": "group" if desc_act else None,
+                },
+                "input_activations": None,
+                "format": "pack-quantized",
+            }
         else:
-            activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_input_scale,
-                           "strategy": "tensor" if static_input_scale else "token"}
-            scheme = {"weights": {"num_bits": 8, "type": "float", "symmetric": True,
-                                  "strategy": "channel" if per_channel else "tensor"},
-                      "input_activations": activations, "format": "float-quantized"}
-        quant_config = {"quant_method": "compressed-tensors", "format": scheme["format"],
-                        "config_groups": {"group_0": {"targets": ["Linear"], **scheme}}, "ignore": ["lm_head"],
-                        "quantization_status": "compressed"}
-    for directory, tensors, extra in [(out_dir, quantized, {"quantization_config": quant_config}),
-                                      (reference_dir, reference, {})]:
+            activations = {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "dynamic": not static_input_scale,
+                "strategy": "tensor" if static_input_scale else "token",
+            }
+            scheme = {
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": "channel" if per_channel else "tensor",
+                },
+                "input_activations": activations,
+                "format": "float-quantized",
+            }
+        quant_config = {
+            "quant_method": "compressed-tensors",
+            "format": scheme["format"],
+            "config_groups": {"group_0": {"targets": ["Linear"], **scheme}},
+            "ignore": ["lm_head"],
+            "quantization_status": "compressed",
+        }
+    for directory, tensors, extra in [
+        (out_dir, quantized, {"quantization_config": quant_config}),
+        (reference_dir, reference, {}),
+    ]:
         shutil.copytree(dense_dir, directory, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
         (directory / "config.json").write_text(json.dumps({**config, **extra}, indent=2))
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(directory / "model.safetensors"))

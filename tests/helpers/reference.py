@@ -60,7 +60,7 @@ TEXTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
     "In 1905, Albert Einstein published four papers that changed physics. The first one explained",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "List three fruits:",
     "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter and his "
     "daughter. Every morning the woodcutter walked into the forest with his axe, and every evening he came back",
@@ -81,8 +81,15 @@ def load_reference_model(family: str, tiny_checkpoints):
 
 
 def complete_ids(url: str, prompt: list[int], max_tokens: int = 32, **extra) -> list[int]:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     response = requests.post(f"{url}/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]

@@ -36,20 +36,31 @@ NUM_BLOCKS = 96
 _plan_decoder = decoder(WorkerCommand)
 
 
-def logits_in_chunks(model, input_ids: torch.Tensor, chunk_bounds: list[int], block_size: int = 4,
-                     kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+def logits_in_chunks(
+    model,
+    input_ids: torch.Tensor,
+    chunk_bounds: list[int],
+    block_size: int = 4,
+    kv_cache_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Run one sequence through a fresh paged cache (shuffled blocks; the default dtype unless `kv_cache_dtype`) in
     chunks; float32 logits of every position."""
     num_blocks = -(-len(input_ids) // block_size) + 8
     shape = model.kv_cache_shape(num_blocks, block_size)
-    kv_caches = [(torch.zeros(shape, dtype=kv_cache_dtype), torch.zeros(shape, dtype=kv_cache_dtype))
-                 for _ in range(model.num_layers)]
+    kv_caches = [
+        (torch.zeros(shape, dtype=kv_cache_dtype), torch.zeros(shape, dtype=kv_cache_dtype))
+        for _ in range(model.num_layers)
+    ]
     blocks = np.random.default_rng(0).permutation(num_blocks)
     logits = []
     for start, end in zip(chunk_bounds, chunk_bounds[1:]):
         needed = -(-end // block_size)
         meta = build_attention_metadata(
-            np.array([end - start]), np.array([end]), blocks[None, :needed], block_size, torch.device("cpu"),
+            np.array([end - start]),
+            np.array([end]),
+            blocks[None, :needed],
+            block_size,
+            torch.device("cpu"),
             attention_backend("cpu"),
         )
         with torch.inference_mode():
@@ -122,8 +133,13 @@ def run_greedy(
             if not seq.known_by_worker:
                 new_requests.append(
                     NewRequestData(
-                        seq.request_id, seq.token_ids, len(seq.prompt), params, list(seq.block_ids),
-                        seq.num_computed, num_tokens,
+                        seq.request_id,
+                        seq.token_ids,
+                        len(seq.prompt),
+                        params,
+                        list(seq.block_ids),
+                        seq.num_computed,
+                        num_tokens,
                     )
                 )
                 seq.known_by_worker = True

@@ -20,19 +20,40 @@ EOS = 2
 _distinct_token_base = itertools.count(1000, 1000)
 
 
-def make_config(*, block_size: int = 4, max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
-                max_model_len: int = 128, chunked_prefill: bool = True, prefix_caching: bool = True,
-                policy: str = "fcfs", max_waiting_requests: int = 4096) -> EngineConfig:
+def make_config(
+    *,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 8,
+    max_model_len: int = 128,
+    chunked_prefill: bool = True,
+    prefix_caching: bool = True,
+    policy: str = "fcfs",
+    max_waiting_requests: int = 4096,
+) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(max_model_len=max_model_len),
         cache=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                  enable_chunked_prefill=chunked_prefill, scheduling_policy=policy,
-                                  max_waiting_requests=max_waiting_requests))
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_chunked_prefill=chunked_prefill,
+            scheduling_policy=policy,
+            max_waiting_requests=max_waiting_requests,
+        ),
+    )
 
 
-def make_request(request_id: str, prompt: list[int] | int, max_tokens: int | None = 4, *, priority: int = 0,
-                 cache_salt: str | None = None, task: str = "generate", **sampling) -> EngineRequest:
+def make_request(
+    request_id: str,
+    prompt: list[int] | int,
+    max_tokens: int | None = 4,
+    *,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    task: str = "generate",
+    **sampling,
+) -> EngineRequest:
     """A request; an int prompt means that many tokens no other request uses, so no two prompts share blocks
     unless the test builds them to."""
     if isinstance(prompt, int):
@@ -40,9 +61,14 @@ def make_request(request_id: str, prompt: list[int] | int, max_tokens: int | Non
         tokens = list(range(base, base + prompt))
     else:
         tokens = list(prompt)
-    return EngineRequest(request_id=request_id, prompt_token_ids=tokens,
-                         sampling=SamplingParams(max_tokens=max_tokens, **sampling), task=task, priority=priority,
-                         cache_salt=cache_salt)
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=tokens,
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+        task=task,
+        priority=priority,
+        cache_salt=cache_salt,
+    )
 
 
 class FakeClock:
@@ -88,7 +114,8 @@ class FakeWorker:
             assert new.request_id not in self.state, f"{new.request_id!r} sent in full twice"
             assert new.num_computed_tokens % self.block_size == 0, "cached prefix must be whole blocks"
             self.state[new.request_id] = WorkerRequestState(
-                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens, new.task)
+                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens, new.task
+            )
             scheduled[new.request_id] = new.num_scheduled_tokens
             self.new_requests_seen.append(new)
         for run in plan.running:
@@ -116,8 +143,9 @@ class FakeWorker:
         """The KV a request attends to must be its own tokens: the computed ones (prefix-cache hits included) are
         checked against what was written into those slots, then this step writes the scheduled ones."""
         for position in range(state.num_computed_tokens):
-            assert self.kv_content.get(self.slot(state, position)) == state.token_ids[position], \
+            assert self.kv_content.get(self.slot(state, position)) == state.token_ids[position], (
                 f"stale KV at position {position}: a shared block holds other tokens"
+            )
         for position in range(state.num_computed_tokens, end):
             self.kv_content[self.slot(state, position)] = state.token_ids[position]
 
@@ -144,8 +172,9 @@ def step(scheduler: Scheduler, worker: FakeWorker) -> tuple[StepPlan | None, lis
     return plan, scheduler.update(plan, worker.execute(plan))
 
 
-def run_to_completion(scheduler: Scheduler, worker: FakeWorker,
-                      max_steps: int = 1000) -> dict[str, list[RequestOutput]]:
+def run_to_completion(
+    scheduler: Scheduler, worker: FakeWorker, max_steps: int = 1000
+) -> dict[str, list[RequestOutput]]:
     """Step until nothing is unfinished; returns every request's outputs in order."""
     outputs: dict[str, list[RequestOutput]] = {}
     for _ in range(max_steps):

@@ -48,8 +48,17 @@ class Server:
 
     def __init__(self, *args: str, log_path: Path | None = None, env: dict | None = None, startup_timeout: float = 180):
         self.port = free_port()
-        self.args = [sys.executable, "-m", "tokenmill.cli", "serve", *args, "--host", "127.0.0.1",
-                     "--port", str(self.port)]
+        self.args = [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "serve",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

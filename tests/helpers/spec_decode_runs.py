@@ -17,19 +17,36 @@ CODE = '''def area(width, height):
 _plans = decoder(WorkerCommand)
 
 
-def generate(runner: Worker, speculative: SpeculativeConfig, requests: list[tuple[int, EngineRequest]], *,
-             num_blocks: int, budget: int, tag: str) -> tuple[dict[str, list[int]], Scheduler]:
+def generate(
+    runner: Worker,
+    speculative: SpeculativeConfig,
+    requests: list[tuple[int, EngineRequest]],
+    *,
+    num_blocks: int,
+    budget: int,
+    tag: str,
+) -> tuple[dict[str, list[int]], Scheduler]:
     """Run the requests (each added at its step) to completion; request ids get `tag` so runs never share state."""
-    config = EngineConfig(cache=CacheConfig(block_size=16, enable_prefix_caching=True),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=budget), speculative=speculative)
+    config = EngineConfig(
+        cache=CacheConfig(block_size=16, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+        speculative=speculative,
+    )
     scheduler = Scheduler(config, num_blocks, runner.eos_token_ids)
     outputs: dict[str, list[int]] = {}
     for step in range(1000):
         for arrival, request in requests:
             if arrival == step:
-                assert scheduler.add_request(EngineRequest(request_id=f"{tag}-{request.request_id}",
-                                                           prompt_token_ids=request.prompt_token_ids,
-                                                           sampling=request.sampling)) is None
+                assert (
+                    scheduler.add_request(
+                        EngineRequest(
+                            request_id=f"{tag}-{request.request_id}",
+                            prompt_token_ids=request.prompt_token_ids,
+                            sampling=request.sampling,
+                        )
+                    )
+                    is None
+                )
         if step > max(arrival for arrival, _ in requests) and not scheduler.has_unfinished_requests():
             return outputs, scheduler
         plan = scheduler.schedule()
@@ -47,7 +64,9 @@ def requests(max_tokens: int, seeded: bool) -> list[tuple[int, EngineRequest]]:
     prompt = [(i * 7) % 50 + 100 for i in range(40)]
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     third = SamplingParams(max_tokens=max_tokens, temperature=0.8 if seeded else 0.0, seed=3, ignore_eos=True)
-    return [(0, EngineRequest(request_id="a", prompt_token_ids=prompt, sampling=greedy)),
-            (0, EngineRequest(request_id="b", prompt_token_ids=prompt[5:] + prompt[:5], sampling=greedy)),
-            # arrives once the first prompt is cached: prefix hits (the draft's KV lives in the same blocks)
-            (3, EngineRequest(request_id="c", prompt_token_ids=prompt, sampling=third))]
+    return [
+        (0, EngineRequest(request_id="a", prompt_token_ids=prompt, sampling=greedy)),
+        (0, EngineRequest(request_id="b", prompt_token_ids=prompt[5:] + prompt[:5], sampling=greedy)),
+        # arrives once the first prompt is cached: prefix hits (the draft's KV lives in the same blocks)
+        (3, EngineRequest(request_id="c", prompt_token_ids=prompt, sampling=third)),
+    ]

@@ -37,9 +37,13 @@ class SpecFakeWorker(FakeWorker):
             if run_data.request_id in drafts:
                 assert run_data.num_scheduled_tokens == 1 + len(drafts[run_data.request_id])
         # apply with the drafts as known tokens (the base class checks slots and KV), then take them back out
-        plan_copy = msgspec.structs.replace(plan, running=[
-            msgspec.structs.replace(r, new_token_ids=r.new_token_ids + r.spec_token_ids) if r.spec_token_ids else r
-            for r in plan.running])
+        plan_copy = msgspec.structs.replace(
+            plan,
+            running=[
+                msgspec.structs.replace(r, new_token_ids=r.new_token_ids + r.spec_token_ids) if r.spec_token_ids else r
+                for r in plan.running
+            ],
+        )
         scheduled = self.apply(plan_copy)
         request_ids, first, accepted = [], [], []
         for request_id in scheduled:
@@ -48,7 +52,7 @@ class SpecFakeWorker(FakeWorker):
                 continue
             request_drafts = drafts.get(request_id, [])
             known = state.token_ids[: len(state.token_ids) - len(request_drafts)]
-            output = known[state.num_prompt_tokens:]
+            output = known[state.num_prompt_tokens :]
             target = self.target(request_id)
             tokens = []
             for j in range(len(request_drafts) + 1):
@@ -56,7 +60,7 @@ class SpecFakeWorker(FakeWorker):
                 tokens.append(next_token)
                 if j == len(request_drafts) or request_drafts[j] != next_token:
                     break
-            del state.token_ids[len(known):]  # drafts were this step only
+            del state.token_ids[len(known) :]  # drafts were this step only
             state.num_computed_tokens = len(known) + len(tokens) - 1
             request_ids.append(request_id)
             first.append(tokens[0])
@@ -82,8 +86,9 @@ def run(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 500):
     raise AssertionError("not finished")
 
 
-def make_scheduler(speculative=NGRAM, num_blocks: int = 64, max_speculating_batch: int | None = 8,
-                   **config) -> Scheduler:
+def make_scheduler(
+    speculative=NGRAM, num_blocks: int = 64, max_speculating_batch: int | None = 8, **config
+) -> Scheduler:
     """A scheduler whose requests speculate up to batch `max_speculating_batch` (vLLM's disable_by_batch_size; None:
     tokenmill's default, which exercises less)."""
     if speculative.method is not None:

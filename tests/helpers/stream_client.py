@@ -30,12 +30,16 @@ class StreamRecord:
 
 def read_stream(url: str, body: dict, record: StreamRecord, timeout_s: float = 120) -> None:
     try:
-        with requests.post(f"{url}/v1/completions", stream=True, timeout=timeout_s,
-                           json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        with requests.post(
+            f"{url}/v1/completions",
+            stream=True,
+            timeout=timeout_s,
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as response:
             record.status = response.status_code
             for line in response.iter_lines():
                 if line.startswith(b"data: "):
-                    read_event(line[len(b"data: "):], record)
+                    read_event(line[len(b"data: ") :], record)
     except requests.RequestException as exc:
         record.error = repr(exc)
     finally:
@@ -60,8 +64,10 @@ def read_event(data: bytes, record: StreamRecord) -> None:
 
 def start_streams(url: str, bodies: list[dict]) -> tuple[list[threading.Thread], list[StreamRecord]]:
     records = [StreamRecord() for _ in bodies]
-    threads = [threading.Thread(target=read_stream, args=(url, body, record), daemon=True)
-               for body, record in zip(bodies, records, strict=True)]
+    threads = [
+        threading.Thread(target=read_stream, args=(url, body, record), daemon=True)
+        for body, record in zip(bodies, records, strict=True)
+    ]
     for thread in threads:
         thread.start()
     return threads, records

@@ -24,7 +24,8 @@ _COMMON = dict(
 TINY_CONFIGS = {
     "llama": lambda: LlamaConfig(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "llama-tied-mha": lambda: LlamaConfig(
-        **{**_COMMON, "num_key_value_heads": 4}, tie_word_embeddings=True,
+        **{**_COMMON, "num_key_value_heads": 4},
+        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
     # original_max_position_embeddings is small so that positions in the test reach the scaled frequencies.

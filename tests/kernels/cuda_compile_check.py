@@ -57,11 +57,24 @@ def attention_pointers(dtype: str, cache_dtype: str | None = None) -> dict[str, 
 def split_kv_configs(dtype: str, cache_dtype: str | None, common: dict, cache_label: str):
     """The split-KV decode kernels (partials and reduce) at 4 splits, on the broadcast or the tl.dot row path."""
     tiles = split_kv_decode.decode_tile_shape(common["GROUP"], common["HEAD_DIM"])
-    partial = dict(common, BLOCK_GROUP=tiles.rows, TILE_KEYS=tiles.tile_keys, NUM_SPLITS=4, USE_DOT=tiles.use_dot,
-                   SLIDING=True, num_warps=tiles.num_warps)
+    partial = dict(
+        common,
+        BLOCK_GROUP=tiles.rows,
+        TILE_KEYS=tiles.tile_keys,
+        NUM_SPLITS=4,
+        USE_DOT=tiles.use_dot,
+        SLIDING=True,
+        num_warps=tiles.num_warps,
+    )
     pointers = dict(attention_pointers(dtype, cache_dtype), partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
     label = f"{dtype}{cache_label} G{common['GROUP']} D{common['HEAD_DIM']}"
-    yield f"split_kv partial {label} BS{common['BLOCK_SIZE']} dot={tiles.use_dot}", split_kv_decode._split_kv_partial_kernel, pointers, partial, ("scale_log2", "v_scale")
+    yield (
+        f"split_kv partial {label} BS{common['BLOCK_SIZE']} dot={tiles.use_dot}",
+        split_kv_decode._split_kv_partial_kernel,
+        pointers,
+        partial,
+        ("scale_log2", "v_scale"),
+    )
     reduce = dict(NUM_SPLITS=4, BLOCK_SPLITS=4, HEAD_DIM=common["HEAD_DIM"], BLOCK_DIM=common["BLOCK_DIM"])
     pointers = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "out_ptr": TYPES[dtype]}
     yield f"split_kv reduce {label}", split_kv_decode._split_kv_reduce_kernel, pointers, reduce, ()
@@ -85,32 +98,84 @@ def kernel_configs(capability: int):
             common, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), TILE_KEYS=paged_attention.DECODE_TILE_KEYS
         )
         cache_label = f" {cache_dtype} cache" if cache_dtype else ""
-        yield f"decode {dtype}{cache_label} G{group} D{head_dim} BS{block_size}", paged_attention._decode_kernel, attention_pointers(dtype, cache_dtype), decode, ("scale_log2", "v_scale")
+        yield (
+            f"decode {dtype}{cache_label} G{group} D{head_dim} BS{block_size}",
+            paged_attention._decode_kernel,
+            attention_pointers(dtype, cache_dtype),
+            decode,
+            ("scale_log2", "v_scale"),
+        )
         tokens_per_tile, block_rows = paged_attention.prefill_tile_shape(group)
         prefill = dict(
             common, TOKENS_PER_TILE=tokens_per_tile, BLOCK_ROWS=block_rows, TILE_KEYS=paged_attention.PREFILL_TILE_KEYS
         )
-        yield f"prefill {dtype}{cache_label} G{group} D{head_dim} BS{block_size}", paged_attention._prefill_kernel, attention_pointers(dtype, cache_dtype), prefill, ("scale_log2", "v_scale")
+        yield (
+            f"prefill {dtype}{cache_label} G{group} D{head_dim} BS{block_size}",
+            paged_attention._prefill_kernel,
+            attention_pointers(dtype, cache_dtype),
+            prefill,
+            ("scale_log2", "v_scale"),
+        )
         yield from split_kv_configs(dtype, cache_dtype, common, cache_label)
     write_configs = [("fp16", 128, None), ("bf16", 80, None)]
     if capability >= FP8_CAPABILITY:
         write_configs += [("bf16", 64, "fp8e4nv"), ("fp32", 64, "fp8e5")]
     for dtype, head_dim, cache_dtype in write_configs:
         ptr, cache_ptr = TYPES[dtype], TYPES[cache_dtype or dtype]
-        pointers = {"key_ptr": ptr, "value_ptr": ptr, "k_cache_ptr": cache_ptr, "v_cache_ptr": cache_ptr, "slot_mapping_ptr": "*i64"}
-        constexprs = dict(NUM_KV_HEADS=3, HEAD_DIM=head_dim, BLOCK_HEADS=4, BLOCK_DIM=triton.next_power_of_2(head_dim), BLOCK_SIZE=16, FP8=cache_dtype is not None)
-        yield f"write_kv {dtype}{f' {cache_dtype} cache' if cache_dtype else ''} D{head_dim}", kv_write._write_kv_kernel, pointers, constexprs, ("k_scale", "v_scale")
+        pointers = {
+            "key_ptr": ptr,
+            "value_ptr": ptr,
+            "k_cache_ptr": cache_ptr,
+            "v_cache_ptr": cache_ptr,
+            "slot_mapping_ptr": "*i64",
+        }
+        constexprs = dict(
+            NUM_KV_HEADS=3,
+            HEAD_DIM=head_dim,
+            BLOCK_HEADS=4,
+            BLOCK_DIM=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=16,
+            FP8=cache_dtype is not None,
+        )
+        yield (
+            f"write_kv {dtype}{f' {cache_dtype} cache' if cache_dtype else ''} D{head_dim}",
+            kv_write._write_kv_kernel,
+            pointers,
+            constexprs,
+            ("k_scale", "v_scale"),
+        )
     for dtype, hidden, residual in [("bf16", 4096, True), ("fp16", 576, False)]:
         ptr = TYPES[dtype]
         pointers = {"x_ptr": ptr, "residual_ptr": ptr, "weight_ptr": ptr, "out_ptr": ptr, "residual_out_ptr": ptr}
         constexprs = dict(HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual)
-        yield f"rms_norm {dtype} H{hidden} residual={residual}", rms_norm._rms_norm_kernel, pointers, constexprs, ("eps",)
+        yield (
+            f"rms_norm {dtype} H{hidden} residual={residual}",
+            rms_norm._rms_norm_kernel,
+            pointers,
+            constexprs,
+            ("eps",),
+        )
     for dtype, neox, rot_dim in [("fp16", True, 128), ("bf16", False, 64)]:
         ptr = TYPES[dtype]
-        pointers = {"q_ptr": ptr, "k_ptr": ptr, "q_out_ptr": ptr, "k_out_ptr": ptr, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+        pointers = {
+            "q_ptr": ptr,
+            "k_ptr": ptr,
+            "q_out_ptr": ptr,
+            "k_out_ptr": ptr,
+            "positions_ptr": "*i64",
+            "cos_sin_ptr": "*fp32",
+        }
         constexprs = dict(
-            NUM_Q_HEADS=9, NUM_K_HEADS=3, BLOCK_Q_HEADS=16, BLOCK_K_HEADS=4, HEAD_DIM=128, BLOCK_DIM=128,
-            HALF_ROT=rot_dim // 2, BLOCK_HALF=rot_dim // 2, NEOX_STYLE=neox, COPY_TAIL=rot_dim < 128,
+            NUM_Q_HEADS=9,
+            NUM_K_HEADS=3,
+            BLOCK_Q_HEADS=16,
+            BLOCK_K_HEADS=4,
+            HEAD_DIM=128,
+            BLOCK_DIM=128,
+            HALF_ROT=rot_dim // 2,
+            BLOCK_HALF=rot_dim // 2,
+            NEOX_STYLE=neox,
+            COPY_TAIL=rot_dim < 128,
         )
         yield f"rotary {dtype} neox={neox} rot{rot_dim}", rotary._rotary_kernel, pointers, constexprs, ()
 

@@ -49,10 +49,12 @@ def test_decode_attention_matches_reference(dtype, num_heads, num_kv_heads, head
     query = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
     query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     out = torch.full_like(query, float("nan"))
-    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
-                             cache.seq_lens, head_dim**-0.5)
-    expected = paged_attention_decode_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
-                                          head_dim**-0.5)
+    cpu_ops.decode_attention(
+        out, query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.seq_lens, head_dim**-0.5
+    )
+    expected = paged_attention_decode_ref(
+        query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, head_dim**-0.5
+    )
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -66,10 +68,19 @@ def test_decode_attention_any_thread_count_and_work_split(threads, num_threads, 
     cache = make_paged_cache(seq_lens, 3, 64, 16, torch.float32)
     query = torch.randn(num_seqs, 9, 64)
     out = torch.empty_like(query)
-    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables,
-                             torch.arange(num_seqs + 1, dtype=torch.int32), cache.seq_lens, 0.125)
-    expected = paged_attention_decode_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
-                                          0.125)
+    cpu_ops.decode_attention(
+        out,
+        query,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        torch.arange(num_seqs + 1, dtype=torch.int32),
+        cache.seq_lens,
+        0.125,
+    )
+    expected = paged_attention_decode_ref(
+        query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125
+    )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
@@ -82,11 +93,18 @@ def test_decode_attention_leaves_prompt_rows_and_reads_a_strided_query():
     query = qkv[:, : 8 * 64].view(-1, 8, 64)
     query_start_loc = torch.tensor([0, 1, 4, 5, 7], dtype=torch.int32)
     out = torch.full((sum(query_lens), 8, 64), -7.0)
-    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
-                             cache.seq_lens, 0.125)
+    cpu_ops.decode_attention(
+        out, query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.seq_lens, 0.125
+    )
     decode_rows, decode_seqs = [0, 4], [0, 2]
-    expected = paged_attention_decode_ref(query[decode_rows].contiguous(), cache.k_cache, cache.v_cache,
-                                          cache.block_tables[decode_seqs], cache.seq_lens[decode_seqs], 0.125)
+    expected = paged_attention_decode_ref(
+        query[decode_rows].contiguous(),
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables[decode_seqs],
+        cache.seq_lens[decode_seqs],
+        0.125,
+    )
     torch.testing.assert_close(out[decode_rows], expected, atol=2e-5, rtol=2e-5)
     assert (out[[1, 2, 3, 5, 6]] == -7.0).all(), "rows of multi-token sequences must be left alone"
 
@@ -119,13 +137,36 @@ def test_fp8_conversions_are_torchs_bit_for_bit(fp8_dtype):
     assert torch.equal(decoded.nan_to_num().view(torch.int32), expected.nan_to_num().view(torch.int32))
 
     generator = torch.Generator().manual_seed(0)
-    random_bits = torch.randint(-2**31, 2**31, (1 << 18,), generator=generator, dtype=torch.int64).to(torch.int32)
+    random_bits = torch.randint(-(2**31), 2**31, (1 << 18,), generator=generator, dtype=torch.int64).to(torch.int32)
     magnitudes = torch.exp2(torch.randint(-26, 18, (1 << 18,), generator=generator).float())
     near_range = torch.randn(1 << 18, generator=generator) * magnitudes
     halfway = (every_byte.float()[:-1] + every_byte.float()[1:]) / 2  # ties between neighbouring codes
-    special = torch.tensor([0.0, 448.0, 464.0, 465.0, 480.0, 500.0, 57344.0, 61439.0, 61440.0, 65536.0, 1e30,
-                            float("inf"), float("nan"), 2.0**-6, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-14, 2.0**-16,
-                            2.0**-17, 3 * 2.0**-18, 1e-30])
+    special = torch.tensor(
+        [
+            0.0,
+            448.0,
+            464.0,
+            465.0,
+            480.0,
+            500.0,
+            57344.0,
+            61439.0,
+            61440.0,
+            65536.0,
+            1e30,
+            float("inf"),
+            float("nan"),
+            2.0**-6,
+            2.0**-9,
+            2.0**-10,
+            3 * 2.0**-11,
+            2.0**-14,
+            2.0**-16,
+            2.0**-17,
+            3 * 2.0**-18,
+            1e-30,
+        ]
+    )
     for floats in (random_bits.view(torch.float32), near_range, halfway.nan_to_num(), special, -special):
         encoded = cpu_ops.fp8_convert(floats, True, fp8_dtype)
         assert torch.equal(encoded.view(torch.uint8), floats.to(fp8_dtype).view(torch.uint8))
@@ -304,8 +345,9 @@ def test_a_good_cached_library_is_loaded(tmp_path, monkeypatch, load_spy, caplog
 
 
 @pytest.mark.parametrize("make_untrusted", ["library_mode_666", "cache_dir_mode_777", "cache_dir_owned_by_another"])
-def test_an_untrusted_cache_is_refused_and_the_kernels_built_privately(tmp_path, monkeypatch, load_spy, caplog,
-                                                                       make_untrusted):
+def test_an_untrusted_cache_is_refused_and_the_kernels_built_privately(
+    tmp_path, monkeypatch, load_spy, caplog, make_untrusted
+):
     cache = tmp_path / "cache"
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(cache))
     loaded, good = load_spy
@@ -319,8 +361,11 @@ def test_an_untrusted_cache_is_refused_and_the_kernels_built_privately(tmp_path,
         cache.chmod(0o777)
     else:
         real_stat = Path.stat
-        monkeypatch.setattr(Path, "stat", lambda self, **kw: _owned_by(real_stat(self, **kw), 12345)
-                            if self == cache else real_stat(self, **kw))
+        monkeypatch.setattr(
+            Path,
+            "stat",
+            lambda self, **kw: _owned_by(real_stat(self, **kw), 12345) if self == cache else real_stat(self, **kw),
+        )
     with caplog.at_level(logging.WARNING, logger="tokenmill.kernels.cpu_ops"):
         assert cpu_ops.library() is not None
     assert len(loaded) == 1 and loaded[0] != str(planted)

@@ -20,8 +20,21 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 LIMIT = 9  # max_query_len of the calls below: sequences of 1..9 queries are the kernel's
 # (query tokens, cached tokens): decodes, verification steps of 2..9 tokens (past 16-key runs and block ends, a whole
 # short prompt), and prompts longer than LIMIT, which stay untouched
-BATCH = [(1, 37), (2, 2), (8, 208), (3, 17), (12, 40), (9, 33), (1, 1), (5, 100), (4, 64), (30, 30), (7, 71),
-         (6, 16), (2, 50)]
+BATCH = [
+    (1, 37),
+    (2, 2),
+    (8, 208),
+    (3, 17),
+    (12, 40),
+    (9, 33),
+    (1, 1),
+    (5, 100),
+    (4, 64),
+    (30, 30),
+    (7, 71),
+    (6, 16),
+    (2, 50),
+]
 SENTINEL = -7.0
 
 
@@ -48,8 +61,9 @@ def reference(query, cache, batch, scale, window=None, k_scale=1.0, v_scale=1.0)
     return torch.cat(outputs)
 
 
-def run(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype=None, window=None,
-        k_scale=1.0, v_scale=1.0):
+def run(
+    batch, num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype=None, window=None, k_scale=1.0, v_scale=1.0
+):
     """(kernel output, float64 reference, rows the kernel handles, reference without the window) of one batch;
     blocks before the windows are poisoned."""
     q_lens = [q for q, _ in batch]
@@ -64,8 +78,20 @@ def run(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype
     query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
     out = torch.full((sum(q_lens), num_heads, head_dim), SENTINEL, dtype=dtype)
-    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
-                             cache.seq_lens, scale, window, k_scale, v_scale, max_query_len=LIMIT)
+    cpu_ops.decode_attention(
+        out,
+        query,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        query_start_loc,
+        cache.seq_lens,
+        scale,
+        window,
+        k_scale,
+        v_scale,
+        max_query_len=LIMIT,
+    )
     handled = torch.cat([torch.full((q,), q <= LIMIT) for q in q_lens])
     return out, expected, handled, unwindowed
 
@@ -121,13 +147,29 @@ def test_a_query_row_equals_decoding_that_token_alone():
     cache = make_paged_cache([60], 3, 64, 16, torch.float32)
     query = torch.randn(8, 9, 64)
     out = torch.empty_like(query)
-    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables,
-                             torch.tensor([0, 8], dtype=torch.int32), cache.seq_lens, 0.125, max_query_len=8)
+    cpu_ops.decode_attention(
+        out,
+        query,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        torch.tensor([0, 8], dtype=torch.int32),
+        cache.seq_lens,
+        0.125,
+        max_query_len=8,
+    )
     for i in range(8):
         alone = torch.empty(1, 9, 64)
-        cpu_ops.decode_attention(alone, query[i : i + 1], cache.k_cache, cache.v_cache, cache.block_tables,
-                                 torch.tensor([0, 1], dtype=torch.int32), torch.tensor([53 + i], dtype=torch.int32),
-                                 0.125)
+        cpu_ops.decode_attention(
+            alone,
+            query[i : i + 1],
+            cache.k_cache,
+            cache.v_cache,
+            cache.block_tables,
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([53 + i], dtype=torch.int32),
+            0.125,
+        )
         torch.testing.assert_close(out[i : i + 1], alone, atol=1e-6, rtol=1e-6)
 
 
@@ -137,8 +179,16 @@ def test_max_query_len_one_is_the_decode_kernel():
     cache = make_paged_cache([n for _, n in batch], 2, 64, 16, torch.float32)
     query = torch.randn(7, 8, 64)
     out = torch.full((7, 8, 64), SENTINEL)
-    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables,
-                             torch.tensor([0, 1, 4, 5, 7], dtype=torch.int32), cache.seq_lens, 0.125)
+    cpu_ops.decode_attention(
+        out,
+        query,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        torch.tensor([0, 1, 4, 5, 7], dtype=torch.int32),
+        cache.seq_lens,
+        0.125,
+    )
     expected = reference(query, cache, batch, 0.125)
     torch.testing.assert_close(out[[0, 4]].double(), expected[[0, 4]], atol=2e-5, rtol=2e-5)
     assert (out[[1, 2, 3, 5, 6]] == SENTINEL).all()

@@ -67,8 +67,9 @@ def test_weights_quantized_by_gguf(qtype, isa):
     blocks = gguf_quants.quantize(w, qtype)
     x = torch.from_numpy(rng.standard_normal((5, 320)).astype(np.float32))
     check(x, blocks, qtype, gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), 70, 320, activations="int8"))
-    check_float(x, blocks, qtype, gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), 70, 320,
-                                                       activations="float"))
+    check_float(
+        x, blocks, qtype, gguf_ops.gguf_matmul(x, torch.from_numpy(blocks), int(qtype), 70, 320, activations="float")
+    )
 
 
 @needs_kernels
@@ -135,8 +136,9 @@ def test_activation_mode_choice(monkeypatch):
     with pytest.raises(ValueError, match="TOKENMILL_GGUF_ACTIVATIONS must be one of"):
         gguf_ops._default_activations()
     with pytest.raises(ValueError, match="activations must be one of"):
-        gguf_ops.gguf_matmul(torch.zeros((1, 32)), torch.zeros((4, 18), dtype=torch.uint8), int(Q.Q4_0), 4, 32,
-                             activations="half")
+        gguf_ops.gguf_matmul(
+            torch.zeros((1, 32)), torch.zeros((4, 18), dtype=torch.uint8), int(Q.Q4_0), 4, 32, activations="half"
+        )
 
 
 def test_dequantize_rows_is_the_gguf_reference():
@@ -214,16 +216,37 @@ def test_without_kernels_the_fallback_dequantizes(monkeypatch, caplog):
     np.testing.assert_allclose(y.double().numpy(), x.double().numpy() @ w.T, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
-                    reason="needs an AArch64 cross compiler and qemu-aarch64 to run the NEON version")
+@pytest.mark.skipif(
+    not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
+    reason="needs an AArch64 cross compiler and qemu-aarch64 to run the NEON version",
+)
 @pytest.mark.parametrize("march", ["armv8-a", "armv8.2-a+dotprod"])
 def test_neon_version_matches_portable_under_qemu(tmp_path, march):
     check = Path(__file__).with_name("gguf_neon_check.cpp")
     binary = tmp_path / "check"
-    built = subprocess.run(["aarch64-linux-gnu-g++", "-static", "-O1", f"-march={march}", "-fno-trapping-math",
-                            "-fopenmp", "-std=c++17", f"-I{gguf_ops.SOURCE.parent}", str(check), "-o", str(binary)],
-                           capture_output=True, text=True)
+    built = subprocess.run(
+        [
+            "aarch64-linux-gnu-g++",
+            "-static",
+            "-O1",
+            f"-march={march}",
+            "-fno-trapping-math",
+            "-fopenmp",
+            "-std=c++17",
+            f"-I{gguf_ops.SOURCE.parent}",
+            str(check),
+            "-o",
+            str(binary),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
-    ran = subprocess.run(["qemu-aarch64", "-cpu", "max", str(binary)], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    ran = subprocess.run(
+        ["qemu-aarch64", "-cpu", "max", str(binary)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=120,
+    )
     assert ran.returncode == 0 and "failures 0" in ran.stdout and "active isa 1" in ran.stdout, ran.stdout

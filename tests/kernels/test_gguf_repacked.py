@@ -50,8 +50,9 @@ def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
     assert torch.equal(packed[0, :16].reshape(8, 2), plain[:8, :2])
     assert torch.equal(gguf_ops.unpack_rows(packed, int(qtype), rows, k), plain)
     expected = gguf_quants.dequantize(plain.numpy(), qtype).reshape(rows, k)
-    np.testing.assert_array_equal(gguf_ops.dequantize_rows(packed, int(qtype), rows, k, repacked=True).numpy(),
-                                  expected.astype(np.float32))
+    np.testing.assert_array_equal(
+        gguf_ops.dequantize_rows(packed, int(qtype), rows, k, repacked=True).numpy(), expected.astype(np.float32)
+    )
     ids = torch.tensor([rows - 1, 0, 5, rows - 1, rows // 2])
     for numpy in (False, True):
         assert torch.equal(gguf_ops.gather_rows(packed, int(qtype), k, ids, repacked=True, numpy=numpy), plain[ids])
@@ -79,14 +80,18 @@ def test_repacked_matmul_matches_the_plain_kernel_and_the_references(qtype, isa)
             check(x, blocks, qtype, y)
             y_plain = gguf_ops.gguf_matmul(x, plain, int(qtype), rows, k, activations="int8")
             magnitude = np.abs(x.double().numpy()) @ (2 * np.abs(w) + np.abs(w).max(axis=1, keepdims=True)).T
-            np.testing.assert_array_less(np.abs(y.double().numpy() - y_plain.double().numpy()), 1e-6 * magnitude,
-                                         err_msg=f"{qtype.name} T={batch}: repacked differs from the plain kernel")
+            np.testing.assert_array_less(
+                np.abs(y.double().numpy() - y_plain.double().numpy()),
+                1e-6 * magnitude,
+                err_msg=f"{qtype.name} T={batch}: repacked differs from the plain kernel",
+            )
         # the float-activation mode on the repacked layout: each group put back in the plain layout, then as there
         x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32))
         y = gguf_ops.gguf_matmul(x, packed, int(qtype), rows, k, activations="float", repacked=True)
         check_float(x, blocks, qtype, y)
-        torch.testing.assert_close(y, gguf_ops.gguf_matmul(x, plain, int(qtype), rows, k, activations="float"),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            y, gguf_ops.gguf_matmul(x, plain, int(qtype), rows, k, activations="float"), rtol=0, atol=0
+        )
 
 
 @needs_kernels

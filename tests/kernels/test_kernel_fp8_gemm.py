@@ -51,8 +51,9 @@ def test_w8a8_triton_matches_float64_reference(n, k, rows, dtype, per_channel, s
     dense = q.dense().cpu()
     expected = (codes.double() * scale.double()).cpu() @ dense.T  # the quantized input times the quantized weight
     torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
-    torch.testing.assert_close(fp8_gemm_ref(x, q.weight, q.weight_scale, input_scale).cpu(), expected,
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        fp8_gemm_ref(x, q.weight, q.weight_scale, input_scale).cpu(), expected, rtol=1e-12, atol=1e-12
+    )
     # activation quantization costs e4m3's precision, no more: close to the exact product of x
     exact = x.double().cpu() @ dense.T
     assert (got - exact).abs().max() < 0.1 * exact.abs().max()
@@ -92,9 +93,15 @@ def test_method_choice_and_bad_input():
     assert fp8_gemm(x[:0], q.weight, q.weight_scale, method="triton").shape == (0, 64)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not has_fp8_tensor_cores(torch.device("cuda")),
-                    reason="torch._scaled_mm needs an sm_89+ GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not has_fp8_tensor_cores(torch.device("cuda")),
+    reason="torch._scaled_mm needs an sm_89+ GPU",
+)
 def test_scaled_mm_matches_triton():
     q, x = make_case(256, 128, 24, torch.bfloat16, True, seed=3)
-    torch.testing.assert_close(fp8_gemm(x, q.weight, q.weight_scale, method="scaled_mm").float(),
-                               fp8_gemm(x, q.weight, q.weight_scale, method="triton").float(), atol=6e-2, rtol=6e-2)
+    torch.testing.assert_close(
+        fp8_gemm(x, q.weight, q.weight_scale, method="scaled_mm").float(),
+        fp8_gemm(x, q.weight, q.weight_scale, method="triton").float(),
+        atol=6e-2,
+        rtol=6e-2,
+    )

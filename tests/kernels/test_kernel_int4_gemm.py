@@ -90,8 +90,12 @@ def test_act_order_g_idx_is_read():
     t = on_device(gptq_tensors(q))
     plain = gptq_gemm(x, t["qweight"], t["qzeros"], t["scales"], 32, None)
     assert (plain.double().cpu() - expected).abs().max() > 1e-2
-    torch.testing.assert_close(gptq_gemm(x, t["qweight"], t["qzeros"], t["scales"], 32, t["g_idx"]).double().cpu(),
-                               expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        gptq_gemm(x, t["qweight"], t["qzeros"], t["scales"], 32, t["g_idx"]).double().cpu(),
+        expected,
+        atol=1e-4,
+        rtol=1e-4,
+    )
 
 
 def test_packing_round_trips_and_awq_order():
@@ -128,18 +132,28 @@ def test_sliced_and_fused_weights_feed_the_kernel():
     awq = AWQWeight(t["qweight"], t["qzeros"], t["scales"], 32)
     t = on_device(gptq_tensors(q))
     gptq = GPTQWeight(t["qweight"], t["qzeros"], t["scales"], 32, t["g_idx"])
-    for weight in (fuse_rows([awq.rows(4, 16), awq.rows(32, 32)]).cols(32, 64),
-                   fuse_rows([gptq.rows(4, 16), gptq.rows(32, 32)]).cols(40, 48)):
+    for weight in (
+        fuse_rows([awq.rows(4, 16), awq.rows(32, 32)]).cols(32, 64),
+        fuse_rows([gptq.rows(4, 16), gptq.rows(32, 32)]).cols(40, 48),
+    ):
         if isinstance(weight, AWQWeight):
             got = awq_gemm(x[:, 32:96], weight.qweight, weight.qzeros, weight.scales, weight.group_size)
             inputs = x[:, 32:96]
         else:
-            got = gptq_gemm(x[:, 40:88], weight.qweight, weight.qzeros, weight.scales, weight.group_size,
-                            weight.g_idx, weight.zero_offset)
+            got = gptq_gemm(
+                x[:, 40:88],
+                weight.qweight,
+                weight.qzeros,
+                weight.scales,
+                weight.group_size,
+                weight.g_idx,
+                weight.zero_offset,
+            )
             inputs = x[:, 40:88]
         assert got.shape == (3, 48)
-        torch.testing.assert_close(got.double(), inputs.double() @ weight.dequantize(torch.float64).T,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            got.double(), inputs.double() @ weight.dequantize(torch.float64).T, atol=1e-4, rtol=1e-4
+        )
 
 
 _COMPILE_SCRIPT = """
@@ -179,7 +193,8 @@ def test_int4_and_fp8_gemm_compile_for_nvidia_targets():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     repo_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=300, cwd=repo_root)
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300, cwd=repo_root
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(": ok") == 6 + 4, result.stdout

@@ -86,8 +86,13 @@ def test_no_tokens_launches_nothing(monkeypatch):
             raise AssertionError("an empty batch must not launch a kernel")
 
     monkeypatch.setattr(moe_module, "_grouped_gemm_kernel", NoLaunch())
-    out = moe_experts(torch.empty(0, 32), torch.randn(4, 16, 32), torch.randn(4, 32, 8),
-                      torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2))
+    out = moe_experts(
+        torch.empty(0, 32),
+        torch.randn(4, 16, 32),
+        torch.randn(4, 32, 8),
+        torch.empty(0, 2, dtype=torch.long),
+        torch.empty(0, 2),
+    )
     assert out.shape == (0, 32)
 
 
@@ -121,7 +126,8 @@ def test_grouped_gemm_compiles_for_nvidia_targets():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     repo_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=300, cwd=repo_root)
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300, cwd=repo_root
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(": ok") == 6, result.stdout

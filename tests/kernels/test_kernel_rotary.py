@@ -86,7 +86,9 @@ def test_inplace_on_views_of_fused_qkv():
     qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim)
     original = qkv.clone()
     q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
-    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
     positions = torch.tensor([0, 7, 7, 250, 3])
     cos_sin = rotary_cos_sin_cache(head_dim, MAX_POSITION)
     ref_q, ref_k = apply_rotary_ref(q.clone(), k.clone(), positions, cos_sin)

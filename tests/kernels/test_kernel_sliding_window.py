@@ -47,27 +47,32 @@ def test_references_match_the_transformers_mask():
     query = torch.randn(12, NUM_KV_HEADS * 3, 32)
     query_start_loc = torch.tensor([0, 12], dtype=torch.int32)
     for window in (1, 5, 16, 40):
-        ref = paged_attention_prefill_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
-                                          cache.seq_lens, 0.2, window)
+        ref = paged_attention_prefill_ref(
+            query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.seq_lens, 0.2, window
+        )
         dense = dense_hf_mask_attention(query, cache.keys[0], cache.values[0], torch.arange(28, 40), window, 0.2)
         torch.testing.assert_close(ref, dense, atol=1e-5, rtol=1e-5)
     # window 1: each query sees only its own key, so the output is its own value
-    ref = paged_attention_prefill_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
-                                      cache.seq_lens, 0.2, 1)
+    ref = paged_attention_prefill_ref(
+        query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.seq_lens, 0.2, 1
+    )
     torch.testing.assert_close(ref, cache.values[0][28:].repeat_interleave(3, dim=1))
     # a window covering the whole context is plain causal attention
-    full = paged_attention_prefill_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
-                                       cache.seq_lens, 0.2)
-    wide = paged_attention_prefill_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc,
-                                       cache.seq_lens, 0.2, 40)
+    full = paged_attention_prefill_ref(
+        query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.seq_lens, 0.2
+    )
+    wide = paged_attention_prefill_ref(
+        query, cache.k_cache, cache.v_cache, cache.block_tables, query_start_loc, cache.seq_lens, 0.2, 40
+    )
     torch.testing.assert_close(wide, full)
 
 
 def decode_case(window, block_size, group=3, head_dim=64, dtype=torch.float32):
     cache = make_paged_cache(DECODE_SEQ_LENS, NUM_KV_HEADS, head_dim, block_size, dtype)
     query = torch.randn(len(DECODE_SEQ_LENS), NUM_KV_HEADS * group, head_dim).to(dtype)
-    ref = paged_attention_decode_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
-                                     head_dim**-0.5, window)
+    ref = paged_attention_decode_ref(
+        query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, head_dim**-0.5, window
+    )
     poison_blocks_before_windows(cache, [max(0, n - window) for n in DECODE_SEQ_LENS], block_size)
     return cache, query, ref
 
@@ -76,8 +81,9 @@ def decode_case(window, block_size, group=3, head_dim=64, dtype=torch.float32):
 @pytest.mark.parametrize("window", WINDOWS)
 def test_triton_decode_window(window, block_size):
     cache, query, ref = decode_case(window, block_size)
-    out = paged_attention_decode(query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
-                                 64**-0.5, window)
+    out = paged_attention_decode(
+        query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 64**-0.5, window
+    )
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
 
 
@@ -105,8 +111,9 @@ def test_triton_prefill_window(window, block_size, group):
 def test_triton_window_none_is_full_attention():
     cache, query, _ = decode_case(1000, 16)
     args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125)
-    torch.testing.assert_close(paged_attention_decode(*args, None), paged_attention_decode_ref(*args),
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        paged_attention_decode(*args, None), paged_attention_decode_ref(*args), atol=ATOL, rtol=RTOL
+    )
 
 
 CPU_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -120,9 +127,17 @@ def test_cpu_decode_window(window, block_size, head_dim, dtype):
     assert cpu_ops.library() is not None, "the CPU kernels did not build"
     cache, query, ref = decode_case(window, block_size, head_dim=head_dim, dtype=dtype)
     out = torch.full_like(query, float("nan"))
-    cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables,
-                             torch.arange(len(DECODE_SEQ_LENS) + 1, dtype=torch.int32), cache.seq_lens,
-                             head_dim**-0.5, window)
+    cpu_ops.decode_attention(
+        out,
+        query,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables,
+        torch.arange(len(DECODE_SEQ_LENS) + 1, dtype=torch.int32),
+        cache.seq_lens,
+        head_dim**-0.5,
+        window,
+    )
     tol = CPU_TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
@@ -136,12 +151,22 @@ def test_cpu_decode_window_work_split_and_prefetch(num_threads):
         for seq_lens in ([7 + 29 * i for i in range(9)], [100, 3]):
             cache = make_paged_cache(seq_lens, 3, 64, 16, torch.float32)
             query = torch.randn(len(seq_lens), 9, 64)
-            ref = paged_attention_decode_ref(query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
-                                             0.125, 20)
+            ref = paged_attention_decode_ref(
+                query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125, 20
+            )
             poison_blocks_before_windows(cache, [max(0, n - 20) for n in seq_lens], 16)
             out = torch.empty_like(query)
-            cpu_ops.decode_attention(out, query, cache.k_cache, cache.v_cache, cache.block_tables,
-                                     torch.arange(len(seq_lens) + 1, dtype=torch.int32), cache.seq_lens, 0.125, 20)
+            cpu_ops.decode_attention(
+                out,
+                query,
+                cache.k_cache,
+                cache.v_cache,
+                cache.block_tables,
+                torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+                cache.seq_lens,
+                0.125,
+                20,
+            )
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     finally:
         torch.set_num_threads(before)

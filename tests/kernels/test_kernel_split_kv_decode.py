@@ -25,8 +25,17 @@ H100_SMS = 132
 EDGE_SEQ_LENS = [1, 31, 32, 33, 63, 64, 65, 100, 0]  # one token, tile/partition edges, empty, not multiples of 16
 
 
-def run(seq_lens, group, num_splits, dtype=torch.float32, num_kv_heads=2, head_dim=64, block_size=16,
-        cache_dtype=None, **kwargs):
+def run(
+    seq_lens,
+    group,
+    num_splits,
+    dtype=torch.float32,
+    num_kv_heads=2,
+    head_dim=64,
+    block_size=16,
+    cache_dtype=None,
+    **kwargs,
+):
     cache = make_paged_cache(seq_lens, num_kv_heads, head_dim, block_size, cache_dtype or dtype)
     query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype)
     args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, head_dim**-0.5)
@@ -128,8 +137,15 @@ def test_empty_batch_launches_nothing(monkeypatch):
     monkeypatch.setattr(split_kv, "_split_kv_partial_kernel", _NoLaunch())
     cache = make_paged_cache([5], 2, 64, 16, torch.float32)
     query = torch.empty(0, 6, 64)
-    out = split_kv_decode(query, cache.k_cache, cache.v_cache, cache.block_tables[:0],
-                          torch.empty(0, dtype=torch.int32), 0.1, num_splits=4)
+    out = split_kv_decode(
+        query,
+        cache.k_cache,
+        cache.v_cache,
+        cache.block_tables[:0],
+        torch.empty(0, dtype=torch.int32),
+        0.1,
+        num_splits=4,
+    )
     assert out.shape == (0, 6, 64)
 
 
@@ -145,5 +161,6 @@ def test_non_contiguous_query_from_fused_qkv():
 def test_rejects_a_split_count_below_one():
     cache = make_paged_cache([3], 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="num_splits"):
-        split_kv_decode(torch.randn(1, 2, 64), cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
-                        0.1, num_splits=0)
+        split_kv_decode(
+            torch.randn(1, 2, 64), cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.1, num_splits=0
+        )

@@ -47,8 +47,7 @@ def test_draft_model_proposals_are_verified_and_outputs_unchanged():
         worker = DraftFakeWorker(4, expect_lookahead=speculative.method is not None)
         for i in range(3):
             scheduler.add_request(make_request(f"r{i}", PROMPT, max_tokens=30, ignore_eos=False))
-        scheduler.add_request(make_request("penalty", PROMPT, max_tokens=30, ignore_eos=False,
-                                           repetition_penalty=1.2))
+        scheduler.add_request(make_request("penalty", PROMPT, max_tokens=30, ignore_eos=False, repetition_penalty=1.2))
         outputs, finish, plans = run(scheduler, worker)
         results[speculative.method] = outputs, finish, len(plans), worker, scheduler
     plain, plain_finish, plain_steps, _, _ = results[None]

@@ -3,7 +3,15 @@ prefix-cache reuse, embeddings and stats."""
 
 import msgspec
 import pytest
-from tests.helpers.sched_testing import EOS, FakeWorker, make_config, make_request, run_to_completion, scheduled_tokens, step
+from tests.helpers.sched_testing import (
+    EOS,
+    FakeWorker,
+    make_config,
+    make_request,
+    run_to_completion,
+    scheduled_tokens,
+    step,
+)
 
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.messages import StepResult
@@ -80,12 +88,15 @@ def test_without_chunked_prefill_a_prompt_longer_than_the_budget_is_rejected():
 # ---------------------------------------------------------------- admission
 
 
-@pytest.mark.parametrize("prompt, max_tokens, needle", [
-    (100, 29, "maximum context length"),
-    (128, None, "maximum context length"),
-    (0, 4, "empty"),
-    (4, 0, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "prompt, max_tokens, needle",
+    [
+        (100, 29, "maximum context length"),
+        (128, None, "maximum context length"),
+        (0, 4, "empty"),
+        (4, 0, "max_tokens"),
+    ],
+)
 def test_admission_rejects_requests_that_can_never_run(prompt, max_tokens, needle):
     sched, _ = make_scheduler(max_model_len=128)
     reason = sched.add_request(make_request("a", prompt, max_tokens=max_tokens))
@@ -269,7 +280,13 @@ def test_preempted_request_reuses_its_cached_prefix_on_resume():
 def test_abort_is_idempotent_and_frees_blocks_at_once():
     sched, worker = make_scheduler(num_blocks=16)
     sched.add_request(make_request("a", 10, max_tokens=5))
-    sched.add_request(make_request("waiting", 10, max_tokens=5, ))
+    sched.add_request(
+        make_request(
+            "waiting",
+            10,
+            max_tokens=5,
+        )
+    )
     step(sched, worker)
     used = 16 - sched.kv.pool.num_free_blocks
     assert used > 0

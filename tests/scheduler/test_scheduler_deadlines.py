@@ -8,11 +8,13 @@ from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.config import SchedulerConfig
 
 
-def make_scheduler(num_blocks: int = 64, max_queue_time_s: float = 0.0, **config) -> tuple[Scheduler, FakeWorker,
-                                                                                             FakeClock]:
+def make_scheduler(
+    num_blocks: int = 64, max_queue_time_s: float = 0.0, **config
+) -> tuple[Scheduler, FakeWorker, FakeClock]:
     cfg = make_config(**config)
-    cfg = msgspec.structs.replace(cfg, scheduler=msgspec.structs.replace(cfg.scheduler,
-                                                                         max_queue_time_s=max_queue_time_s))
+    cfg = msgspec.structs.replace(
+        cfg, scheduler=msgspec.structs.replace(cfg.scheduler, max_queue_time_s=max_queue_time_s)
+    )
     clock = FakeClock()
     return Scheduler(cfg, num_blocks, [EOS], clock=clock), FakeWorker(cfg.cache.block_size), clock
 

@@ -2,8 +2,16 @@
 SJF ageing (long jobs are not starved by a stream of short ones)."""
 
 import pytest
-from tests.helpers.sched_testing import EOS, FakeClock, FakeWorker, make_config, make_request, run_to_completion, \
-    scheduled_tokens, step
+from tests.helpers.sched_testing import (
+    EOS,
+    FakeClock,
+    FakeWorker,
+    make_config,
+    make_request,
+    run_to_completion,
+    scheduled_tokens,
+    step,
+)
 
 from tokenmill.scheduler.policy import SjfPolicy, make_policy
 from tokenmill.scheduler.scheduler import Scheduler
@@ -54,7 +62,10 @@ def test_higher_priority_arrival_preempts_the_lowest_priority_running_request():
     sched.update(plan, worker.execute(plan))
     outputs = run_to_completion(sched, worker)
     assert {rid: outs[-1].finish_reason for rid, outs in outputs.items()} == {
-        "urgent": "length", "low": "length", "lowest": "length"}
+        "urgent": "length",
+        "low": "length",
+        "lowest": "length",
+    }
     assert sched.kv.pool.num_free_blocks == 6
 
 

@@ -81,8 +81,10 @@ def test_prompt_logprobs_ride_on_the_first_output_of_their_request_only():
     plan = sched.schedule()
     entries = PromptLogprobs.from_entries([(-1.5, 3, [9], [-0.25])] * 4, 1)
     result = worker.execute(plan)
-    outputs = sched.update(plan, StepResult(result.step_id, result.request_ids, result.sampled_token_ids,
-                                            prompt_logprobs={"scored": entries}))
+    outputs = sched.update(
+        plan,
+        StepResult(result.step_id, result.request_ids, result.sampled_token_ids, prompt_logprobs={"scored": entries}),
+    )
     by_id = {o.request_id: o for o in outputs}
     assert by_id["scored"].prompt_logprobs == entries and by_id["plain"].prompt_logprobs is None
     _, outputs = step(sched, worker)
@@ -100,7 +102,9 @@ def test_a_prompt_logprobs_prompt_is_computed_in_bounded_chunks_next_to_others()
     scheduled: list[dict[str, int]] = []
     while sched.has_unfinished_requests():
         plan, _ = step(sched, worker)
-        scheduled.append({n.request_id: n.num_scheduled_tokens for n in plan.new_requests}
-                         | {r.request_id: r.num_scheduled_tokens for r in plan.running})
+        scheduled.append(
+            {n.request_id: n.num_scheduled_tokens for n in plan.new_requests}
+            | {r.request_id: r.num_scheduled_tokens for r in plan.running}
+        )
     assert [s.get("scored") for s in scheduled] == [chunk, chunk, chunk, 5]
     assert scheduled[0]["plain"] == 8

@@ -30,27 +30,58 @@ STOP_TOKEN = 3
 SAMPLED_TOKENS = [EOS, STOP_TOKEN] + list(range(7, 25))  # the fake worker stops a request about one time in ten
 
 # one arrival: a prompt made of a shared prefix and a unique (maybe empty) suffix, plus its sampling and scheduling options
-request_shapes = st.fixed_dictionaries({
-    "prefix": st.integers(0, len(SHARED_PREFIXES) - 1), "prefix_len": st.integers(1, 12),
-    "suffix_len": st.integers(0, 4), "max_tokens": st.integers(1, 7).map(lambda n: None if n == 7 else n),
-    "priority": st.integers(0, 3), "salt": st.sampled_from([None, None, "tenant"]),
-    "min_tokens": st.integers(0, 2), "ignore_eos": st.booleans(), "embed": st.integers(0, 9).map(lambda x: x == 0),
-})
+request_shapes = st.fixed_dictionaries(
+    {
+        "prefix": st.integers(0, len(SHARED_PREFIXES) - 1),
+        "prefix_len": st.integers(1, 12),
+        "suffix_len": st.integers(0, 4),
+        "max_tokens": st.integers(1, 7).map(lambda n: None if n == 7 else n),
+        "priority": st.integers(0, 3),
+        "salt": st.sampled_from([None, None, "tenant"]),
+        "min_tokens": st.integers(0, 2),
+        "ignore_eos": st.booleans(),
+        "embed": st.integers(0, 9).map(lambda x: x == 0),
+    }
+)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(block_size=st.sampled_from([1, 2, 4]), spare_blocks=st.integers(0, 4),
-                budget=st.integers(2, 20), max_num_seqs=st.integers(1, 4), chunked=st.booleans(),
-                caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority", "sjf"]),
-                max_model_len=st.integers(6, 24), finish_by_abort=st.booleans(),
-                initial=st.lists(request_shapes, min_size=1, max_size=4))
-    def setup(self, block_size, spare_blocks, budget, max_num_seqs, chunked, caching, policy, max_model_len,
-              finish_by_abort, initial):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        spare_blocks=st.integers(0, 4),
+        budget=st.integers(2, 20),
+        max_num_seqs=st.integers(1, 4),
+        chunked=st.booleans(),
+        caching=st.booleans(),
+        policy=st.sampled_from(["fcfs", "priority", "sjf"]),
+        max_model_len=st.integers(6, 24),
+        finish_by_abort=st.booleans(),
+        initial=st.lists(request_shapes, min_size=1, max_size=4),
+    )
+    def setup(
+        self,
+        block_size,
+        spare_blocks,
+        budget,
+        max_num_seqs,
+        chunked,
+        caching,
+        policy,
+        max_model_len,
+        finish_by_abort,
+        initial,
+    ):
         # a pool that holds one request of max_model_len and a little more: enough to admit, tight enough to preempt
         num_blocks = cdiv(max_model_len, block_size) + spare_blocks
-        self.config = make_config(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                  max_model_len=max_model_len, chunked_prefill=chunked, prefix_caching=caching,
-                                  policy=policy)
+        self.config = make_config(
+            block_size=block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            chunked_prefill=chunked,
+            prefix_caching=caching,
+            policy=policy,
+        )
         self.num_blocks = num_blocks
         self.sched = Scheduler(self.config, num_blocks, [EOS], clock=self.tick)
         self.rng = random.Random(0)
@@ -77,14 +108,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.add_request(**shape)
 
     def add_request(self, prefix, prefix_len, suffix_len, max_tokens, priority, salt, min_tokens, ignore_eos, embed):
-        prompt = SHARED_PREFIXES[prefix][:prefix_len] + list(range(self.next_unique_token,
-                                                                   self.next_unique_token + suffix_len))
+        prompt = SHARED_PREFIXES[prefix][:prefix_len] + list(
+            range(self.next_unique_token, self.next_unique_token + suffix_len)
+        )
         self.next_unique_token += suffix_len
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        request = make_request(request_id, prompt, max_tokens, priority=priority, cache_salt=salt,
-                               task="embed" if embed else "generate", min_tokens=min_tokens, ignore_eos=ignore_eos,
-                               stop_token_ids=[STOP_TOKEN])
+        request = make_request(
+            request_id,
+            prompt,
+            max_tokens,
+            priority=priority,
+            cache_salt=salt,
+            task="embed" if embed else "generate",
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            stop_token_ids=[STOP_TOKEN],
+        )
         reason = self.sched.add_request(request)
         assert (reason is None) == self.admissible(request), reason
         event("admitted" if reason is None else "rejected")
@@ -233,8 +273,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not req.on_worker:
                 continue
             state = self.worker.state[req.request_id]
-            assert state.token_ids == req.all_token_ids[:req.num_tokens_on_worker]
-            assert state.block_ids == self.sched.kv.block_ids(req.request_id)[:req.num_blocks_on_worker]
+            assert state.token_ids == req.all_token_ids[: req.num_tokens_on_worker]
+            assert state.block_ids == self.sched.kv.block_ids(req.request_id)[: req.num_blocks_on_worker]
             assert state.num_computed_tokens == req.num_computed_tokens
 
     # ------------------------------------------------------------------ teardown
@@ -258,6 +298,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=300,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestSchedulerStateMachine = SchedulerMachine.TestCase

@@ -18,8 +18,9 @@ class WindowedFakeWorker(FakeWorker):
     def check_and_write_kv(self, state, end):
         first_visible = max(0, state.num_computed_tokens - self.window + 1)
         for position in range(first_visible, state.num_computed_tokens):
-            assert self.kv_content.get(self.slot(state, position)) == state.token_ids[position], \
+            assert self.kv_content.get(self.slot(state, position)) == state.token_ids[position], (
                 f"position {position} (in the window) does not hold this request's KV"
+            )
         for position in range(state.num_computed_tokens, end):
             self.kv_content[self.slot(state, position)] = state.token_ids[position]
 

@@ -21,8 +21,12 @@ def test_parse_ngram_config_defaults_and_values():
     assert parse_speculative_config(None).method is None
     assert parse_speculative_config("").method is None
     config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
-    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == \
-        ("ngram", 3, 5, 5)
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
+        "ngram",
+        3,
+        5,
+        5,
+    )
     config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
     assert config.disable_by_batch_size is None
@@ -30,19 +34,24 @@ def test_parse_ngram_config_defaults_and_values():
     assert config.disable_by_batch_size == 6
 
 
-@pytest.mark.parametrize("value, key", [
-    ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "'lookahead'"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "'num_speculative_tokens'"),
-    ({"method": "ngram", "num_speculative_tokens": True}, "'num_speculative_tokens'"),
-    ({"method": "ngram"}, "'num_speculative_tokens'"),
-    ({"method": "eagle", "num_speculative_tokens": 3}, "'method'"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-     "'prompt_lookup_min'"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "'prompt_lookup_min'"),
-    ({"method": "draft_model", "num_speculative_tokens": 3}, "'model'"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "'disable_by_batch_size'"),
-    ('{"method": "ngram", ', "JSON"),
-])
+@pytest.mark.parametrize(
+    "value, key",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "'lookahead'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "'num_speculative_tokens'"),
+        ({"method": "ngram"}, "'num_speculative_tokens'"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "'method'"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "'prompt_lookup_min'",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "'prompt_lookup_min'"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "'model'"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "'disable_by_batch_size'"),
+        ('{"method": "ngram", ', "JSON"),
+    ],
+)
 def test_parse_rejects_bad_config_naming_the_key(value, key):
     with pytest.raises(ValueError, match=key):
         parse_speculative_config(value)
@@ -52,18 +61,21 @@ def test_parse_draft_model_config():
     config = parse_speculative_config({"model": "/some/dir", "num_speculative_tokens": 3})  # method implied
     assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/some/dir", 3)
     with pytest.raises(ValueError, match="'prompt_lookup_max' is only used by method 'ngram'"):
-        parse_speculative_config({"method": "draft_model", "model": "/d", "num_speculative_tokens": 3,
-                                  "prompt_lookup_max": 2})
+        parse_speculative_config(
+            {"method": "draft_model", "model": "/d", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+        )
 
 
 def test_cli_and_llm_arguments_reach_the_engine_config():
     from tokenmill.cli import build_parser, config_from_args
     from tokenmill.llm import _engine_config
 
-    args = build_parser().parse_args(["serve", "--speculative-config",
-                                      '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2}'])
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2}']
+    )
     assert config_from_args(args).speculative == SpeculativeConfig(
-        method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=2)
+        method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=2
+    )
     config = _engine_config("", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}})
     assert config.speculative.num_speculative_tokens == 2
 
@@ -108,8 +120,10 @@ def test_outputs_match_without_speculation_and_steps_drop(block_size, budget):
             total += sum(r.num_scheduled_tokens for r in plan.running)
             assert total <= budget
         results[speculative.method] = (outputs, finish, len(plans), worker.drafts_seen, scheduler)
-    (plain, plain_finish, plain_steps, _, _), (spec, spec_finish, spec_steps, drafts, scheduler) = \
-        results[None], results["ngram"]
+    (plain, plain_finish, plain_steps, _, _), (spec, spec_finish, spec_steps, drafts, scheduler) = (
+        results[None],
+        results["ngram"],
+    )
     assert spec == plain and spec_finish == plain_finish
     assert spec["r0"] == TARGET + [EOS]
     assert drafts and spec_steps < plain_steps
@@ -188,9 +202,11 @@ def test_draft_tokens_per_step_shrink_with_the_batch(num_requests):
     from tokenmill.scheduler.spec_decode import MAX_SPECULATING_BATCH, STEP_TOKEN_BUDGET
 
     k = STEP_TOKEN_BUDGET - 1
-    scheduler = make_scheduler(SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=2,
-                                                 prompt_lookup_max=4), num_blocks=256,
-                               max_speculating_batch=None)
+    scheduler = make_scheduler(
+        SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=4),
+        num_blocks=256,
+        max_speculating_batch=None,
+    )
     worker = SpecFakeWorker(4, lambda request_id: TARGET)
     for i in range(num_requests):
         scheduler.add_request(make_request(f"r{i}", PROMPT, max_tokens=20))
@@ -239,8 +255,18 @@ def test_metrics_expose_vllm_spec_decode_counters_as_running_totals():
 
     engine = FakeEngine()
     for report in ([3, 1], [2, 2, 1]):  # per-position counts grow with k between reports
-        stats = SchedulerStats(1, 0, 0.1, 0, 0, 0, spec_num_drafts=4, spec_num_draft_tokens=9,
-                               spec_num_accepted_tokens=sum(report), spec_accepted_per_pos=report)
+        stats = SchedulerStats(
+            1,
+            0,
+            0.1,
+            0,
+            0,
+            0,
+            spec_num_drafts=4,
+            spec_num_draft_tokens=9,
+            spec_num_accepted_tokens=sum(report),
+            spec_accepted_per_pos=report,
+        )
         AsyncEngineClient._accumulate(engine, stats)  # type: ignore[arg-type]
     text = FrontendMetrics(engine, "m").render().decode()
     assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 8.0' in text
@@ -264,8 +290,18 @@ def test_log_line_reports_acceptance_rate_and_length():
 
     now = [0.0]
     logger = SpecDecodeLogger(Log(), interval_s=10, clock=lambda: now[0])
-    stats = SchedulerStats(1, 0, 0.1, 0, 0, 0, spec_num_drafts=10, spec_num_draft_tokens=40,
-                           spec_num_accepted_tokens=20, spec_accepted_per_pos=[8, 6, 4, 2])
+    stats = SchedulerStats(
+        1,
+        0,
+        0.1,
+        0,
+        0,
+        0,
+        spec_num_drafts=10,
+        spec_num_draft_tokens=40,
+        spec_num_accepted_tokens=20,
+        spec_accepted_per_pos=[8, 6, 4, 2],
+    )
     assert logger.observe(stats) is None  # not due yet
     now[0] = 10.0
     line = logger.observe(stats)

@@ -7,8 +7,16 @@ import pytest
 
 from tokenmill.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BlockPool
 from tokenmill.scheduler.scheduler import Scheduler
-from tokenmill.scheduler.step_summary import (FIRST_COLOR, HISTORY_STEPS, MAX_BACKOFF_S, MAX_DUTY,
-                                              MAX_QUEUE_ENTRIES, StepSummarizer, request_color, split_tokens)
+from tokenmill.scheduler.step_summary import (
+    FIRST_COLOR,
+    HISTORY_STEPS,
+    MAX_BACKOFF_S,
+    MAX_DUTY,
+    MAX_QUEUE_ENTRIES,
+    StepSummarizer,
+    request_color,
+    split_tokens,
+)
 from tokenmill.messages import SchedulerMessage, StepSummary, decoder, encode
 from tests.helpers.sched_testing import FakeClock, FakeWorker, make_config, make_request, step
 
@@ -215,10 +223,29 @@ def test_the_json_view_is_what_the_schema_says(tmp_path):
     run_step(sched, worker, summaries)
     summaries.maybe_publish(sched)
     view = msgspec.json.decode(summary_json(sent[-1], {"time": 1.0}, "m"))
-    assert set(view) == {"engine", "model", "step_id", "time", "steps", "num_running", "num_waiting", "queue",
-                         "blocks", "prefix_cache", "num_preemptions", "summary_time_s", "frontend"}
-    assert view["steps"][0] == {"step_id": 0, "prefill_tokens": 9, "decode_tokens": 0, "num_requests": 1,
-                                "step_time_s": 0.01, "preemptions": 0}
+    assert set(view) == {
+        "engine",
+        "model",
+        "step_id",
+        "time",
+        "steps",
+        "num_running",
+        "num_waiting",
+        "queue",
+        "blocks",
+        "prefix_cache",
+        "num_preemptions",
+        "summary_time_s",
+        "frontend",
+    }
+    assert view["steps"][0] == {
+        "step_id": 0,
+        "prefill_tokens": 9,
+        "decode_tokens": 0,
+        "num_requests": 1,
+        "step_time_s": 0.01,
+        "preemptions": 0,
+    }
     blocks = view["blocks"]
     import base64
 

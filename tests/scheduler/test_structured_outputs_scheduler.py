@@ -20,10 +20,16 @@ from tokenmill.scheduler import structured_outputs
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.scheduler.structured_outputs import COMPILED_ENTRY_BYTES, GrammarCompiler, entry_bytes
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
-                                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "tags", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "tags", "n"],
+    "additionalProperties": False,
+}
 UNCONSTRAINED_TOKEN = 7
 
 
@@ -138,8 +144,9 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(tokenizer, ll_t
 
 
 def test_preempted_requests_keep_their_matchers(tokenizer, ll_tokenizer):
-    scheduler = make_scheduler(tokenizer, GrammarCompiler(lambda: ll_tokenizer), num_blocks=14, block_size=4,
-                               prefix_caching=False)
+    scheduler = make_scheduler(
+        tokenizer, GrammarCompiler(lambda: ll_tokenizer), num_blocks=14, block_size=4, prefix_caching=False
+    )
     for i in range(4):
         scheduler.add_request(constrained(f"r{i}", 8))
     compiled(scheduler)
@@ -164,8 +171,8 @@ def test_the_constraint_begins_after_the_end_of_thinking(tokenizer, ll_tokenizer
     worker = MaskingWorker(4, tokenizer.eos_token_id, script={"r": list(thinking)})
     outputs = run_to_completion(compiled(scheduler), worker)
     tokens = [t for o in outputs["r"] for t in o.new_token_ids]
-    assert tokens[:len(thinking)] == thinking
-    jsonschema.validate(json.loads(tokenizer.decode(tokens[len(thinking):])), SCHEMA)
+    assert tokens[: len(thinking)] == thinking
+    jsonschema.validate(json.loads(tokenizer.decode(tokens[len(thinking) :])), SCHEMA)
     assert worker.constrained_steps["r"] == len(tokens) - len(thinking)
 
 

@@ -19,9 +19,14 @@ from tokenmill.workers.worker import Worker
 
 def draft_runner(target: str, draft: str, k: int = 4) -> tuple[Worker, SpeculativeConfig]:
     speculative = parse_speculative_config({"method": "draft_model", "model": draft, "num_speculative_tokens": k})
-    runner = Worker(EngineConfig(model=ModelConfig(path=target, dtype="float32"), speculative=speculative,
-                                      cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
-                                      parallel=ParallelConfig(device="cpu")))
+    runner = Worker(
+        EngineConfig(
+            model=ModelConfig(path=target, dtype="float32"),
+            speculative=speculative,
+            cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
+            parallel=ParallelConfig(device="cpu"),
+        )
+    )
     runner.load_model()
     runner.allocate_kv_cache(RUNNER_BLOCKS)
     return runner, speculative
@@ -34,8 +39,7 @@ def tiny_target(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft-spec")
     tokenizer = smollm2_tokenizer()
     target = build_tiny_checkpoint("llama", root, tokenizer)
-    first_layer = write_first_layers_checkpoint(ModelConfig(path=str(target)), 1, root / "llama-first-layer",
-                                                tokenizer)
+    first_layer = write_first_layers_checkpoint(ModelConfig(path=str(target)), 1, root / "llama-first-layer", tokenizer)
     return str(target), str(first_layer), root
 
 
@@ -43,7 +47,9 @@ def test_identical_draft_is_accepted_and_greedy_output_unchanged(tiny_target):
     """The target as its own draft: every draft should be accepted; chunked prefill (24-token budget)."""
     target, _, _ = tiny_target
     runner, speculative = draft_runner(target, target)
-    plain, plain_scheduler = generate(runner, SpeculativeConfig(), requests(30, False), num_blocks=32, budget=24, tag="p")
+    plain, plain_scheduler = generate(
+        runner, SpeculativeConfig(), requests(30, False), num_blocks=32, budget=24, tag="p"
+    )
     spec, spec_scheduler = generate(runner, speculative, requests(30, False), num_blocks=32, budget=24, tag="s")
     assert spec == plain
     stats = spec_scheduler.stats()
@@ -82,8 +88,10 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tmp_path):
         draft_runner(target, str(other))
 
 
-@pytest.mark.skipif(not os.environ.get("TOKENMILL_DRAFT_DEFAULT_MODEL"),
-                    reason="~5 min on 2 busy cores: set TOKENMILL_DRAFT_DEFAULT_MODEL=1 (the tiny checkpoints above run in CI)")
+@pytest.mark.skipif(
+    not os.environ.get("TOKENMILL_DRAFT_DEFAULT_MODEL"),
+    reason="~5 min on 2 busy cores: set TOKENMILL_DRAFT_DEFAULT_MODEL=1 (the tiny checkpoints above run in CI)",
+)
 def test_default_model_with_its_first_layers_as_draft_greedy_identical(tmp_path):
     """The default model (float32) with a draft of its own first 24 of 30 layers: token-identical greedy output."""
     from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
@@ -93,16 +101,33 @@ def test_default_model_with_its_first_layers_as_draft_greedy_identical(tmp_path)
     tokenizer = smollm2_tokenizer()
     draft = write_first_layers_checkpoint(source, 24, tmp_path / "smollm2-first-24", tokenizer)
     speculative = parse_speculative_config({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4})
-    runner = Worker(EngineConfig(model=source, speculative=speculative,
-                                      cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
-                                      parallel=ParallelConfig(device="cpu")))
+    runner = Worker(
+        EngineConfig(
+            model=source,
+            speculative=speculative,
+            cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
+            parallel=ParallelConfig(device="cpu"),
+        )
+    )
     runner.load_model()
     runner.allocate_kv_cache(RUNNER_BLOCKS)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     prompts = [f"Rewrite this code with the function renamed to rect_area:\n{CODE}", "What is the capital of France?"]
-    reqs = [(0, EngineRequest(request_id=str(i), prompt_token_ids=tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)), sampling=greedy))
-        for i, p in enumerate(prompts)]
+    reqs = [
+        (
+            0,
+            EngineRequest(
+                request_id=str(i),
+                prompt_token_ids=tokenizer.encode(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                    )
+                ),
+                sampling=greedy,
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
     plain, _ = generate(runner, SpeculativeConfig(), reqs, num_blocks=RUNNER_BLOCKS, budget=48, tag="p")
     spec, scheduler = generate(runner, speculative, reqs, num_blocks=RUNNER_BLOCKS, budget=48, tag="s")
     assert spec == plain

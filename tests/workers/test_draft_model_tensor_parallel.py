@@ -58,10 +58,15 @@ def follow_plans(runner: Worker) -> None:
 
 def tp_draft_runner(rank: int, target: str, draft: str, k: int, port: int) -> tuple[Worker, SpeculativeConfig]:
     speculative = parse_speculative_config({"method": "draft_model", "model": draft, "num_speculative_tokens": k})
-    runner = Worker(EngineConfig(model=ModelConfig(path=target, dtype="float32"), speculative=speculative,
-                                      cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
-                                      parallel=ParallelConfig(device="cpu", tensor_parallel_size=2, dist_port=port)),
-                         rank=rank)
+    runner = Worker(
+        EngineConfig(
+            model=ModelConfig(path=target, dtype="float32"),
+            speculative=speculative,
+            cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
+            parallel=ParallelConfig(device="cpu", tensor_parallel_size=2, dist_port=port),
+        ),
+        rank=rank,
+    )
     runner.load_model()
     runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
     return runner, speculative
@@ -83,12 +88,18 @@ def run_rank(rank: int, checkpoints: dict[str, str], port: int, out_dir: str) ->
                 continue
             publisher = PlanPublisher(runner)
             for tag, config in (("plain", SpeculativeConfig()), ("spec", speculative)):
-                outputs, scheduler = generate(publisher, config, requests(max_tokens, seeded), num_blocks=num_blocks,
-                                              budget=budget, tag=tag)
+                outputs, scheduler = generate(
+                    publisher, config, requests(max_tokens, seeded), num_blocks=num_blocks, budget=budget, tag=tag
+                )
                 stats = scheduler.stats()
-                results[name][tag] = (outputs, scheduler._next_step_id, stats.spec_num_draft_tokens,
-                                      stats.spec_num_accepted_tokens, list(stats.spec_accepted_per_pos),
-                                      stats.num_preemptions)
+                results[name][tag] = (
+                    outputs,
+                    scheduler._next_step_id,
+                    stats.spec_num_draft_tokens,
+                    stats.spec_num_accepted_tokens,
+                    list(stats.spec_accepted_per_pos),
+                    stats.num_preemptions,
+                )
             publisher.stop()
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -102,19 +113,23 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("draft-tp")
     tokenizer = smollm2_tokenizer()
     target = build_tiny_checkpoint("llama", root, tokenizer)  # 4 query heads over 2 KV heads: one KV head per rank
-    first_layer = write_first_layers_checkpoint(ModelConfig(path=str(target)), 1, root / "llama-first-layer",
-                                                tokenizer)
+    first_layer = write_first_layers_checkpoint(ModelConfig(path=str(target)), 1, root / "llama-first-layer", tokenizer)
     return {"target": str(target), "first_layer": str(first_layer)}
 
 
 def single_rank_plain(target: str, max_tokens: int, seeded: bool, num_blocks: int, budget: int) -> dict:
-    runner = Worker(EngineConfig(model=ModelConfig(path=target, dtype="float32"),
-                                      cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
-                                      parallel=ParallelConfig(device="cpu")))
+    runner = Worker(
+        EngineConfig(
+            model=ModelConfig(path=target, dtype="float32"),
+            cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
+            parallel=ParallelConfig(device="cpu"),
+        )
+    )
     runner.load_model()
     runner.allocate_kv_cache(RUNNER_BLOCKS)
-    outputs, _ = generate(runner, SpeculativeConfig(), requests(max_tokens, seeded), num_blocks=num_blocks,
-                          budget=budget, tag="tp1")
+    outputs, _ = generate(
+        runner, SpeculativeConfig(), requests(max_tokens, seeded), num_blocks=num_blocks, budget=budget, tag="tp1"
+    )
     return outputs
 
 
@@ -153,8 +168,13 @@ def test_llm_with_two_ranks_and_a_draft_model_matches_one_rank(checkpoints):
 
     prompts = [request.prompt_token_ids for _, request in requests(24, False)]
     speculative = {"method": "draft_model", "model": checkpoints["target"], "num_speculative_tokens": 4}
-    with LLM(checkpoints["target"], dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20,
-             speculative_config=speculative) as llm:
+    with LLM(
+        checkpoints["target"],
+        dtype="float32",
+        tensor_parallel_size=2,
+        kv_cache_memory_bytes=16 << 20,
+        speculative_config=speculative,
+    ) as llm:
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.engine_stats()
@@ -165,12 +185,17 @@ def test_llm_with_two_ranks_and_a_draft_model_matches_one_rank(checkpoints):
 
 def test_pipeline_parallel_draft_model_is_refused(checkpoints):
     """Refused before anything loads (the vocabulary given, 0, is never compared)."""
-    speculative = parse_speculative_config({"method": "draft_model", "model": checkpoints["first_layer"],
-                                            "num_speculative_tokens": 2})
-    config = EngineConfig(model=ModelConfig(path=checkpoints["target"], dtype="float32"), speculative=speculative,
-                          parallel=ParallelConfig(device="cpu", pipeline_parallel_size=2))
-    with pytest.raises(ValueError, match="speculative_config: method 'draft_model' does not support pipeline "
-                                         "parallelism"):
+    speculative = parse_speculative_config(
+        {"method": "draft_model", "model": checkpoints["first_layer"], "num_speculative_tokens": 2}
+    )
+    config = EngineConfig(
+        model=ModelConfig(path=checkpoints["target"], dtype="float32"),
+        speculative=speculative,
+        parallel=ParallelConfig(device="cpu", pipeline_parallel_size=2),
+    )
+    with pytest.raises(
+        ValueError, match="speculative_config: method 'draft_model' does not support pipeline parallelism"
+    ):
         DraftModel(config, torch.device("cpu"), torch.float32, torch.float32, 1024, 0, checkpoints["target"])
     # and before any process starts, when the config is resolved (what `tokenmill serve` and LLM() do first)
     with pytest.raises(ModelSourceError, match="does not support pipeline parallelism"):
@@ -187,9 +212,23 @@ def test_draft_that_does_not_split_over_the_ranks_is_refused(checkpoints, tmp_pa
     hf_config["intermediate_size"] = 127
     config_file.write_text(json.dumps(hf_config))
     speculative = parse_speculative_config({"method": "draft_model", "model": str(odd), "num_speculative_tokens": 2})
-    config = EngineConfig(model=ModelConfig(path=checkpoints["target"], dtype="float32"), speculative=speculative,
-                          parallel=ParallelConfig(device="cpu", tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="speculative_config: the draft model .* cannot be split over "
-                                         "tensor_parallel_size=2: intermediate_size=127 is not divisible"):
-        DraftModel(config, torch.device("cpu"), torch.float32, torch.float32, 1024, hf_config["vocab_size"],
-                   checkpoints["target"], TensorParallel(0, 2))
+    config = EngineConfig(
+        model=ModelConfig(path=checkpoints["target"], dtype="float32"),
+        speculative=speculative,
+        parallel=ParallelConfig(device="cpu", tensor_parallel_size=2),
+    )
+    with pytest.raises(
+        ValueError,
+        match="speculative_config: the draft model .* cannot be split over "
+        "tensor_parallel_size=2: intermediate_size=127 is not divisible",
+    ):
+        DraftModel(
+            config,
+            torch.device("cpu"),
+            torch.float32,
+            torch.float32,
+            1024,
+            hf_config["vocab_size"],
+            checkpoints["target"],
+            TensorParallel(0, 2),
+        )

@@ -120,9 +120,16 @@ def tiny_encoder(tmp_path_factory):
             class_name, overrides = TINY_ENCODERS[family]
             overrides = dict(overrides)
             config = transformers.AutoConfig.for_model(
-                overrides.pop("model_type"), vocab_size=101, hidden_size=32, num_hidden_layers=2,
-                num_attention_heads=4, intermediate_size=64, max_position_embeddings=96, initializer_range=0.2,
-                **overrides)
+                overrides.pop("model_type"),
+                vocab_size=101,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                max_position_embeddings=96,
+                initializer_range=0.2,
+                **overrides,
+            )
             torch.manual_seed(0)
             model = getattr(transformers, class_name)(config).eval()
             path = tmp_path_factory.mktemp(family)
@@ -181,7 +188,9 @@ def test_load_weights_refuses_missing_unknown_and_misshapen_tensors(tiny_encoder
     with pytest.raises(ValueError, match="key|qkv"):
         BertEmbeddingModel(config, torch.float32, CPU).load_weights(missing.items())
     with pytest.raises(KeyError, match="decoder.weight"):
-        BertEmbeddingModel(config, torch.float32, CPU).load_weights([*weights.items(), ("decoder.weight", torch.zeros(1))])
+        BertEmbeddingModel(config, torch.float32, CPU).load_weights(
+            [*weights.items(), ("decoder.weight", torch.zeros(1))]
+        )
     misshapen = dict(weights, **{"embeddings.LayerNorm.weight": torch.ones(31)})
     with pytest.raises(ValueError, match="LayerNorm"):
         BertEmbeddingModel(config, torch.float32, CPU).load_weights(misshapen.items())
@@ -243,14 +252,25 @@ def st_modules(*kinds: str) -> list[dict]:
     [
         ({}, "BertModel", ("mean", True)),
         ({}, "Qwen3ForCausalLM", ("last", True)),
-        ({"modules.json": st_modules("Transformer", "Pooling"), "1_Pooling/config.json": {"pooling_mode": "cls"}},
-         "BertModel", ("cls", False)),
-        ({"modules.json": st_modules("Transformer", "Pooling", "Normalize"),
-          "1_Pooling/config.json": {"pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}},
-         "Qwen2ForCausalLM", ("last", True)),
+        (
+            {"modules.json": st_modules("Transformer", "Pooling"), "1_Pooling/config.json": {"pooling_mode": "cls"}},
+            "BertModel",
+            ("cls", False),
+        ),
+        (
+            {
+                "modules.json": st_modules("Transformer", "Pooling", "Normalize"),
+                "1_Pooling/config.json": {"pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True},
+            },
+            "Qwen2ForCausalLM",
+            ("last", True),
+        ),
         ({"1_Pooling/config.json": {"pooling_mode_cls_token": True}}, "BertModel", ("cls", True)),
-        ({"modules.json": st_modules("Transformer", "Pooling"), "1_Pooling/config.json": {"pooling_mode": ["mean"]}},
-         "Qwen2ForCausalLM", ("mean", False)),
+        (
+            {"modules.json": st_modules("Transformer", "Pooling"), "1_Pooling/config.json": {"pooling_mode": ["mean"]}},
+            "Qwen2ForCausalLM",
+            ("mean", False),
+        ),
     ],
     ids=["encoder-default", "decoder-default", "cls-no-normalize", "legacy-lasttoken", "pooling-dir-only", "list-mode"],
 )
@@ -261,8 +281,13 @@ def test_load_pooling_config_follows_sentence_transformers_files(tmp_path, files
 
 
 def test_load_pooling_config_overrides_win(tmp_path):
-    model_dir = write_files(tmp_path, {"modules.json": st_modules("Transformer", "Pooling", "Normalize"),
-                                       "1_Pooling/config.json": {"pooling_mode": "max"}})
+    model_dir = write_files(
+        tmp_path,
+        {
+            "modules.json": st_modules("Transformer", "Pooling", "Normalize"),
+            "1_Pooling/config.json": {"pooling_mode": "max"},
+        },
+    )
     with pytest.raises(ValueError, match="max"):
         load_pooling_config(model_dir, "BertModel", None, None)
     assert load_pooling_config(model_dir, "BertModel", "cls", False) == PoolingConfig("cls", False)
@@ -272,8 +297,13 @@ def test_load_pooling_config_overrides_win(tmp_path):
 
 
 def test_load_pooling_config_refuses_modules_it_cannot_reproduce(tmp_path):
-    model_dir = write_files(tmp_path, {"modules.json": st_modules("Transformer", "Pooling", "Dense", "Normalize"),
-                                       "1_Pooling/config.json": {"pooling_mode": "mean"}})
+    model_dir = write_files(
+        tmp_path,
+        {
+            "modules.json": st_modules("Transformer", "Pooling", "Dense", "Normalize"),
+            "1_Pooling/config.json": {"pooling_mode": "mean"},
+        },
+    )
     with pytest.raises(ValueError, match="Dense"):
         load_pooling_config(model_dir, "BertModel", None, None)
 
@@ -284,8 +314,13 @@ def test_load_pooling_config_refuses_modules_it_cannot_reproduce(tmp_path):
         ({"config.json": {"matryoshka_dimensions": [256, 768, 512]}}, [768, 512, 256]),
         ({"config_sentence_transformers.json": {"matryoshka_dimensions": [64, 128]}}, [128, 64]),
         ({"config.json": {"is_matryoshka": True}}, []),
-        ({"README.md": 'loss:\n```json\n{\n    "loss": "MultipleNegativesRankingLoss",\n'
-                       '    "matryoshka_dims": [\n        384,\n        192,\n        96\n    ],\n}\n```'}, [384, 192, 96]),
+        (
+            {
+                "README.md": 'loss:\n```json\n{\n    "loss": "MultipleNegativesRankingLoss",\n'
+                '    "matryoshka_dims": [\n        384,\n        192,\n        96\n    ],\n}\n```'
+            },
+            [384, 192, 96],
+        ),
         ({"README.md": "# A model\nTrained with a contrastive loss.", "config.json": {"hidden_size": 384}}, None),
     ],
     ids=["config", "sentence-transformers-config", "declared-without-sizes", "readme", "none"],

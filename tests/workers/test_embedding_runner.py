@@ -41,8 +41,10 @@ def make_runner(path: Path, **model_fields) -> EmbeddingRunner:
 
 def embed_step(runner: EmbeddingRunner, step_id: int, prompts: list[list[int]]) -> np.ndarray:
     """One plan holding every prompt whole (through the msgpack codec, as on the wire) -> [N, H] float32."""
-    new = [NewRequestData(f"r{step_id}-{i}", ids, len(ids), SamplingParams(), [], 0, len(ids), "embed")
-           for i, ids in enumerate(prompts)]
+    new = [
+        NewRequestData(f"r{step_id}-{i}", ids, len(ids), SamplingParams(), [], 0, len(ids), "embed")
+        for i, ids in enumerate(prompts)
+    ]
     plan = _plans.decode(encode(StepPlan(step_id, new, [], [])))
     result: StepResult = runner.execute(plan)
     assert result.request_ids == [] and set(result.embeddings) == {n.request_id for n in new}

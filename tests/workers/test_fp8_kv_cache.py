@@ -41,17 +41,22 @@ MIN_AGREEING_PREFIX, MIN_MEAN_AGREEING_PREFIX = 2, 5
 
 def use_kv_cache_dtype(runner: Worker, name: str) -> None:
     """The same weights over a KV cache of another dtype: the next `allocate_kv_cache` follows the config."""
-    cache = msgspec.structs.replace(runner.config.cache, kv_cache_dtype=name, num_kv_blocks=0,
-                                    kv_cache_memory_bytes=BUDGET)
+    cache = msgspec.structs.replace(
+        runner.config.cache, kv_cache_dtype=name, num_kv_blocks=0, kv_cache_memory_bytes=BUDGET
+    )
     runner.config = msgspec.structs.replace(runner.config, cache=cache)
 
 
 @pytest.fixture(scope="module")
 def default_model():
     """(runner with the default model loaded, tokenized prompts)."""
-    config = resolve_config(EngineConfig(model=ModelConfig(model="", dtype="float32"),
-                                         cache=CacheConfig(num_kv_blocks=NUM_BLOCKS),
-                                         parallel=ParallelConfig(device="cpu")))
+    config = resolve_config(
+        EngineConfig(
+            model=ModelConfig(model="", dtype="float32"),
+            cache=CacheConfig(num_kv_blocks=NUM_BLOCKS),
+            parallel=ParallelConfig(device="cpu"),
+        )
+    )
     runner = Worker(config)
     runner.load_model()
     tokenizer = load_tokenizer(config.model)
@@ -102,17 +107,21 @@ def test_checkpoint_kv_scales_set_the_attention_scales(tiny_checkpoint):
     are read and dropped; a layer without any keeps 1.0."""
     path, hf_model = tiny_checkpoint("llama")
     model = model_class("LlamaForCausalLM")(hf_model.config)
-    scales = [("model.layers.0.self_attn.k_scale", torch.tensor(0.5)),
-              ("model.layers.0.self_attn.v_proj.output_scale", torch.tensor([0.25])),
-              ("model.layers.0.self_attn.q_scale", torch.tensor(3.0)),
-              ("model.layers.1.self_attn.kv_scale", torch.tensor([2.0, 1.5]))]  # per head: the largest
+    scales = [
+        ("model.layers.0.self_attn.k_scale", torch.tensor(0.5)),
+        ("model.layers.0.self_attn.v_proj.output_scale", torch.tensor([0.25])),
+        ("model.layers.0.self_attn.q_scale", torch.tensor(3.0)),
+        ("model.layers.1.self_attn.kv_scale", torch.tensor([2.0, 1.5])),
+    ]  # per head: the largest
     model.load_weights([*iter_weights(ModelConfig(path=str(path))), *scales])
     layers = [layer.self_attn.attn_layer for layer in model.model.layers]
     assert [(a.k_scale, a.v_scale) for a in layers] == [(0.5, 0.25), (2.0, 2.0)]
     untouched = model_class("LlamaForCausalLM")(hf_model.config)
     untouched.load_weights(iter_weights(ModelConfig(path=str(path))))
-    assert all((layer.self_attn.attn_layer.k_scale, layer.self_attn.attn_layer.v_scale) == (1.0, 1.0)
-               for layer in untouched.model.layers)
+    assert all(
+        (layer.self_attn.attn_layer.k_scale, layer.self_attn.attn_layer.v_scale) == (1.0, 1.0)
+        for layer in untouched.model.layers
+    )
     with pytest.raises(ValueError, match="positive"):
         model.load_weights([("model.layers.0.self_attn.k_scale", torch.tensor(0.0))])
 
@@ -145,11 +154,15 @@ def test_llm_runs_with_an_fp8_kv_cache_of_four_times_the_blocks(tiny_checkpoints
     from tokenmill import LLM, SamplingParams
 
     # the tiny llama: 2 layers x 2 kv heads x head dim 16 -> 512 bytes of float32 KV a token, 128 in fp8
-    with LLM(str(tiny_checkpoints("llama")), kv_cache_dtype="fp8", kv_cache_memory_bytes=32 * 16 * 512,
-             max_model_len=256) as llm:
+    with LLM(
+        str(tiny_checkpoints("llama")), kv_cache_dtype="fp8", kv_cache_memory_bytes=32 * 16 * 512, max_model_len=256
+    ) as llm:
         assert llm.engine_info.num_kv_blocks == 4 * 32
-        out = llm.generate(["Hello there", "A longer prompt of a few more words"],
-                           SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+        out = llm.generate(
+            ["Hello there", "A longer prompt of a few more words"],
+            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
     assert [len(r.outputs[0].token_ids) for r in out] == [12, 12]
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
         LLM(str(tiny_checkpoints("llama")), kv_cache_dtype="int8")

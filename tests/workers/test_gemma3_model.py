@@ -18,15 +18,36 @@ from tokenmill.workers.models.registry import architecture_of, model_class
 # Both layer kinds, global RoPE with linear scaling (as Gemma 3 4B+), a query scale unlike head_dim ** -0.5, final
 # logit softcapping on (Gemma 3 checkpoints leave it off; the code path must still be right).
 TEXT = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=512,
-    layer_types=[SLIDING, SLIDING, FULL, SLIDING], sliding_window=64,
-    rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
-                     FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
-    final_logit_softcapping=30.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    max_position_embeddings=512,
+    layer_types=[SLIDING, SLIDING, FULL, SLIDING],
+    sliding_window=64,
+    rope_parameters={
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    },
+    final_logit_softcapping=30.0,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
-VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-              num_attention_heads=2, image_size=28, patch_size=14)
+VISION = dict(
+    model_type="siglip_vision_model",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
 
 
 def build(kind: str, directory):
@@ -37,9 +58,15 @@ def build(kind: str, directory):
         text = dict(TEXT, sliding_window=16) if kind == "text-window16" else TEXT
         model = Gemma3ForCausalLM(Gemma3TextConfig(**text, architectures=["Gemma3ForCausalLM"]))
     else:
-        config = Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4, image_token_index=300,
-                              boi_token_index=301, eoi_token_index=302,
-                              architectures=["Gemma3ForConditionalGeneration"])
+        config = Gemma3Config(
+            text_config=TEXT,
+            vision_config=VISION,
+            mm_tokens_per_image=4,
+            image_token_index=300,
+            boi_token_index=301,
+            eoi_token_index=302,
+            architectures=["Gemma3ForConditionalGeneration"],
+        )
         model = Gemma3ForConditionalGeneration(config)
     randomize_(model, 0)  # norm weights ~1 (so (1 + w) ~ 2 is told apart from w), nothing left at zero
     model.float().eval()
@@ -87,11 +114,21 @@ def test_logits_match_hf_at_every_position(gemma3, use_cpu_backend, backend, kin
 
 
 # HF name (after `model.layers.N.`) -> llama.cpp's gemma3 tensor name
-_GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-               "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_GGUF_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def write_gemma3_gguf(hf_model, file):
@@ -165,8 +202,13 @@ def test_load_rejects_a_missing_norm(gemma3):
 
 
 def test_layer_types_and_rope_from_older_config_spellings():
-    old = SimpleNamespace(num_hidden_layers=7, sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=1e4,
-                          rope_scaling={"rope_type": "linear", "factor": 8.0})
+    old = SimpleNamespace(
+        num_hidden_layers=7,
+        sliding_window_pattern=3,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
     assert layer_types(old) == [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL, SLIDING]
     assert gemma_rope_parameters(old, SLIDING) == {"rope_type": "default", "rope_theta": 1e4}
     assert gemma_rope_parameters(old, FULL) == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
@@ -174,5 +216,4 @@ def test_layer_types_and_rope_from_older_config_spellings():
 
 def test_registry_maps_gemma3_model_types():
     assert architecture_of(SimpleNamespace(architectures=None, model_type="gemma3_text")) == "Gemma3ForCausalLM"
-    assert architecture_of(SimpleNamespace(architectures=None, model_type="gemma3")) == \
-        "Gemma3ForConditionalGeneration"
+    assert architecture_of(SimpleNamespace(architectures=None, model_type="gemma3")) == "Gemma3ForConditionalGeneration"

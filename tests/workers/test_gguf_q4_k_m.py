@@ -53,8 +53,15 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     packed[..., 4:8] = mins[..., 0:4] | ((mins[..., 4:8] >> 4) << 6)
     packed[..., 8:12] = (scales[..., 4:8] & 15) | ((mins[..., 4:8] & 15) << 4)
     qs = q[..., 0::2, :] | (q[..., 1::2, :] << 4)  # sub-blocks 2c, 2c + 1: low, high nibbles of 32 bytes
-    blocks = np.concatenate([_half_bytes(d)[..., None].reshape(rows, -1, 2), _half_bytes(dmin).reshape(rows, -1, 2),
-                             packed, qs.reshape(rows, -1, 128)], axis=-1)
+    blocks = np.concatenate(
+        [
+            _half_bytes(d)[..., None].reshape(rows, -1, 2),
+            _half_bytes(dmin).reshape(rows, -1, 2),
+            packed,
+            qs.reshape(rows, -1, 128),
+        ],
+        axis=-1,
+    )
     return blocks.reshape(rows, -1)
 
 
@@ -67,8 +74,11 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     scales = np.clip(np.rint(group_scale / d[..., None]), 1, 127).astype(np.int8)
     q = np.rint(groups / (d[..., None] * scales)[..., None]) + 32
     q = np.clip(q, 0, 63).astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # element 128 h + 32 i + l
-    ql = np.concatenate([(q[:, :, h, 0] & 15) | ((q[:, :, h, 2] & 15) << 4) for h in range(2)]
-                        + [(q[:, :, h, 1] & 15) | ((q[:, :, h, 3] & 15) << 4) for h in range(2)], axis=-1)
+    ql = np.concatenate(
+        [(q[:, :, h, 0] & 15) | ((q[:, :, h, 2] & 15) << 4) for h in range(2)]
+        + [(q[:, :, h, 1] & 15) | ((q[:, :, h, 3] & 15) << 4) for h in range(2)],
+        axis=-1,
+    )
     ql = ql.reshape(rows, -1, 2, 2, 32).transpose(0, 1, 3, 2, 4).reshape(rows, -1, 128)  # ql[64 h + l], l < 64
     qh = sum((q[:, :, :, i] >> 4) << (2 * i) for i in range(4)).astype(np.uint8).reshape(rows, -1, 64)
     blocks = np.concatenate([ql, qh, scales.view(np.uint8), _half_bytes(d).reshape(rows, -1, 2)], axis=-1)
@@ -153,8 +163,11 @@ def test_every_matrix_stays_quantized_and_nothing_is_dequantized_at_load(q4_k_m_
 
 
 def make_runner(model: ModelConfig, quantization: str) -> Worker:
-    config = EngineConfig(model=replace(model, quantization=quantization),
-                          cache=CacheConfig(block_size=16, num_kv_blocks=16), parallel=ParallelConfig(device="cpu"))
+    config = EngineConfig(
+        model=replace(model, quantization=quantization),
+        cache=CacheConfig(block_size=16, num_kv_blocks=16),
+        parallel=ParallelConfig(device="cpu"),
+    )
     runner = Worker(config)
     runner.load_model()
     return runner

@@ -145,13 +145,19 @@ def test_loader_keeps_kernel_types_quantized_and_dequantizes_the_rest(small_gguf
     assert notes == ["dequantizing GGUF tensors of type IQ4_XS to float32 at load: the CPU kernels have no such type"]
     dense = dict(iter_weights(replace(small_gguf, quantization="none")))
     assert kept.keys() == dense.keys()
-    for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.0.self_attn.k_proj.weight"]:
+    for name in [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    ]:
         assert isinstance(kept[name], GGUFWeight), name
         assert torch.equal(kept[name].dequantize(), dense[name]), name  # Q/K un-permuted by moving block rows
     assert kept["model.layers.0.self_attn.q_proj.weight"].type_name == "Q4_K"
-    for name in ["model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.gate_proj.weight",
-                 "model.layers.0.input_layernorm.weight"]:
+    for name in [
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+    ]:
         assert isinstance(kept[name], torch.Tensor) and torch.equal(kept[name], dense[name]), name
     on_cuda = dict(iter_weights(replace(small_gguf, quantization="gguf"), device="cuda"))  # no GPU GGUF kernels
     assert all(isinstance(t, torch.Tensor) and torch.equal(t, dense[n]) for n, t in on_cuda.items())
@@ -184,7 +190,9 @@ def test_fused_layers_take_quantized_parts_and_drop_the_dense_parameter():
     gate_up.load("weight", gate, "gate")
     gate_up.load("weight", torch.ones(128, 256), "up")
     assert isinstance(gate_up.weight, torch.nn.Parameter)
-    assert torch.equal(gate_up.weight[:128], reference(gate)) and torch.equal(gate_up.weight[128:], torch.ones(128, 256))
+    assert torch.equal(gate_up.weight[:128], reference(gate)) and torch.equal(
+        gate_up.weight[128:], torch.ones(128, 256)
+    )
 
 
 def test_row_parallel_splits_on_blocks_or_says_why_not():
@@ -225,8 +233,9 @@ def repack_everywhere(monkeypatch):
     """Repack whatever has the layout, whichever kernel version runs here (the portable one runs it too)."""
     from tokenmill.kernels import gguf_ops
 
-    monkeypatch.setattr(gguf_ops, "repack_wanted", lambda qtype, out_features: qtype in gguf_ops.REPACK_TYPES
-                        and out_features >= 8)
+    monkeypatch.setattr(
+        gguf_ops, "repack_wanted", lambda qtype, out_features: qtype in gguf_ops.REPACK_TYPES and out_features >= 8
+    )
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
@@ -247,8 +256,12 @@ def test_a_repacked_weight_reads_and_multiplies_as_the_plain_one(qtype, repack_e
     torch.testing.assert_close(w.matmul(x), before, rtol=1e-5, atol=1e-5 * before.abs().max().item())
     ids = torch.tensor([[20, 3], [8, 0]])  # a plain tail row and rows of both groups
     assert torch.equal(w.lookup(ids, torch.float32), dense[ids])
-    for part, rows in ((w.rows(5, 12), dense[5:17]), (w.permute_rows(torch.arange(20, -1, -1)), dense.flip(0)),
-                       (w.cols(32, 64), dense[:, 32:96]), (GGUFWeight.concat_rows([w, w]), torch.cat([dense, dense]))):
+    for part, rows in (
+        (w.rows(5, 12), dense[5:17]),
+        (w.permute_rows(torch.arange(20, -1, -1)), dense.flip(0)),
+        (w.cols(32, 64), dense[:, 32:96]),
+        (GGUFWeight.concat_rows([w, w]), torch.cat([dense, dense])),
+    ):
         assert not part.repacked and torch.equal(part.dequantize(), rows)
     assert w.rows(0, 21) is w
     # inputs the checked-once int8 call hands to gguf_matmul: strided columns, bfloat16, and a batch of sequences

@@ -20,18 +20,45 @@ from tokenmill.workers.models.layers import TensorParallel
 from tokenmill.workers.models.moe import MoeExperts, expert_weight_target, grouped_experts, route
 from tokenmill.workers.models.registry import architecture_of, model_class
 
-_COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 MOE_CONFIGS = {
     "mixtral": lambda: MixtralConfig(**_COMMON, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2),
     # layer 1 dense (mlp_only_layers), experts unnormalised
-    "qwen3_moe": lambda: Qwen3MoeConfig(**_COMMON, head_dim=32, intermediate_size=96, moe_intermediate_size=40,
-                                        num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
-                                        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=True),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=32,
+        intermediate_size=96,
+        moe_intermediate_size=40,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        tie_word_embeddings=True,
+    ),
     # every second layer sparse (decoder_sparse_step=2), renormalised top-k
-    "qwen3_moe-step2-norm": lambda: Qwen3MoeConfig(**_COMMON, head_dim=16, intermediate_size=80,
-                                                   moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                                                   norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[]),
+    "qwen3_moe-step2-norm": lambda: Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=16,
+        intermediate_size=80,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+        mlp_only_layers=[],
+    ),
 }
 
 
@@ -67,8 +94,9 @@ def routing_case(num_tokens, num_experts, top_k, seed, unused=()):
 
 
 @pytest.mark.parametrize("use_grouped_mm", [False, True])
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, unused", [(1, 4, 2, (1, 2)), (9, 7, 3, (0, 6)),
-                                                                     (64, 8, 2, ()), (5, 6, 1, (5,))])
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, top_k, unused", [(1, 4, 2, (1, 2)), (9, 7, 3, (0, 6)), (64, 8, 2, ()), (5, 6, 1, (5,))]
+)
 def test_cpu_grouped_path_matches_float64_reference(num_tokens, num_experts, top_k, unused, use_grouped_mm):
     g = torch.Generator().manual_seed(num_tokens)
     hidden, inter = 40, 24
@@ -86,8 +114,9 @@ def test_cpu_grouped_path_matches_float64_reference(num_tokens, num_experts, top
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
 def test_routing_matches_transformers_routers(norm_topk_prob, dtype):
     hidden = torch.randn(37, 64).to(dtype)
-    qwen = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=3,
-                                             norm_topk_prob=norm_topk_prob)).to(dtype)
+    qwen = Qwen3MoeTopKRouter(
+        Qwen3MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob)
+    ).to(dtype)
     mixtral = MixtralTopKRouter(MixtralConfig(hidden_size=64, num_local_experts=8, num_experts_per_tok=2)).to(dtype)
     for router, renormalize, in_logits_dtype in [(qwen, norm_topk_prob, True), (mixtral, True, False)]:
         torch.nn.init.normal_(router.weight)
@@ -145,13 +174,25 @@ def test_fused_in_memory_names_load_like_the_per_expert_files(moe_checkpoint):
 
 def test_expert_weight_names():
     assert expert_weight_target("model.layers.3.block_sparse_moe.experts.5.w3.weight") == (
-        "model.layers.3.mlp.experts", "w13", (5, "up"))
+        "model.layers.3.mlp.experts",
+        "w13",
+        (5, "up"),
+    )
     assert expert_weight_target("model.layers.0.mlp.experts.2.down_proj.weight") == (
-        "model.layers.0.mlp.experts", "w2", (2, "down"))
-    assert expert_weight_target("model.layers.1.block_sparse_moe.gate.weight") == ("model.layers.1.mlp.gate",
-                                                                                    "weight", None)
-    assert expert_weight_target("model.layers.1.mlp.experts.gate_up_proj") == ("model.layers.1.mlp.experts", "w13",
-                                                                               "fused")
+        "model.layers.0.mlp.experts",
+        "w2",
+        (2, "down"),
+    )
+    assert expert_weight_target("model.layers.1.block_sparse_moe.gate.weight") == (
+        "model.layers.1.mlp.gate",
+        "weight",
+        None,
+    )
+    assert expert_weight_target("model.layers.1.mlp.experts.gate_up_proj") == (
+        "model.layers.1.mlp.experts",
+        "w13",
+        "fused",
+    )
     assert expert_weight_target("model.layers.1.mlp.gate_proj.weight") is None  # a dense layer's: Llama's rules
     with pytest.raises(KeyError):
         expert_weight_target("model.layers.1.mlp.experts.0.bogus.weight")
@@ -159,8 +200,9 @@ def test_expert_weight_names():
 
 def test_missing_expert_weight_is_reported(moe_checkpoint):
     path, hf_model = moe_checkpoint("qwen3_moe")
-    weights = {k: v for k, v in iter_weights(ModelConfig(path=str(path)))
-               if k != "model.layers.2.mlp.experts.7.up_proj.weight"}
+    weights = {
+        k: v for k, v in iter_weights(ModelConfig(path=str(path))) if k != "model.layers.2.mlp.experts.7.up_proj.weight"
+    }
     with pytest.raises(ValueError, match="layers.2.mlp.experts.w13"):
         load_ours(weights.items(), hf_model.config)
 
@@ -171,12 +213,13 @@ def test_tensor_parallel_ranks_split_each_experts_intermediate_dim(moe_checkpoin
     path, hf_model = moe_checkpoint(kind)
     weights = dict(iter_weights(ModelConfig(path=str(path))))
     full = load_ours(weights.items(), hf_model.config).model.layers[0].mlp
-    ranks = [load_ours(weights.items(), hf_model.config, TensorParallel(rank, 2)).model.layers[0].mlp
-             for rank in range(2)]
+    ranks = [
+        load_ours(weights.items(), hf_model.config, TensorParallel(rank, 2)).model.layers[0].mlp for rank in range(2)
+    ]
     inter = full.experts.rank_size
     assert all(r.experts.w13.shape[1] == inter and r.experts.w2.shape[2] == inter // 2 for r in ranks)
-    torch.testing.assert_close(ranks[1].experts.w2, full.experts.w2[:, :, inter // 2:], atol=0, rtol=0)
-    torch.testing.assert_close(ranks[1].experts.w13[:, : inter // 2], full.experts.w13[:, inter // 2: inter])
+    torch.testing.assert_close(ranks[1].experts.w2, full.experts.w2[:, :, inter // 2 :], atol=0, rtol=0)
+    torch.testing.assert_close(ranks[1].experts.w13[:, : inter // 2], full.experts.w13[:, inter // 2 : inter])
     x = torch.randn(11, 64)
     weights_, ids = route(full.gate(x), full.top_k, full.renormalize, full.weights_in_logits_dtype)
     assert all(torch.equal(r.gate.weight, full.gate.weight) for r in ranks)

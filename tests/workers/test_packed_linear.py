@@ -28,7 +28,9 @@ def test_packed_weight_matches_f_linear(rows, with_bias):
     torch.testing.assert_close(linear(x, weight, bias), expected, atol=1e-5, rtol=1e-5)  # dense, through oneDNN
     # a strided input (a view of a wider activation), as the layers pass
     wide = torch.randn(rows, 80, generator=generator)
-    torch.testing.assert_close(linear(wide[:, ::2], weight_packed, bias), linear(wide[:, ::2].contiguous(), weight, bias))
+    torch.testing.assert_close(
+        linear(wide[:, ::2], weight_packed, bias), linear(wide[:, ::2].contiguous(), weight, bias)
+    )
 
 
 def test_only_cpu_float32_and_native_bfloat16_are_packed():
@@ -52,5 +54,6 @@ def test_runner_packs_every_matmul_and_a_copy_of_a_tied_lm_head(tiny_checkpoint,
         assert head.weight is model.model.embed_tokens.weight
         assert head.packed_tied_weight.is_mkldnn
         hidden = torch.randn(5, hf_model.config.hidden_size)
-        torch.testing.assert_close(head(hidden), hidden @ hf_model.get_output_embeddings().weight.T,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            head(hidden), hidden @ hf_model.get_output_embeddings().weight.T, atol=1e-5, rtol=1e-5
+        )

@@ -29,8 +29,13 @@ def test_layers_split_evenly_with_the_extra_ones_before_the_last_stage():
 
 def test_each_stage_owns_its_layers_the_embedding_or_the_head():
     first, last = PipelineStage(0, 2), PipelineStage(1, 2)
-    names = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.3.self_attn.q_proj.bias",
-             "model.norm.weight", "lm_head.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.3.self_attn.q_proj.bias",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
     assert [first.weight_name(n, 4, tied_embeddings=False) for n in names] == names[:2] + [None, None, None]
     assert [last.weight_name(n, 4, tied_embeddings=False) for n in names] == [None, None] + names[2:]
     # a tied head on a last stage without the embedding loads the embedding's tensor into its own weight
@@ -38,8 +43,9 @@ def test_each_stage_owns_its_layers_the_embedding_or_the_head():
 
 
 def scheduled(*num_tokens: int) -> list[ScheduledRequest]:
-    return [ScheduledRequest(CachedRequest(f"r{i}", [1] * n, [], "generate", None), 0, n)
-            for i, n in enumerate(num_tokens)]
+    return [
+        ScheduledRequest(CachedRequest(f"r{i}", [1] * n, [], "generate", None), 0, n) for i, n in enumerate(num_tokens)
+    ]
 
 
 def test_micro_batches_are_contiguous_non_empty_and_about_even():
@@ -59,7 +65,9 @@ def test_parallel_sizes_are_checked_naming_the_field():
     with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
         check_parallel_config(EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=0)))
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 serves generation models only"):
-        check_parallel_config(EngineConfig(model=Model(task="embed"), parallel=ParallelConfig(pipeline_parallel_size=2)))
+        check_parallel_config(
+            EngineConfig(model=Model(task="embed"), parallel=ParallelConfig(pipeline_parallel_size=2))
+        )
     check_parallel_config(EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2)))
 
 
@@ -76,8 +84,15 @@ def test_two_stages_chained_give_hf_logits(tiny_checkpoint, kind):
     config = hf_model.config
     stages = [load_stage(path, config, PipelineStage(rank, 2)) for rank in range(2)]
     stage0 = PipelineStage(0, 2)
-    read = {name for name, _ in iter_weights(ModelConfig(path=str(path)), wanted=lambda name: stage0.weight_name(
-        name, config.num_hidden_layers, config.tie_word_embeddings) is not None)}
+    read = {
+        name
+        for name, _ in iter_weights(
+            ModelConfig(path=str(path)),
+            wanted=lambda name: (
+                stage0.weight_name(name, config.num_hidden_layers, config.tie_word_embeddings) is not None
+            ),
+        )
+    }
     others = {name for name in read if ".layers.1." in name or name in ("model.norm.weight", "lm_head.weight")}
     assert "model.layers.0.mlp.down_proj.weight" in read and others == set(), "stage 0 read another stage's tensors"
     first, last = stages
@@ -98,8 +113,14 @@ def test_two_stages_chained_give_hf_logits(tiny_checkpoint, kind):
     blocks = np.random.default_rng(0).permutation(num_blocks)
     logits = []
     for start, end in [(0, 9), (9, 22), (22, 23)]:  # a prompt in chunks, then a decode step
-        attn = build_attention_metadata(np.array([end - start]), np.array([end]), blocks[None, :-(-end // block_size)],
-                                        block_size, torch.device("cpu"), attention_backend("cpu"))
+        attn = build_attention_metadata(
+            np.array([end - start]),
+            np.array([end]),
+            blocks[None, : -(-end // block_size)],
+            block_size,
+            torch.device("cpu"),
+            attention_backend("cpu"),
+        )
         ids, positions = input_ids[start:end], torch.arange(start, end)
         with torch.inference_mode():
             intermediate = stage_forward(first, PipelineStage(0, 2), ids, positions, attn, caches[0])

@@ -10,8 +10,18 @@ import torch
 
 from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenmill.messages import (EngineRequest, NewRequestData, PromptLogprobs, RequestOutput, RunningRequestData,
-                                SamplingParams, StepPlan, WorkerCommand, decoder, encode)
+from tokenmill.messages import (
+    EngineRequest,
+    NewRequestData,
+    PromptLogprobs,
+    RequestOutput,
+    RunningRequestData,
+    SamplingParams,
+    StepPlan,
+    WorkerCommand,
+    decoder,
+    encode,
+)
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.workers.worker import Worker
 
@@ -22,8 +32,15 @@ _plan_decoder = decoder(WorkerCommand)
 class Engine:
     """The scheduler and one CPU model runner, stepped in this process."""
 
-    def __init__(self, model: ModelConfig, *, max_num_batched_tokens: int = 256, prefix_caching: bool = True,
-                 num_blocks: int = 256, block_size: int = 4) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        *,
+        max_num_batched_tokens: int = 256,
+        prefix_caching: bool = True,
+        num_blocks: int = 256,
+        block_size: int = 4,
+    ) -> None:
         config = EngineConfig(
             model=model,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching),
@@ -52,8 +69,9 @@ class Engine:
         return outputs
 
 
-def request(request_id: str, prompt: list[int], prompt_logprobs: int | None, max_tokens: int = 3,
-            **sampling) -> EngineRequest:
+def request(
+    request_id: str, prompt: list[int], prompt_logprobs: int | None, max_tokens: int = 3, **sampling
+) -> EngineRequest:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=prompt_logprobs, **sampling)
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params)
 
@@ -102,12 +120,20 @@ def test_prompt_logprobs_equal_transformers(tiny_llama, max_num_batched_tokens):
     vocab = hf_model.config.vocab_size
     long_prompt, short_prompt = random_prompt(vocab, 29, 1), random_prompt(vocab, 6, 2)
     engine = Engine(model, max_num_batched_tokens=max_num_batched_tokens)
-    outputs = engine.run(request("long", long_prompt, 5), request("plain", random_prompt(vocab, 9, 3), None),
-                         request("short", short_prompt, 0), request("one-token", long_prompt[:1], 2))
+    outputs = engine.run(
+        request("long", long_prompt, 5),
+        request("plain", random_prompt(vocab, 9, 3), None),
+        request("short", short_prompt, 0),
+        request("one-token", long_prompt[:1], 2),
+    )
     if max_num_batched_tokens == 7:  # the long prompt really was split, next to the others
         chunks = [n.num_scheduled_tokens for plan in engine.plans for n in plan.new_requests if n.request_id == "long"]
-        chunks += [r.num_scheduled_tokens for plan in engine.plans for r in plan.running
-                   if r.request_id == "long" and r.num_computed_tokens < len(long_prompt)]
+        chunks += [
+            r.num_scheduled_tokens
+            for plan in engine.plans
+            for r in plan.running
+            if r.request_id == "long" and r.num_computed_tokens < len(long_prompt)
+        ]
         assert len(chunks) >= 4 and sum(chunks) == len(long_prompt)
     for request_id, prompt, k in [("long", long_prompt, 5), ("short", short_prompt, 0)]:
         first, *rest = outputs[request_id]
@@ -138,8 +164,9 @@ def test_n_choices_each_carry_the_prompt_logprobs(tiny_llama):
     model, hf_model = tiny_llama
     prompt = random_prompt(hf_model.config.vocab_size, 12, 5)
     engine = Engine(model, max_num_batched_tokens=16)
-    group = EngineRequest(request_id="g", prompt_token_ids=prompt,
-                          sampling=SamplingParams(n=2, max_tokens=2, seed=3, prompt_logprobs=1))
+    group = EngineRequest(
+        request_id="g", prompt_token_ids=prompt, sampling=SamplingParams(n=2, max_tokens=2, seed=3, prompt_logprobs=1)
+    )
     outputs = engine.run(group)
     reference = reference_logprobs(hf_model, prompt)
     for choice in ("g-0", "g-1"):
@@ -151,13 +178,23 @@ def test_resumed_request_with_outputs_computes_no_prompt_logprobs_again(tiny_lla
     prompt = random_prompt(hf_model.config.vocab_size, 10, 6)
     engine = Engine(model)
     params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
-    first = engine.runner.execute(StepPlan(0, [NewRequestData("r", prompt, len(prompt), params, list(range(1, 4)), 0,
-                                                              len(prompt))], [], []))
+    first = engine.runner.execute(
+        StepPlan(0, [NewRequestData("r", prompt, len(prompt), params, list(range(1, 4)), 0, len(prompt))], [], [])
+    )
     assert first.prompt_logprobs["r"].num_positions == len(prompt) - 1
     # preempted after its first token, then sent again in full (prompt + output) and recomputed
-    resumed = engine.runner.execute(StepPlan(1, [NewRequestData(
-        "r", prompt + first.sampled_token_ids, len(prompt), params, list(range(1, 4)), 0, len(prompt) + 1)], [],
-        ["r"]))
+    resumed = engine.runner.execute(
+        StepPlan(
+            1,
+            [
+                NewRequestData(
+                    "r", prompt + first.sampled_token_ids, len(prompt), params, list(range(1, 4)), 0, len(prompt) + 1
+                )
+            ],
+            [],
+            ["r"],
+        )
+    )
     assert resumed.request_ids == ["r"] and resumed.prompt_logprobs is None
 
 
@@ -166,8 +203,9 @@ def test_a_cached_prefix_with_prompt_logprobs_is_refused_by_the_worker(tiny_llam
     engine = Engine(model)
     params = SamplingParams(max_tokens=4, prompt_logprobs=2)
     with pytest.raises(ValueError, match="prefix cache"):
-        engine.runner.execute(StepPlan(0, [NewRequestData("r", list(range(3, 15)), 12, params, [1, 2, 3], 8, 4)],
-                                       [], []))
+        engine.runner.execute(
+            StepPlan(0, [NewRequestData("r", list(range(3, 15)), 12, params, [1, 2, 3], 8, 4)], [], [])
+        )
 
 
 def packed(prompt_logprobs: dict[str, PromptLogprobs] | None) -> dict[str, bytes] | None:
@@ -180,21 +218,47 @@ def run_tp_rank(rank: int, path: str, port: int, prompt: list[int], out_dir: str
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    config = EngineConfig(model=ModelConfig(path=path), cache=CacheConfig(block_size=4, num_kv_blocks=32),
-                          parallel=ParallelConfig(device="cpu", tensor_parallel_size=2, dist_port=port))
+    config = EngineConfig(
+        model=ModelConfig(path=path),
+        cache=CacheConfig(block_size=4, num_kv_blocks=32),
+        parallel=ParallelConfig(device="cpu", tensor_parallel_size=2, dist_port=port),
+    )
     runner = Worker(config, rank=rank)
     try:
         runner.load_model()
         runner.allocate_kv_cache(32)
         scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
         plain = SamplingParams(max_tokens=2, temperature=0.0)
-        first = runner.execute(StepPlan(0, [NewRequestData("scored", prompt, len(prompt), scored, [1, 2, 3], 0, 10),
-                                            NewRequestData("plain", prompt[:6], 6, plain, [10, 11], 0, 6)], [], []))
-        second = runner.execute(StepPlan(1, [], [
-            RunningRequestData("scored", [], [4, 5], 10, len(prompt) - 10),
-            RunningRequestData("plain", [5], [], 6, 1)], []))  # the same token on both ranks, as the scheduler sends
-        torch.save({"first": packed(first.prompt_logprobs), "second": packed(second.prompt_logprobs),
-                    "sampled": second.request_ids}, f"{out_dir}/rank{rank}.pt")
+        first = runner.execute(
+            StepPlan(
+                0,
+                [
+                    NewRequestData("scored", prompt, len(prompt), scored, [1, 2, 3], 0, 10),
+                    NewRequestData("plain", prompt[:6], 6, plain, [10, 11], 0, 6),
+                ],
+                [],
+                [],
+            )
+        )
+        second = runner.execute(
+            StepPlan(
+                1,
+                [],
+                [
+                    RunningRequestData("scored", [], [4, 5], 10, len(prompt) - 10),
+                    RunningRequestData("plain", [5], [], 6, 1),
+                ],
+                [],
+            )
+        )  # the same token on both ranks, as the scheduler sends
+        torch.save(
+            {
+                "first": packed(first.prompt_logprobs),
+                "second": packed(second.prompt_logprobs),
+                "sampled": second.request_ids,
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -206,8 +270,9 @@ def test_tensor_parallel_rank_0_returns_the_prompt_logprobs(tiny_checkpoint, tmp
 
     path, hf_model = tiny_checkpoint("llama-uneven-tp")  # a vocabulary of 321 split 161 + 160 over the ranks
     prompt = random_prompt(hf_model.config.vocab_size, 17, 7)
-    mp.start_processes(run_tp_rank, args=(str(path), free_port(), prompt, str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        run_tp_rank, args=(str(path), free_port(), prompt, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
     rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2))
     assert rank0["first"] is None and rank0["sampled"] == ["scored", "plain"]
     scored = msgspec.msgpack.decode(rank0["second"]["scored"], type=PromptLogprobs)
@@ -225,7 +290,11 @@ def test_smollm2_prompt_logprobs_equal_transformers_chunked():
     hf_model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF)
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. Paris is the capital of")["input_ids"]
-    engine = Engine(ModelConfig(path=path, gguf_file=SMOLLM2_GGUF, dtype="float32", quantization="none"), max_num_batched_tokens=6,
-                    num_blocks=64, block_size=16)
+    engine = Engine(
+        ModelConfig(path=path, gguf_file=SMOLLM2_GGUF, dtype="float32", quantization="none"),
+        max_num_batched_tokens=6,
+        num_blocks=64,
+        block_size=16,
+    )
     outputs = engine.run(request("r", prompt, 4, max_tokens=2))
     assert_prompt_logprobs_match(outputs["r"][0].prompt_logprobs, prompt, reference_logprobs(hf_model, prompt), 4)

@@ -26,10 +26,16 @@ METHODS = {  # method -> (writer options, the QuantizedWeight class, the tensor 
     "gptq": (dict(group_size=32, desc_act=True), GPTQWeight, ("qweight", "qzeros", "scales", "g_idx")),
     "fp8": (dict(per_channel=True), FP8Weight, ("weight", "weight_scale")),
     # compressed-tensors: asymmetric int4 with group act-order, and per-tensor FP8 with a static input scale
-    "compressed-int4": (dict(group_size=32, desc_act=True), GPTQWeight,
-                        ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")),
-    "compressed-fp8": (dict(per_channel=False, static_input_scale=True), FP8Weight,
-                       ("weight", "weight_scale", "input_scale")),
+    "compressed-int4": (
+        dict(group_size=32, desc_act=True),
+        GPTQWeight,
+        ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"),
+    ),
+    "compressed-fp8": (
+        dict(per_channel=False, static_input_scale=True),
+        FP8Weight,
+        ("weight", "weight_scale", "input_scale"),
+    ),
 }
 
 
@@ -103,7 +109,8 @@ def test_cpu_loads_dequantize_and_cuda_loads_keep_the_format(quantized, caplog):
     with caplog.at_level("INFO"):
         on_cpu = dict(iter_weights(model_cfg, "cpu"))
     assert [r.getMessage() for r in caplog.records if "dequantizing" in r.getMessage()] == [
-        "dequantizing the gptq weights to float32 at load (on cpu)"]
+        "dequantizing the gptq weights to float32 at load (on cpu)"
+    ]
     assert set(on_cpu) == set(reference)
     for name, tensor in on_cpu.items():
         assert isinstance(tensor, torch.Tensor), name
@@ -125,8 +132,11 @@ def test_tensor_parallel_shards_are_the_dense_shards(quantized, method):
         ours, dense = cls(hf_config, tp=TensorParallel(rank, 2)), cls(hf_config, tp=TensorParallel(rank, 2))
         ours.load_weights(read(path).items())
         dense.load_weights(iter_weights(ModelConfig(path=str(reference_path))))
-        sharded = [(name, module.weight) for name, module in ours.named_modules()
-                   if isinstance(getattr(module, "weight", None), QuantizedWeight)]
+        sharded = [
+            (name, module.weight)
+            for name, module in ours.named_modules()
+            if isinstance(getattr(module, "weight", None), QuantizedWeight)
+        ]
         assert len(sharded) == 2 * 4  # qkv, o, gate_up, down per layer
         for name, weight in sharded:
             expected = dense.get_submodule(name).weight
@@ -145,8 +155,10 @@ def test_bad_quantization_configs_are_clear_errors(tmp_path):
         next(checkpoint_reader("fp8")(ModelConfig(path=str(tmp_path))))
     from safetensors.torch import save_file
 
-    save_file({"proj.qweight": torch.zeros(64, 4, dtype=torch.int32), "proj.scales": torch.ones(2, 32).half()},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {"proj.qweight": torch.zeros(64, 4, dtype=torch.int32), "proj.scales": torch.ones(2, 32).half()},
+        str(tmp_path / "model.safetensors"),
+    )
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"proj.qweight but no proj.qzeros \(zero_point is true\)"):
@@ -175,6 +187,7 @@ def test_engine_greedy_on_quantized_checkpoints_matches_dense(quantized, smollm2
             outputs = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
         hf_model = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch.float32).eval()
         hf_model.generation_config.eos_token_id = None  # the engine runs with ignore_eos: so must the reference
-        compared = [assert_greedy_match(ours, hf_greedy_reference(hf_model, ids, 12))
-                    for ours, ids in zip(outputs, prompts)]
+        compared = [
+            assert_greedy_match(ours, hf_greedy_reference(hf_model, ids, 12)) for ours, ids in zip(outputs, prompts)
+        ]
         assert sum(compared) >= 12, (method, compared)

@@ -40,8 +40,9 @@ def test_dequantize_rows_cols_and_matmul(kind):
     assert weight.shape == (N, K) and weight.numel() == N * K
     torch.testing.assert_close(weight.dequantize(torch.float64), dense, rtol=0, atol=1e-12)
     for start, count in [(0, 16), (8, 24), (40, 8)]:
-        torch.testing.assert_close(weight.rows(start, count).dequantize(torch.float64), dense[start : start + count],
-                                   rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            weight.rows(start, count).dequantize(torch.float64), dense[start : start + count], rtol=0, atol=1e-12
+        )
     torch.testing.assert_close(weight.cols(64, 64).dequantize(torch.float64), dense[:, 64:], rtol=0, atol=1e-12)
     x = torch.randn(5, K, dtype=torch.float64)
     torch.testing.assert_close(weight.matmul(x), x @ dense.T)

@@ -123,5 +123,6 @@ def test_rejection_sampling_is_deterministic_per_seed():
     target = torch.stack([P, P, P])
     draft = torch.stack([Q, Q])
     assert rejection_sample(target, draft, [2, 0], seed=7) == rejection_sample(target, draft, [2, 0], seed=7)
-    assert rejection_sample(target, draft, [1, 1], seed=7, position=3) == \
-        rejection_sample(target, draft, [1, 1], seed=7, position=3)
+    assert rejection_sample(target, draft, [1, 1], seed=7, position=3) == rejection_sample(
+        target, draft, [1, 1], seed=7, position=3
+    )

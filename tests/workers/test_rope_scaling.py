@@ -26,8 +26,18 @@ from tokenmill.workers.models.rope import (
 )
 
 CPU = torch.device("cpu")
-_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # head_dim 16; Phi-4-mini's partial_rotary_factor 0.75 rotates 12 dims (6 frequencies)
 SHORT = [1.0, 1.05, 1.2, 1.6, 2.5, 3.0]
 LONG = [1.0, 2.0, 4.5, 9.0, 17.0, 30.0]
@@ -36,21 +46,59 @@ ROPE_CASES = {
     "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
     "dynamic": dict(rope_type="dynamic", rope_theta=10000.0, factor=3.0),
     "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64),
-    "yarn-untruncated-betas": dict(rope_type="yarn", rope_theta=50000.0, factor=8.0, original_max_position_embeddings=64,
-                                   beta_fast=16, beta_slow=2, truncate=False),
-    "yarn-mscale": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-                        mscale=1.0, mscale_all_dim=0.5),
-    "yarn-attention-factor": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                  original_max_position_embeddings=64, attention_factor=0.8),
-    "yarn-partial": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-                         partial_rotary_factor=0.75),
-    "llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64),
-    "longrope": dict(rope_type="longrope", rope_theta=10000.0, short_factor=SHORT, long_factor=LONG,
-                     original_max_position_embeddings=64, partial_rotary_factor=0.75),
-    "longrope-explicit-factors": dict(rope_type="longrope", rope_theta=10000.0, short_factor=SHORT, long_factor=LONG,
-                                      original_max_position_embeddings=64, partial_rotary_factor=0.75, factor=2.0,
-                                      attention_factor=1.3),
+    "yarn-untruncated-betas": dict(
+        rope_type="yarn",
+        rope_theta=50000.0,
+        factor=8.0,
+        original_max_position_embeddings=64,
+        beta_fast=16,
+        beta_slow=2,
+        truncate=False,
+    ),
+    "yarn-mscale": dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=64,
+        mscale=1.0,
+        mscale_all_dim=0.5,
+    ),
+    "yarn-attention-factor": dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, attention_factor=0.8
+    ),
+    "yarn-partial": dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=64,
+        partial_rotary_factor=0.75,
+    ),
+    "llama3": dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
+    "longrope": dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        short_factor=SHORT,
+        long_factor=LONG,
+        original_max_position_embeddings=64,
+        partial_rotary_factor=0.75,
+    ),
+    "longrope-explicit-factors": dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        short_factor=SHORT,
+        long_factor=LONG,
+        original_max_position_embeddings=64,
+        partial_rotary_factor=0.75,
+        factor=2.0,
+        attention_factor=1.3,
+    ),
 }
 
 
@@ -61,8 +109,15 @@ def llama_config(rope: dict, max_position_embeddings: int = 256) -> LlamaConfig:
 def phi3_config(max_position_embeddings: int = 1024, **rope) -> Phi3Config:
     """A Phi-3-mini-128k-style config (longrope, original context in `original_max_position_embeddings`), shrunk."""
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": SHORT, "long_factor": LONG, **rope}
-    return Phi3Config(**_COMMON, max_position_embeddings=max_position_embeddings, original_max_position_embeddings=64,
-                      partial_rotary_factor=0.75, rope_parameters=rope, sliding_window=None, tie_word_embeddings=False)
+    return Phi3Config(
+        **_COMMON,
+        max_position_embeddings=max_position_embeddings,
+        original_max_position_embeddings=64,
+        partial_rotary_factor=0.75,
+        rope_parameters=rope,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
 
 
 def hf_cos_sin(module, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,16 +131,26 @@ def hf_cos_sin(module, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
 def test_inverse_frequencies_and_attention_factor_match_transformers(case):
     rope = ROPE_CASES[case]
-    config = phi3_config(**{k: v for k, v in rope.items() if k != "partial_rotary_factor"}) \
-        if rope["rope_type"] == "longrope" else llama_config(rope)
+    config = (
+        phi3_config(**{k: v for k, v in rope.items() if k != "partial_rotary_factor"})
+        if rope["rope_type"] == "longrope"
+        else llama_config(rope)
+    )
     params = rope_parameters(config)
     head_dim = 16
     expected, expected_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, CPU)
     ours, factor = inverse_frequencies(head_dim, params, config.max_position_embeddings, max_model_len=64)
     torch.testing.assert_close(ours, expected, rtol=0, atol=0)
     assert factor == pytest.approx(expected_factor, rel=1e-12)
-    default, _ = inverse_frequencies(head_dim, {"rope_type": "default", "rope_theta": params["rope_theta"],
-                                                "partial_rotary_factor": params.get("partial_rotary_factor", 1.0)}, 256)
+    default, _ = inverse_frequencies(
+        head_dim,
+        {
+            "rope_type": "default",
+            "rope_theta": params["rope_theta"],
+            "partial_rotary_factor": params.get("partial_rotary_factor", 1.0),
+        },
+        256,
+    )
     if params["rope_type"] != "dynamic":  # dynamic rescales only past max_position_embeddings
         assert not torch.equal(ours, default), "the case must exercise the scaling"
     if params["rope_type"] == "longrope":  # past the original context: the long factors
@@ -186,7 +251,9 @@ def load_ours(path, hf_config, max_model_len: int, tp: TensorParallel = TensorPa
 
 
 LONG_CONTEXT = {
-    "llama-yarn": lambda: llama_config(dict(ROPE_CASES["yarn"], beta_fast=16, beta_slow=2), max_position_embeddings=256),
+    "llama-yarn": lambda: llama_config(
+        dict(ROPE_CASES["yarn"], beta_fast=16, beta_slow=2), max_position_embeddings=256
+    ),
     "phi3-longrope": lambda: phi3_config(max_position_embeddings=1024),
 }
 
@@ -202,8 +269,11 @@ def test_logits_past_the_original_context_match_transformers(kind, tmp_path):
     got = logits_in_chunks(ours, input_ids, [0, 50, 64, 65, 120, 169, 170])  # chunks across position 64, decodes
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     # the scaling matters here: the unscaled rotation gives other logits past the original context
-    plain = load_ours(tmp_path, type(config)(**{**config.to_dict(), "rope_parameters": {
-        "rope_type": "default", "rope_theta": 10000.0}}), max_model_len=256)
+    plain = load_ours(
+        tmp_path,
+        type(config)(**{**config.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+        max_model_len=256,
+    )
     plain_logits = logits_in_chunks(plain, input_ids, [0, 170])
     assert (plain_logits[100:] - expected[100:]).abs().max() > 1e-2
 

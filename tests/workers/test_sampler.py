@@ -173,9 +173,7 @@ def test_min_tokens_with_ignore_eos_blocks_only_stop_ids():
 
 def test_penalties_match_hand_computed_values():
     logits = torch.tensor([[2.0, -1.0, 0.5, -2.0, 3.0, 1.0]])
-    state = make_state(
-        prompt=[0, 1], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
-    )
+    state = make_state(prompt=[0, 1], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     state.output_token_ids += [2, 2, 3]
     # repetition: seen {0, 1, 2, 3} -> 2/2, -1*2, 0.5/2, -2*2; frequency/presence on outputs {2: 2, 3: 1}
     expected = [1.0, -2.0, 0.25 - 2 * 0.5 - 0.25, -4.0 - 0.5 - 0.25, 3.0, 1.0]

@@ -61,11 +61,25 @@ def run_case(query_lens, seq_lens, window, decode_chunk_tokens=None, seed=0, pre
         new_values.append(values[cached:])
     from tokenmill.workers.backends import attention_backend
 
-    meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), block_tables, BLOCK_SIZE, CPU,
-                                    attention_backend("cpu"), decode_chunk_tokens, prepared_windows)
+    meta = build_attention_metadata(
+        np.array(query_lens),
+        np.array(seq_lens),
+        block_tables,
+        BLOCK_SIZE,
+        CPU,
+        attention_backend("cpu"),
+        decode_chunk_tokens,
+        prepared_windows,
+    )
     scale = HEAD_DIM**-0.5
-    out = paged_attention(torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache),
-                          AttentionLayer(scale, window), meta)
+    out = paged_attention(
+        torch.cat(queries),
+        torch.cat(new_keys),
+        torch.cat(new_values),
+        (k_cache, v_cache),
+        AttentionLayer(scale, window),
+        meta,
+    )
     expected = torch.cat([dense_window_reference(q, k, v, scale, window) for q, (k, v) in zip(queries, histories)])
     return out, expected
 
@@ -110,8 +124,9 @@ def test_windows_prepared_with_the_step_give_the_same_attention(use_cpu_backend,
 def test_prepare_precomputes_each_window_the_step_reaches_past(use_cpu_backend):
     backend = use_cpu_backend("torch")
     block_tables = np.arange(1, 1 + 3 * 3).reshape(3, 3)
-    meta = build_attention_metadata(np.array([1, 1, 6]), np.array([3, 9, 10]), block_tables, BLOCK_SIZE, CPU,
-                                    backend, None, (4, 32))
+    meta = build_attention_metadata(
+        np.array([1, 1, 6]), np.array([3, 9, 10]), block_tables, BLOCK_SIZE, CPU, backend, None, (4, 32)
+    )
     assert [sorted(chunk.windowed) for chunk in meta.decode.chunks] == [[4]]  # 9 keys: past 4, not past 32
     assert [sorted(seq.windowed) for seq in meta.prefills] == [[4]]
 
@@ -136,8 +151,14 @@ def test_layer_windows_follow_transformers_configs():
 
     from tokenmill.workers.models.llama import LlamaForCausalLM, MistralForCausalLM, layer_sliding_windows
 
-    tiny = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                num_hidden_layers=4)
+    tiny = dict(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=4,
+    )
     mistral = MistralForCausalLM(MistralConfig(sliding_window=24, **tiny))
     assert [layer.self_attn.attn_layer.sliding_window for layer in mistral.model.layers] == [24] * 4
     assert mistral.kv_sliding_window == 24

@@ -23,16 +23,22 @@ NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_looku
 
 
 def make_runner(model: ModelConfig) -> Worker:
-    runner = Worker(EngineConfig(model=model, cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
-                                      parallel=ParallelConfig(device="cpu")))
+    runner = Worker(
+        EngineConfig(
+            model=model,
+            cache=CacheConfig(block_size=16, num_kv_blocks=RUNNER_BLOCKS),
+            parallel=ParallelConfig(device="cpu"),
+        )
+    )
     runner.load_model()
     runner.allocate_kv_cache(RUNNER_BLOCKS)
     return runner
 
 
 def compare(runner: Worker, requests, *, num_blocks: int, budget: int):
-    plain, plain_scheduler = generate(runner, SpeculativeConfig(), requests, num_blocks=num_blocks, budget=budget,
-                                      tag="plain")
+    plain, plain_scheduler = generate(
+        runner, SpeculativeConfig(), requests, num_blocks=num_blocks, budget=budget, tag="plain"
+    )
     spec, spec_scheduler = generate(runner, NGRAM, requests, num_blocks=num_blocks, budget=budget, tag="spec")
     assert spec == plain
     return plain, spec_scheduler.stats(), plain_scheduler.stats()
@@ -40,8 +46,9 @@ def compare(runner: Worker, requests, *, num_blocks: int, budget: int):
 
 @pytest.fixture(scope="module")
 def smollm2_runner():
-    return make_runner(ModelConfig(path=str(smollm2_dir()), gguf_file=SMOLLM2_GGUF, dtype="float32",
-                                   quantization="none"))
+    return make_runner(
+        ModelConfig(path=str(smollm2_dir()), gguf_file=SMOLLM2_GGUF, dtype="float32", quantization="none")
+    )
 
 
 def test_default_model_greedy_identical_under_chunking_prefix_caching_and_preemption(smollm2_runner):
@@ -52,10 +59,12 @@ def test_default_model_greedy_identical_under_chunking_prefix_caching_and_preemp
     quote = tokenizer.encode(f"{CODE}\nQuote the line that raises an error, word for word:\n")
     greedy = SamplingParams(max_tokens=20, temperature=0.0)
     seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=7)
-    requests = [(0, EngineRequest(request_id="copy", prompt_token_ids=copy, sampling=greedy)),
-                # arrives once the first prompt is cached: hits its blocks
-                (4, EngineRequest(request_id="seeded", prompt_token_ids=copy, sampling=seeded)),
-                (4, EngineRequest(request_id="quote", prompt_token_ids=quote, sampling=greedy))]
+    requests = [
+        (0, EngineRequest(request_id="copy", prompt_token_ids=copy, sampling=greedy)),
+        # arrives once the first prompt is cached: hits its blocks
+        (4, EngineRequest(request_id="seeded", prompt_token_ids=copy, sampling=seeded)),
+        (4, EngineRequest(request_id="quote", prompt_token_ids=quote, sampling=greedy)),
+    ]
     # 32-token budget: prompts are chunked; 9 blocks of 16 for three ~75-token prompts growing by 20: preemption
     outputs, spec_stats, plain_stats = compare(smollm2_runner, requests, num_blocks=9, budget=32)
     assert all(len(tokens) > 0 for tokens in outputs.values())
@@ -69,7 +78,9 @@ def test_tiny_checkpoint_greedy_identical(tiny_checkpoints):
     runner = make_runner(ModelConfig(path=str(tiny_checkpoints("qwen2")), dtype="float32"))
     prompt = [(i * 7) % 50 + 100 for i in range(40)]
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    requests = [(0, EngineRequest(request_id="a", prompt_token_ids=prompt, sampling=greedy)),
-                (0, EngineRequest(request_id="b", prompt_token_ids=prompt[5:] + prompt[:5], sampling=greedy))]
+    requests = [
+        (0, EngineRequest(request_id="a", prompt_token_ids=prompt, sampling=greedy)),
+        (0, EngineRequest(request_id="b", prompt_token_ids=prompt[5:] + prompt[:5], sampling=greedy)),
+    ]
     _, spec_stats, _ = compare(runner, requests, num_blocks=32, budget=2048)
     assert spec_stats.spec_num_drafts > 0

@@ -46,8 +46,14 @@ def test_cpu_runs_the_cpu_kernels_or_torch_unless_asked(use_cpu_backend):
 
 def test_kernel_metadata_skips_the_sdpa_masks(triton_on_cpu):
     assert isinstance(backends.attention_backend("cpu"), TritonAttentionBackend)
-    metadata = build_attention_metadata(np.array([3, 1]), np.array([5, 2]), np.array([[1, 2], [3, 0]]), 4,
-                                        torch.device("cpu"), backends.attention_backend("cpu"))
+    metadata = build_attention_metadata(
+        np.array([3, 1]),
+        np.array([5, 2]),
+        np.array([[1, 2], [3, 0]]),
+        4,
+        torch.device("cpu"),
+        backends.attention_backend("cpu"),
+    )
     assert metadata.decode is None and metadata.prefills == []
     assert metadata.slot_mapping.tolist() == [6, 7, 8, 13]  # what the kernels do read is still there
 
@@ -75,13 +81,15 @@ def test_padded_graph_batch_writes_and_returns_what_an_eager_step_does(tiny_chec
     for k_cache, v_cache in runner.kv_caches:  # stale but finite contents, as a busy cache holds
         k_cache.normal_()
         v_cache.normal_()
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, [1, 2, 4], 128 // BLOCK_SIZE, BLOCK_SIZE, runner.device,
-                          eager_capture)
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, [1, 2, 4], 128 // BLOCK_SIZE, BLOCK_SIZE, runner.device, eager_capture
+    )
     # three sequences decoding at positions 6, 9 and 13 (their earlier tokens are whatever the cache holds)
     seq_lens = np.array([7, 10, 14])
     block_tables = np.array([[5, 9, 0, 0], [1, 2, 3, 0], [40, 41, 42, 43]])
-    attn = build_attention_metadata(np.ones(3, dtype=np.int64), seq_lens, block_tables, BLOCK_SIZE, runner.device,
-                                    backends.attention_backend("cpu"))
+    attn = build_attention_metadata(
+        np.ones(3, dtype=np.int64), seq_lens, block_tables, BLOCK_SIZE, runner.device, backends.attention_backend("cpu")
+    )
     input_ids = torch.tensor([11, 22, 33])
     positions = torch.from_numpy(seq_lens - 1)
     assert graphs.can_run(attn) and graphs.padded_size(3) == 4
@@ -97,8 +105,11 @@ def test_padded_graph_batch_writes_and_returns_what_an_eager_step_does(tiny_chec
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     for (k, v), (k_eager, v_eager) in zip(runner.kv_caches, eager_caches):  # the padding row wrote nothing
         assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
-    assert not graphs.can_run(build_attention_metadata(np.array([2]), np.array([2]), np.array([[1]]), BLOCK_SIZE,
-                                                       runner.device, graphs.attention))  # prefill runs eagerly
+    assert not graphs.can_run(
+        build_attention_metadata(
+            np.array([2]), np.array([2]), np.array([[1]]), BLOCK_SIZE, runner.device, graphs.attention
+        )
+    )  # prefill runs eagerly
 
 
 def test_runner_greedy_through_decode_graphs_matches_hf(tiny_checkpoint, triton_on_cpu, monkeypatch):

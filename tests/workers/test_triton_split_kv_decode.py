@@ -23,9 +23,14 @@ def decode_step(seq_lens: list[int]):
     blocks_per_seq = -(-max(seq_lens) // BLOCK_SIZE)
     num_blocks = blocks_per_seq * len(seq_lens)
     tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).view(len(seq_lens), -1)
-    metadata = build_attention_metadata(np.ones(len(seq_lens), dtype=np.int64), np.array(seq_lens),
-                                        tables.numpy().astype(np.int32), BLOCK_SIZE, DEVICE,
-                                        TritonAttentionBackend())
+    metadata = build_attention_metadata(
+        np.ones(len(seq_lens), dtype=np.int64),
+        np.array(seq_lens),
+        tables.numpy().astype(np.int32),
+        BLOCK_SIZE,
+        DEVICE,
+        TritonAttentionBackend(),
+    )
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache, v_cache = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
     query = torch.randn(len(seq_lens), NUM_KV_HEADS * GROUP, HEAD_DIM, device=DEVICE)
@@ -55,8 +60,16 @@ def test_decode_steps_split_long_contexts_and_match_the_prefill_kernel(monkeypat
     # 2 sequences x 2 kv heads on 132 SMs: split to ~2 programs an SM, at most one split per 256 visible keys
     assert splits_used == [3 if window is None else 2]
     # A decode token is also a one-query prefill sequence: the prefill kernel gives the same attention.
-    expected = paged_attention_prefill(query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-                                       metadata.seq_lens, HEAD_DIM**-0.5, window)
+    expected = paged_attention_prefill(
+        query,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        HEAD_DIM**-0.5,
+        window,
+    )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 

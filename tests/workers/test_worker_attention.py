@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from tokenmill.kernels.kv_quant import dequantize, quantize
-from tokenmill.workers.attention import (AttentionLayer, _decode_chunk_bounds, build_attention_metadata, paged_attention,
-                                         write_kv_torch)
+from tokenmill.workers.attention import (
+    AttentionLayer,
+    _decode_chunk_bounds,
+    build_attention_metadata,
+    paged_attention,
+    write_kv_torch,
+)
 from tokenmill.workers.backends import attention_backend
 
 CPU = torch.device("cpu")
@@ -29,8 +34,16 @@ def dense_reference(query, keys, values, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
 
 
-def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_tokens=None,
-             cache_dtype=torch.float32, k_scale=1.0, v_scale=1.0):
+def run_case(
+    query_lens,
+    seq_lens,
+    seed=0,
+    garbage=float("nan"),
+    decode_chunk_tokens=None,
+    cache_dtype=torch.float32,
+    k_scale=1.0,
+    v_scale=1.0,
+):
     """Fill the cache for every sequence's history, then one step of new tokens; compare with dense attention.
 
     Unused cache slots hold `garbage`, as a torch.empty cache may. With an fp8 `cache_dtype` the cache holds keys /
@@ -55,8 +68,9 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_to
         keys = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
         values = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
         stored_keys, stored_values = quantize(keys, k_scale, cache_dtype), quantize(values, v_scale, cache_dtype)
-        histories.append((dequantize(stored_keys, k_scale, torch.float32),
-                          dequantize(stored_values, v_scale, torch.float32)))
+        histories.append(
+            (dequantize(stored_keys, k_scale, torch.float32), dequantize(stored_values, v_scale, torch.float32))
+        )
         cached = seq_len - q_len
         for pos in range(cached):  # what earlier steps stored
             slot = blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
@@ -66,11 +80,24 @@ def run_case(query_lens, seq_lens, seed=0, garbage=float("nan"), decode_chunk_to
         new_keys.append(keys[cached:])
         new_values.append(values[cached:])
 
-    meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), block_tables, BLOCK_SIZE, CPU,
-                                    attention_backend("cpu"), decode_chunk_tokens)
+    meta = build_attention_metadata(
+        np.array(query_lens),
+        np.array(seq_lens),
+        block_tables,
+        BLOCK_SIZE,
+        CPU,
+        attention_backend("cpu"),
+        decode_chunk_tokens,
+    )
     scale = HEAD_DIM**-0.5
-    out = paged_attention(torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache),
-                          AttentionLayer(scale, k_scale=k_scale, v_scale=v_scale), meta)
+    out = paged_attention(
+        torch.cat(queries),
+        torch.cat(new_keys),
+        torch.cat(new_values),
+        (k_cache, v_cache),
+        AttentionLayer(scale, k_scale=k_scale, v_scale=v_scale),
+        meta,
+    )
     expected = torch.cat([dense_reference(q, k, v, scale) for q, (k, v) in zip(queries, histories)])
     return out, expected, meta
 
@@ -166,7 +193,9 @@ def test_kernel_metadata_groups_only_sequences_past_the_kernels_query_limit(use_
     assert meta.decode is None and not meta.is_decode_only and meta.max_query_len == 20
     starts = (np.cumsum(query_lens) - query_lens).tolist()
     assert [(p.query_start, p.query_end, p.seq_len) for p in meta.prefills] == [
-        (starts[2], starts[2] + limit + 1, limit + 1), (starts[4], starts[4] + 20, 25)]
+        (starts[2], starts[2] + limit + 1, limit + 1),
+        (starts[4], starts[4] + 20, 25),
+    ]
 
 
 @pytest.mark.parametrize("backend", ["kernels", "torch"])

@@ -15,8 +15,11 @@ from tokenmill.workers.worker import Worker, step_result
 
 def test_max_model_len_reaches_the_model_not_the_transformers_config(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama")
-    config = EngineConfig(model=ModelConfig(path=str(path), max_model_len=48),
-                          cache=CacheConfig(block_size=4, num_kv_blocks=16), parallel=ParallelConfig(device="cpu"))
+    config = EngineConfig(
+        model=ModelConfig(path=str(path), max_model_len=48),
+        cache=CacheConfig(block_size=4, num_kv_blocks=16),
+        parallel=ParallelConfig(device="cpu"),
+    )
     worker = Worker(config)
     worker.load_model()
     assert worker.model.model.rotary.max_model_len == 48
@@ -29,8 +32,9 @@ def request(request_id: str) -> CachedRequest:
 
 def test_step_result_of_sampled_verified_and_silent_steps():
     requests = [request("a"), request("b")]
-    sampled = step_result(7, requests, SampledTokens([[5], [6]], verified_drafts=False, draft_token_ids=[[1], [2]]),
-                          {}, 0.5)
+    sampled = step_result(
+        7, requests, SampledTokens([[5], [6]], verified_drafts=False, draft_token_ids=[[1], [2]]), {}, 0.5
+    )
     assert (sampled.request_ids, sampled.sampled_token_ids, sampled.accepted_token_ids) == (["a", "b"], [5, 6], None)
     assert sampled.draft_token_ids == [[1], [2]] and sampled.prompt_logprobs is None and sampled.model_time_s == 0.5
     verified = step_result(8, requests, SampledTokens([[5, 9, 4], [6]], verified_drafts=True), None, 0.1)
@@ -40,11 +44,25 @@ def test_step_result_of_sampled_verified_and_silent_steps():
 
 
 def micro_batch(num_tokens: int, rows: list[int], ids: list[str], drafts: list[list[int]]) -> StepBatch:
-    metadata = AttentionMetadata(torch.zeros(num_tokens, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
-                                 torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), False, 1, 1, 4,
-                                 backend=None)  # type: ignore[arg-type]  # never read by the join
-    return StepBatch(torch.arange(num_tokens), torch.arange(num_tokens), metadata, torch.tensor(rows),
-                     [request(i) for i in ids], drafts)
+    metadata = AttentionMetadata(
+        torch.zeros(num_tokens, dtype=torch.long),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        False,
+        1,
+        1,
+        4,
+        backend=None,
+    )  # type: ignore[arg-type]  # never read by the join
+    return StepBatch(
+        torch.arange(num_tokens),
+        torch.arange(num_tokens),
+        metadata,
+        torch.tensor(rows),
+        [request(i) for i in ids],
+        drafts,
+    )
 
 
 def test_micro_batches_join_with_rows_shifted_in_step_order():

@@ -56,7 +56,9 @@ class PackedAttentionLayout:
     max_len: int
 
     @classmethod
-    def build(cls, query_start_loc: torch.Tensor, num_tokens: int, padded: bool | None = None) -> "PackedAttentionLayout":
+    def build(
+        cls, query_start_loc: torch.Tensor, num_tokens: int, padded: bool | None = None
+    ) -> "PackedAttentionLayout":
         """`padded` forces a layout (tests); None picks the cheaper one."""
         starts = query_start_loc.to(torch.int64)
         lengths = starts[1:] - starts[:-1]

@@ -67,9 +67,11 @@ def gemma_rope_parameters(config, layer_type: str) -> dict:
     """The rope settings of one layer kind as `rope_parameters` spells them (`rope_type`, `rope_theta`, scaling)."""
     nested = getattr(config, "rope_parameters", None)
     if isinstance(nested, dict) and isinstance(nested.get(layer_type), dict):  # transformers 5: one dict per kind
-        one_kind = SimpleNamespace(rope_parameters=dict(nested[layer_type]),
-                                   max_position_embeddings=getattr(config, "max_position_embeddings", None),
-                                   partial_rotary_factor=getattr(config, "partial_rotary_factor", None))
+        one_kind = SimpleNamespace(
+            rope_parameters=dict(nested[layer_type]),
+            max_position_embeddings=getattr(config, "max_position_embeddings", None),
+            partial_rotary_factor=getattr(config, "partial_rotary_factor", None),
+        )
         return rope_parameters(one_kind)
     if layer_type == SLIDING:  # older configs: local layers use plain RoPE with their own base
         return {"rope_type": "default", "rope_theta": float(getattr(config, "rope_local_base_freq", 10000.0))}
@@ -97,8 +99,9 @@ class Gemma3Attention(nn.Module):
         hidden_size = config.hidden_size
         head_dim = getattr(config, "head_dim", None) or hidden_size // config.num_attention_heads
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVLinear(hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, bias,
-                                  tp)
+        self.qkv_proj = QKVLinear(
+            hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, bias, tp
+        )
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = head_dim
@@ -108,8 +111,10 @@ class Gemma3Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
         self.is_sliding = layer_type == SLIDING
         # the fp8 KV scales are set by the checkpoint, if it has them
-        self.attn_layer = AttentionLayer(scale=float(config.query_pre_attn_scalar) ** -0.5,
-                                         sliding_window=config.sliding_window if self.is_sliding else None)
+        self.attn_layer = AttentionLayer(
+            scale=float(config.query_pre_attn_scalar) ** -0.5,
+            sliding_window=config.sliding_window if self.is_sliding else None,
+        )
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryStep, kv_cache: KVCache, attn: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden)
@@ -173,10 +178,12 @@ class Gemma3Model(nn.Module):
         self.embed_scale = float(config.hidden_size) ** 0.5
         head_dim = self.layers[0].self_attn.head_dim
         max_positions = config.max_position_embeddings
-        self.rotary_local = RotaryEmbedding(head_dim, gemma_rope_parameters(config, SLIDING), max_positions,
-                                            max_model_len)
-        self.rotary_global = RotaryEmbedding(head_dim, gemma_rope_parameters(config, FULL), max_positions,
-                                             max_model_len)
+        self.rotary_local = RotaryEmbedding(
+            head_dim, gemma_rope_parameters(config, SLIDING), max_positions, max_model_len
+        )
+        self.rotary_global = RotaryEmbedding(
+            head_dim, gemma_rope_parameters(config, FULL), max_positions, max_model_len
+        )
 
     def forward(
         self,
@@ -216,8 +223,11 @@ class Gemma3ForCausalLM(PagedCausalLM):
         self.lm_head = LMHead(text_config.vocab_size, text_config.hidden_size, tp, tied_to=tied_to)
         self.final_logit_softcapping = getattr(text_config, "final_logit_softcapping", None)
         if not self.FINAL_LOGIT_SOFTCAPPING and self.final_logit_softcapping is not None:
-            log.warning("final_logit_softcapping=%s is ignored, as transformers' %s ignores it",
-                        self.final_logit_softcapping, type(self).__name__)
+            log.warning(
+                "final_logit_softcapping=%s is ignored, as transformers' %s ignores it",
+                self.final_logit_softcapping,
+                type(self).__name__,
+            )
             self.final_logit_softcapping = None
         self._adopt_layers()  # global layers keep every block: kv_sliding_window stays None
 
@@ -249,6 +259,6 @@ def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple
             continue
         for prefix, replacement in _TEXT_PREFIXES:
             if name.startswith(prefix):
-                name = replacement + name[len(prefix):]
+                name = replacement + name[len(prefix) :]
                 break
         yield name, tensor

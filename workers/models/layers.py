@@ -65,8 +65,9 @@ class TensorParallel(NamedTuple):
         replicated on size / total_kv_heads ranks and the query heads are split evenly.
         """
         if total_heads % total_kv_heads:
-            raise ValueError(f"num_attention_heads={total_heads} is not a multiple of "
-                             f"num_key_value_heads={total_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={total_heads} is not a multiple of num_key_value_heads={total_kv_heads}"
+            )
         group = total_heads // total_kv_heads
         if total_kv_heads >= self.size:
             base, extra = divmod(total_kv_heads, self.size)
@@ -74,8 +75,10 @@ class TensorParallel(NamedTuple):
             first_kv_head = self.rank * base + min(self.rank, extra)
             return HeadShard(first_kv_head * group, num_kv_heads * group, first_kv_head, num_kv_heads)
         if self.size % total_kv_heads:
-            raise ValueError(f"tensor_parallel_size={self.size} is neither at most nor a multiple of "
-                             f"num_key_value_heads={total_kv_heads}")
+            raise ValueError(
+                f"tensor_parallel_size={self.size} is neither at most nor a multiple of "
+                f"num_key_value_heads={total_kv_heads}"
+            )
         num_heads = self.split(total_heads, "num_attention_heads")
         first_head = self.rank * num_heads
         return HeadShard(first_head, num_heads, first_head // group, 1)
@@ -99,8 +102,10 @@ class TensorParallel(NamedTuple):
 def copy_checked(dest: torch.Tensor, src: torch.Tensor, what: str) -> int:
     """Copy `src` into `dest` (converting dtype/device); shapes must match exactly, never broadcast."""
     if isinstance(src, QuantizedWeight):
-        raise ValueError(f"{what}: this layer cannot hold {src.format} quantized weights; run the model with "
-                         f"--quantization none to dequantize them at load")
+        raise ValueError(
+            f"{what}: this layer cannot hold {src.format} quantized weights; run the model with "
+            f"--quantization none to dequantize them at load"
+        )
     if dest.shape != src.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match parameter {tuple(dest.shape)}")
     dest.copy_(src)
@@ -135,12 +140,14 @@ class FusedRowsLoad:
         pending = self.__dict__.setdefault("_quantized_parts", {})  # shard id -> (dest row, part)
         if param_name == "weight" and isinstance(full, QuantizedWeight):
             if full.in_features != self.weight.shape[1]:
-                raise ValueError(f"{what}: checkpoint shape {tuple(full.shape)} does not match parameter "
-                                 f"{tuple(self.weight.shape)}")
+                raise ValueError(
+                    f"{what}: checkpoint shape {tuple(full.shape)} does not match parameter {tuple(self.weight.shape)}"
+                )
             part = full.rows(src_row, rows)
             if self.__dict__.get("_dense_rows"):
-                return copy_checked(self.weight.data.narrow(0, dest_row, rows), part.dequantize(self.weight.dtype),
-                                    what)
+                return copy_checked(
+                    self.weight.data.narrow(0, dest_row, rows), part.dequantize(self.weight.dtype), what
+                )
             pending[shard_id] = (dest_row, part)
             if len(pending) == len(self.SHARDS):
                 set_weight(self, fuse_rows([pending[shard][1] for shard in self.SHARDS]))
@@ -149,8 +156,11 @@ class FusedRowsLoad:
         if param_name == "weight":
             self._dense_rows = True
             for shard, (row, part) in list(pending.items()):
-                copy_checked(self.weight.data.narrow(0, row, part.out_features), part.dequantize(self.weight.dtype),
-                             f"{type(self).__name__}.weight[{shard}]")
+                copy_checked(
+                    self.weight.data.narrow(0, row, part.out_features),
+                    part.dequantize(self.weight.dtype),
+                    f"{type(self).__name__}.weight[{shard}]",
+                )
             pending.clear()
         dest = getattr(self, param_name).data.narrow(0, dest_row, rows)
         return copy_checked(dest, full.narrow(0, src_row, rows), what)
@@ -292,14 +302,18 @@ class RowParallelLinear(nn.Module):
             return copy_checked(self.bias.data, full, "row-parallel bias")
         if isinstance(full, QuantizedWeight):
             if full.out_features != self.weight.shape[0]:
-                raise ValueError(f"row-parallel weight: checkpoint shape {tuple(full.shape)} does not match "
-                                 f"{self.weight.shape[0]} output rows")
+                raise ValueError(
+                    f"row-parallel weight: checkpoint shape {tuple(full.shape)} does not match "
+                    f"{self.weight.shape[0]} output rows"
+                )
             try:
                 set_weight(self, full.cols(self.first_input_column, self.rank_input_size))
             except (ValueError, NotImplementedError) as exc:
-                raise ValueError(f"row-parallel weight: cannot take this rank's input columns [{self.first_input_column}"
-                                 f", {self.first_input_column + self.rank_input_size}) of a {full.format} weight for "
-                                 f"tensor parallelism ({exc})") from None
+                raise ValueError(
+                    f"row-parallel weight: cannot take this rank's input columns [{self.first_input_column}"
+                    f", {self.first_input_column + self.rank_input_size}) of a {full.format} weight for "
+                    f"tensor parallelism ({exc})"
+                ) from None
             return self.weight.numel()
         columns = full.narrow(1, self.first_input_column, self.rank_input_size)
         return copy_checked(self.weight.data, columns, "row-parallel weight")
@@ -348,8 +362,9 @@ class VocabEmbedding(nn.Module):
             raise ValueError(f"{what}: checkpoint has {full.shape[0]} rows for a vocabulary of {self.vocab_size}")
         if isinstance(full, QuantizedWeight):
             if full.in_features != self.weight.shape[1]:
-                raise ValueError(f"{what}: checkpoint shape {tuple(full.shape)} does not match parameter "
-                                 f"{tuple(self.weight.shape)}")
+                raise ValueError(
+                    f"{what}: checkpoint shape {tuple(full.shape)} does not match parameter {tuple(self.weight.shape)}"
+                )
             rows = full.rows(self.first_row, self.num_real_rows)
             if not self.NEEDS_LOOKUP or hasattr(rows, "lookup"):
                 set_weight(self, rows)  # the padding rows past the vocabulary are not stored (LMHead pads the logits)
@@ -439,7 +454,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, params: dict, max_position_embeddings: int, max_model_len: int | None = None):
         super().__init__()
         inv_freq, self.attention_factor = _rope.inverse_frequencies(
-            head_dim, params, max_position_embeddings, max_model_len)
+            head_dim, params, max_position_embeddings, max_model_len
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.params = params
         self.head_dim = head_dim
@@ -468,8 +484,9 @@ class RotaryEmbedding(nn.Module):
         It is first needed by the start-up profiling step, before any CUDA graph is captured.
         """
         if self._cos_sin_table is None:
-            table = _rope.rope_table(self.head_dim, self.params, self.max_position_embeddings, self.num_positions,
-                                     self.max_model_len)
+            table = _rope.rope_table(
+                self.head_dim, self.params, self.max_position_embeddings, self.num_positions, self.max_model_len
+            )
             self._cos_sin_table = table.to(self.inv_freq.device)
         return self._cos_sin_table
 

@@ -118,15 +118,24 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, make_mlp=None,
-                 pp: PipelineStage = PipelineStage(), max_model_len: int | None = None):
+    def __init__(
+        self,
+        config,
+        qkv_bias: bool,
+        qk_norm: bool,
+        tp: TensorParallel,
+        make_mlp=None,
+        pp: PipelineStage = PipelineStage(),
+        max_model_len: int | None = None,
+    ):
         super().__init__()
         self.pp = pp
         self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp) if pp.is_first else MissingLayer()
         self.layers = nn.ModuleList(
             DecoderLayer(config, qkv_bias, qk_norm, tp, make_mlp(index) if make_mlp else None)
-            if self.start_layer <= index < self.end_layer else MissingLayer()
+            if self.start_layer <= index < self.end_layer
+            else MissingLayer()
             for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else MissingLayer()
@@ -147,7 +156,7 @@ class DecoderModel(nn.Module):
         else:
             hidden, residual = intermediate
         rotary = self.rotary.for_step(positions, hidden.dtype)  # once per step, shared by all layers
-        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[self.start_layer : self.end_layer], kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, attn)
         if not self.pp.is_last:
             return hidden, residual
@@ -173,8 +182,11 @@ class PagedCausalLM(nn.Module):
     @property
     def sliding_windows(self) -> tuple[int, ...]:
         """The distinct sliding windows of this stage's layers (the attention metadata precomputes their reads)."""
-        windows = {layer.self_attn.attn_layer.sliding_window for layer in self.model.layers
-                   if not isinstance(layer, MissingLayer)}
+        windows = {
+            layer.self_attn.attn_layer.sliding_window
+            for layer in self.model.layers
+            if not isinstance(layer, MissingLayer)
+        }
         return tuple(sorted(window for window in windows if window is not None))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
@@ -204,8 +216,13 @@ class LlamaForCausalLM(PagedCausalLM):
     QK_NORM = False
     supports_pipeline_parallel = True
 
-    def __init__(self, config, tp: TensorParallel = TensorParallel(), pp: PipelineStage = PipelineStage(),
-                 max_model_len: int | None = None):
+    def __init__(
+        self,
+        config,
+        tp: TensorParallel = TensorParallel(),
+        pp: PipelineStage = PipelineStage(),
+        max_model_len: int | None = None,
+    ):
         """`max_model_len`: the engine's context length (the rotary table's, and LongRoPE's short/long choice);
         None: the checkpoint's max_position_embeddings."""
         super().__init__()
@@ -213,8 +230,9 @@ class LlamaForCausalLM(PagedCausalLM):
         self.tp = tp
         self.pp = pp
         qkv_bias = self.QKV_BIAS if self.QKV_BIAS is not None else bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index), pp,
-                                  max_model_len)
+        self.model = DecoderModel(
+            config, qkv_bias, self.QK_NORM, tp, lambda index: self.make_mlp(index), pp, max_model_len
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # a last stage without the embedding holds its own copy of a tied head (PipelineStage.weight_name)
         tied_to = self.model.embed_tokens if self.tie_word_embeddings and pp.is_first else None
@@ -250,8 +268,11 @@ def fused_projection_target(name: str) -> tuple[str, str, object]:
     return module_path, param_name, shard_id
 
 
-def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                    weight_target: Callable[[str], tuple[str, str, object]]) -> None:
+def load_hf_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    weight_target: Callable[[str], tuple[str, str, object]],
+) -> None:
     """Copy HF-named checkpoint tensors into the model's (fused, per-rank) parameters, each where `weight_target`
     says; fail unless every parameter is filled exactly once."""
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding

@@ -139,11 +139,14 @@ class MoeExperts(nn.Module):
             if param_name == "w2":
                 return copy_checked(self.w2.data, full.narrow(2, first, size), "experts.down_proj")
             if full.dim() != 3 or full.shape[1] != 2 * inter:
-                raise ValueError(f"experts.gate_up_proj: checkpoint shape {tuple(full.shape)} is not "
-                                 f"[{self.num_experts}, {2 * inter}, hidden]")
+                raise ValueError(
+                    f"experts.gate_up_proj: checkpoint shape {tuple(full.shape)} is not "
+                    f"[{self.num_experts}, {2 * inter}, hidden]"
+                )
             written = copy_checked(self.w13.data[:, :size], full.narrow(1, first, size), "experts.gate_up_proj")
-            return written + copy_checked(self.w13.data[:, size:], full.narrow(1, inter + first, size),
-                                          "experts.gate_up_proj")
+            return written + copy_checked(
+                self.w13.data[:, size:], full.narrow(1, inter + first, size), "experts.gate_up_proj"
+            )
         expert, kind = shard_id
         if not 0 <= expert < self.num_experts:
             raise KeyError(f"expert {expert} is out of range: the config has {self.num_experts} experts")

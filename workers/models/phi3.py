@@ -31,14 +31,18 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             parent_path, _, module_name = module_path.rpartition(".")
             if module_name == "qkv_proj" and parent_path.endswith("self_attn"):
                 if tensor.shape[0] != q_rows + 2 * kv_rows:
-                    raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, expected "
-                                     f"{q_rows} + 2 * {kv_rows} for the query, key and value heads")
+                    raise ValueError(
+                        f"{name}: checkpoint has {tensor.shape[0]} rows, expected "
+                        f"{q_rows} + 2 * {kv_rows} for the query, key and value heads"
+                    )
                 for projection, part in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_rows, kv_rows, kv_rows])):
                     yield f"{parent_path}.{projection}.{param_name}", part
             elif module_name == "gate_up_proj" and parent_path.endswith("mlp"):
                 if tensor.shape[0] != 2 * config.intermediate_size:
-                    raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, expected "
-                                     f"2 * intermediate_size = {2 * config.intermediate_size}")
+                    raise ValueError(
+                        f"{name}: checkpoint has {tensor.shape[0]} rows, expected "
+                        f"2 * intermediate_size = {2 * config.intermediate_size}"
+                    )
                 gate, up = tensor.chunk(2, dim=0)
                 yield f"{parent_path}.gate_proj.{param_name}", gate
                 yield f"{parent_path}.up_proj.{param_name}", up

@@ -72,7 +72,8 @@ def check_rope_type(params: dict) -> None:
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedRopeType(
-            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
 
 
 def rotary_dim(head_dim: int, params: dict) -> int:
@@ -88,8 +89,9 @@ def _default(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** _exponents(dim))
 
 
-def _dynamic_ntk(base: float, dim: int, factor: float, max_position_embeddings: int,
-                 seq_lens: torch.Tensor) -> torch.Tensor:
+def _dynamic_ntk(
+    base: float, dim: int, factor: float, max_position_embeddings: int, seq_lens: torch.Tensor
+) -> torch.Tensor:
     """`[len(seq_lens), dim / 2]`: transformers' dynamic-NTK inverse frequencies for each (int64) sequence length."""
     seq_lens = torch.clamp(seq_lens, min=max_position_embeddings)
     scaled_base = base * ((factor * seq_lens / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
@@ -133,8 +135,9 @@ def _yarn(params: dict, dim: int, base: float, max_position_embeddings: int) -> 
     return inv_freq, float(attention_factor)
 
 
-def _longrope(params: dict, dim: int, base: float, max_position_embeddings: int,
-              use_long: bool) -> tuple[torch.Tensor, float]:
+def _longrope(
+    params: dict, dim: int, base: float, max_position_embeddings: int, use_long: bool
+) -> tuple[torch.Tensor, float]:
     original_max = params["original_max_position_embeddings"]
     factor = params.get("factor")
     if factor is None:
@@ -199,7 +202,12 @@ def rope_table(
     freqs = positions.float()[:, None] * inv_freq[None, :]
     if params["rope_type"] == "dynamic" and num_positions > max_position_embeddings:
         past = positions[max_position_embeddings:]
-        per_row = _dynamic_ntk(float(params["rope_theta"]), rotary_dim(head_dim, params), float(params["factor"]),
-                               max_position_embeddings, past + 1)
+        per_row = _dynamic_ntk(
+            float(params["rope_theta"]),
+            rotary_dim(head_dim, params),
+            float(params["factor"]),
+            max_position_embeddings,
+            past + 1,
+        )
         freqs[max_position_embeddings:] = past.float()[:, None] * per_row
     return torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1).contiguous()

@@ -34,8 +34,10 @@ def slice_packed_columns(packed: torch.Tensor, start: int, count: int, order: tu
 def group_range(start: int, count: int, group_size: int, what: str) -> slice:
     """The groups covering input columns [start, start + count), which must fall on group boundaries."""
     if start % group_size or count % group_size:
-        raise ValueError(f"{what}: input columns [{start}, {start + count}) do not fall on group boundaries "
-                         f"(group_size {group_size})")
+        raise ValueError(
+            f"{what}: input columns [{start}, {start + count}) do not fall on group boundaries "
+            f"(group_size {group_size})"
+        )
     return slice(start // group_size, (start + count) // group_size)
 
 
@@ -49,14 +51,18 @@ class AWQWeight(QuantizedWeight):
         if in_features % self.group_size:
             raise ValueError(f"AWQ group_size {self.group_size} does not divide in_features {in_features}")
         num_groups = in_features // self.group_size
-        expected = [("qweight", qweight, (in_features, out_features // 8)),
-                    ("scales", scales, (num_groups, out_features))]
+        expected = [
+            ("qweight", qweight, (in_features, out_features // 8)),
+            ("scales", scales, (num_groups, out_features)),
+        ]
         if qzeros is not None:
             expected.append(("qzeros", qzeros, (num_groups, out_features // 8)))
         for name, tensor, shape in expected:
             if tuple(tensor.shape) != shape or out_features % 8:
-                raise ValueError(f"AWQ {name} has shape {tuple(tensor.shape)}, expected {shape} for a "
-                                 f"[{out_features}, {in_features}] weight with group_size {self.group_size}")
+                raise ValueError(
+                    f"AWQ {name} has shape {tuple(tensor.shape)}, expected {shape} for a "
+                    f"[{out_features}, {in_features}] weight with group_size {self.group_size}"
+                )
         self.register_buffer("qweight", qweight.to(torch.int32))
         self.register_buffer("qzeros", None if qzeros is None else qzeros.to(torch.int32))
         self.register_buffer("scales", scales)
@@ -73,24 +79,38 @@ class AWQWeight(QuantizedWeight):
 
     def rows(self, start: int, count: int) -> "AWQWeight":
         zeros = None if self.qzeros is None else slice_packed_columns(self.qzeros, start, count, AWQ_ORDER)
-        return AWQWeight(slice_packed_columns(self.qweight, start, count, AWQ_ORDER), zeros,
-                         self.scales[:, start : start + count].contiguous(), self.group_size)
+        return AWQWeight(
+            slice_packed_columns(self.qweight, start, count, AWQ_ORDER),
+            zeros,
+            self.scales[:, start : start + count].contiguous(),
+            self.group_size,
+        )
 
     def cols(self, start: int, count: int) -> "AWQWeight":
         groups = group_range(start, count, self.group_size, "AWQ cols")
         zeros = None if self.qzeros is None else self.qzeros[groups].contiguous()
-        return AWQWeight(self.qweight[start : start + count].contiguous(), zeros, self.scales[groups].contiguous(),
-                         self.group_size)
+        return AWQWeight(
+            self.qweight[start : start + count].contiguous(), zeros, self.scales[groups].contiguous(), self.group_size
+        )
 
     @classmethod
     def concat_rows(cls, parts: list["AWQWeight"]) -> "AWQWeight | None":
         first = parts[0]
-        if any(p.group_size != first.group_size or p.in_features != first.in_features
-               or (p.qzeros is None) != (first.qzeros is None) or p.scales.dtype != first.scales.dtype for p in parts):
+        if any(
+            p.group_size != first.group_size
+            or p.in_features != first.in_features
+            or (p.qzeros is None) != (first.qzeros is None)
+            or p.scales.dtype != first.scales.dtype
+            for p in parts
+        ):
             return None
         zeros = None if first.qzeros is None else torch.cat([p.qzeros for p in parts], dim=1)
-        return AWQWeight(torch.cat([p.qweight for p in parts], dim=1), zeros,
-                         torch.cat([p.scales for p in parts], dim=1), first.group_size)
+        return AWQWeight(
+            torch.cat([p.qweight for p in parts], dim=1),
+            zeros,
+            torch.cat([p.scales for p in parts], dim=1),
+            first.group_size,
+        )
 
 
 def read_awq(model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:

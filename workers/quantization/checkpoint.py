@@ -101,8 +101,12 @@ def dequantized(
     for name, weight in weights:
         if isinstance(weight, QuantizedWeight):
             if not logged:
-                log.info("dequantizing the %s weights to %s at load (on %s)", weight.format,
-                         str(dtype).removeprefix("torch."), device)
+                log.info(
+                    "dequantizing the %s weights to %s at load (on %s)",
+                    weight.format,
+                    str(dtype).removeprefix("torch."),
+                    device,
+                )
                 logged = True
             weight = weight.dequantize(dtype)
         yield name, weight

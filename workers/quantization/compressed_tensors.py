@@ -52,13 +52,17 @@ def scheme_for(config: dict, prefix: str) -> dict:
 def int4_weight(prefix: str, tensors: dict[str, torch.Tensor], scheme: dict) -> GPTQWeight:
     weights = scheme.get("weights") or {}
     if weights.get("num_bits") != 4 or weights.get("type", "int") != "int":
-        raise ValueError(f"compressed-tensors {prefix}: {weights.get('type')} weights of {weights.get('num_bits')} "
-                         f"bits: only 4-bit int (pack-quantized) and FP8 (float-quantized) are supported")
+        raise ValueError(
+            f"compressed-tensors {prefix}: {weights.get('type')} weights of {weights.get('num_bits')} "
+            f"bits: only 4-bit int (pack-quantized) and FP8 (float-quantized) are supported"
+        )
     packed = tensors["weight_packed"]
     out_features, in_features = packed.shape[0], packed.shape[1] * 8
     if "weight_shape" in tensors and tuple(tensors["weight_shape"].tolist()) != (out_features, in_features):
-        raise ValueError(f"compressed-tensors {prefix}: weight_shape {tensors['weight_shape'].tolist()} is not a "
-                         f"multiple of 8 along the input dim (padded packing is not supported)")
+        raise ValueError(
+            f"compressed-tensors {prefix}: weight_shape {tensors['weight_shape'].tolist()} is not a "
+            f"multiple of 8 along the input dim (padded packing is not supported)"
+        )
     scales = tensors["weight_scale"]  # [out, groups]
     group_size = in_features // scales.shape[1]
     zeros = None
@@ -73,8 +77,10 @@ def int4_weight(prefix: str, tensors: dict[str, torch.Tensor], scheme: dict) -> 
 def fp8_weight(prefix: str, tensors: dict[str, torch.Tensor], scheme: dict) -> FP8Weight:
     weights = scheme.get("weights") or {}
     if weights.get("strategy", "tensor") not in ("tensor", "channel"):
-        raise ValueError(f"compressed-tensors {prefix}: FP8 weights with strategy {weights['strategy']!r} are not "
-                         f"supported (tensor or channel)")
+        raise ValueError(
+            f"compressed-tensors {prefix}: FP8 weights with strategy {weights['strategy']!r} are not "
+            f"supported (tensor or channel)"
+        )
     activations = scheme.get("input_activations") or {}
     static = bool(activations) and not activations.get("dynamic", True)
     if static and "input_scale" not in tensors:
@@ -99,5 +105,7 @@ def read_compressed_tensors(model_cfg: ModelConfig) -> Iterator[tuple[str, torch
             yield f"{name}.weight", fp8_weight(name, item, scheme)
         else:
             kind = item["weight"].dtype if "weight" in item else "no weight"
-            raise ValueError(f"compressed-tensors {name}: {kind} weights with a weight_scale are not supported "
-                             f"(only pack-quantized int4 and float-quantized FP8)")
+            raise ValueError(
+                f"compressed-tensors {name}: {kind} weights with a weight_scale are not supported "
+                f"(only pack-quantized int4 and float-quantized FP8)"
+            )

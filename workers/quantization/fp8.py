@@ -23,7 +23,6 @@ from tokenmill.workers.quantization.checkpoint import iter_grouped_tensors, quan
 log = logging.getLogger(__name__)
 
 
-
 class FP8Weight(QuantizedWeight):
     format = "fp8"
 
@@ -33,8 +32,10 @@ class FP8Weight(QuantizedWeight):
             raise ValueError(f"FP8 weight has dtype {weight.dtype}, expected {FP8_DTYPE}")
         scale = weight_scale.float().reshape(-1)
         if scale.numel() not in (1, self.out_features):
-            raise ValueError(f"FP8 weight_scale has {scale.numel()} values for a [{self.out_features}, "
-                             f"{self.in_features}] weight (expected 1 or {self.out_features})")
+            raise ValueError(
+                f"FP8 weight_scale has {scale.numel()} values for a [{self.out_features}, "
+                f"{self.in_features}] weight (expected 1 or {self.out_features})"
+            )
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("weight_scale", scale.contiguous())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(1))
@@ -65,11 +66,13 @@ class FP8Weight(QuantizedWeight):
     @classmethod
     def concat_rows(cls, parts: list["FP8Weight"]) -> "FP8Weight | None":
         first = parts[0]
-        if any(p.in_features != first.in_features or (p.input_scale is None) != (first.input_scale is None)
-               for p in parts):
+        if any(
+            p.in_features != first.in_features or (p.input_scale is None) != (first.input_scale is None) for p in parts
+        ):
             return None
-        if not any(p.per_channel for p in parts) and all(torch.equal(p.weight_scale, first.weight_scale)
-                                                          for p in parts):
+        if not any(p.per_channel for p in parts) and all(
+            torch.equal(p.weight_scale, first.weight_scale) for p in parts
+        ):
             scale = first.weight_scale
         else:  # per-tensor scales become per-row ones: the same dense weight
             scale = torch.cat([weight_scale_per_row(p.weight_scale, p.out_features) for p in parts])
@@ -81,8 +84,10 @@ class FP8Weight(QuantizedWeight):
 def fp8_settings(config: dict) -> bool:
     """Whether activations use the checkpoint's static `input_scale` (True) or are quantized per token (False)."""
     if config.get("weight_block_size"):
-        raise ValueError(f"block-scaled FP8 checkpoints (quantization_config.weight_block_size="
-                         f"{config['weight_block_size']}) are not supported")
+        raise ValueError(
+            f"block-scaled FP8 checkpoints (quantization_config.weight_block_size="
+            f"{config['weight_block_size']}) are not supported"
+        )
     scheme = config.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"FP8 quantization_config.activation_scheme={scheme!r}: expected 'dynamic' or 'static'")

@@ -48,16 +48,22 @@ class GGUFWeight(QuantizedWeight):
 
     format = "gguf"
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
-                 repacked: bool = False) -> None:
+    def __init__(
+        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int, repacked: bool = False
+    ) -> None:
         super().__init__(out_features, in_features)
         self.qtype = int(qtype)
         self.block_size, self.type_size = block_shape(self.qtype)
         row_bytes = in_features // self.block_size * self.type_size
-        if in_features % self.block_size or blocks.dtype != torch.uint8 or tuple(blocks.shape) != (out_features,
-                                                                                                   row_bytes):
-            raise ValueError(f"GGUF {self.type_name} weight [{out_features}, {in_features}] needs uint8 blocks "
-                             f"[{out_features}, {row_bytes}], got {blocks.dtype} {tuple(blocks.shape)}")
+        if (
+            in_features % self.block_size
+            or blocks.dtype != torch.uint8
+            or tuple(blocks.shape) != (out_features, row_bytes)
+        ):
+            raise ValueError(
+                f"GGUF {self.type_name} weight [{out_features}, {in_features}] needs uint8 blocks "
+                f"[{out_features}, {row_bytes}], got {blocks.dtype} {tuple(blocks.shape)}"
+            )
         self.register_buffer("blocks", blocks.contiguous())
         self.repacked = bool(repacked)  # `blocks` in gguf_ops.repack_rows' layout, not the file's
         self._int8_matmul: tuple = ()  # (blocks, repacked, gguf_ops.int8_matmul_on(...)) for the blocks it checked
@@ -71,8 +77,9 @@ class GGUFWeight(QuantizedWeight):
         return gguf.GGMLQuantizationType(self.qtype).name
 
     def extra_repr(self) -> str:
-        return (f"{self.type_name}, out_features={self.out_features}, in_features={self.in_features}"
-                + (", repacked" if self.repacked else ""))
+        return f"{self.type_name}, out_features={self.out_features}, in_features={self.in_features}" + (
+            ", repacked" if self.repacked else ""
+        )
 
     def pack_for_matmul(self) -> None:
         """Repack the blocks in place for the matmul kernel where `gguf_ops.repack_wanted` says it pays (idempotent:
@@ -94,19 +101,28 @@ class GGUFWeight(QuantizedWeight):
         if ops.DEFAULT_ACTIVATIONS == "int8":
             cached = self._int8_matmul
             if not cached or cached[0] is not self.blocks or cached[1] != self.repacked:  # checked once per blocks
-                cached = self._int8_matmul = (self.blocks, self.repacked, ops.int8_matmul_on(
-                    self.blocks, self.qtype, self.out_features, self.in_features, repacked=self.repacked))
+                cached = self._int8_matmul = (
+                    self.blocks,
+                    self.repacked,
+                    ops.int8_matmul_on(
+                        self.blocks, self.qtype, self.out_features, self.in_features, repacked=self.repacked
+                    ),
+                )
             if cached[2] is not None:
                 return cached[2](flat).view(*x.shape[:-1], self.out_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = _ops().gguf_matmul(flat, self.blocks, self.qtype, self.out_features, self.in_features,
-                                 repacked=self.repacked)
+        out = _ops().gguf_matmul(
+            flat, self.blocks, self.qtype, self.out_features, self.in_features, repacked=self.repacked
+        )
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return _ops().dequantize_rows(self.blocks, self.qtype, self.out_features, self.in_features,
-                                      repacked=self.repacked).to(dtype)
+        return (
+            _ops()
+            .dequantize_rows(self.blocks, self.qtype, self.out_features, self.in_features, repacked=self.repacked)
+            .to(dtype)
+        )
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The dense rows `ids` `[T]` -> `[T, in_features]` in `dtype`, dequantizing only those rows (an
@@ -122,9 +138,14 @@ class GGUFWeight(QuantizedWeight):
             return self
         # a copy, so a rank's slice does not keep the whole checkpoint tensor alive
         if self.repacked:
-            return GGUFWeight(_ops().gather_rows(self.blocks, self.qtype, self.in_features,
-                                                 torch.arange(start, start + count), repacked=True),
-                              self.qtype, count, self.in_features)
+            return GGUFWeight(
+                _ops().gather_rows(
+                    self.blocks, self.qtype, self.in_features, torch.arange(start, start + count), repacked=True
+                ),
+                self.qtype,
+                count,
+                self.in_features,
+            )
         return GGUFWeight(self.blocks[start : start + count].clone(), self.qtype, count, self.in_features)
 
     def permute_rows(self, order: torch.Tensor) -> "GGUFWeight":
@@ -135,8 +156,10 @@ class GGUFWeight(QuantizedWeight):
         if start < 0 or count <= 0 or start + count > self.in_features:
             raise ValueError(f"columns [{start}, {start + count}) out of range for {self.in_features} columns")
         if start % self.block_size or count % self.block_size:
-            raise ValueError(f"GGUF {self.type_name} weights can only be split on {self.block_size}-column block "
-                             f"boundaries, not at columns [{start}, {start + count})")
+            raise ValueError(
+                f"GGUF {self.type_name} weights can only be split on {self.block_size}-column block "
+                f"boundaries, not at columns [{start}, {start + count})"
+            )
         if start == 0 and count == self.in_features:
             return self
         first, end = start // self.block_size * self.type_size, (start + count) // self.block_size * self.type_size

@@ -32,18 +32,28 @@ class GPTQWeight(QuantizedWeight):
     format = "gptq"
 
     def __init__(
-        self, qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor, group_size: int,
-        g_idx: torch.Tensor | None = None, zero_offset: int = 1,
+        self,
+        qweight: torch.Tensor,
+        qzeros: torch.Tensor | None,
+        scales: torch.Tensor,
+        group_size: int,
+        g_idx: torch.Tensor | None = None,
+        zero_offset: int = 1,
     ):
         in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
         super().__init__(out_features, in_features)
         self.group_size = group_size if group_size > 0 else in_features
         self.zero_offset = zero_offset
         num_groups = scales.shape[0]
-        if scales.shape[1] != out_features or out_features % 8 or (
-                g_idx is None and num_groups * self.group_size != in_features):
-            raise ValueError(f"GPTQ scales {tuple(scales.shape)} do not fit a [{out_features}, {in_features}] weight "
-                             f"with group_size {self.group_size}")
+        if (
+            scales.shape[1] != out_features
+            or out_features % 8
+            or (g_idx is None and num_groups * self.group_size != in_features)
+        ):
+            raise ValueError(
+                f"GPTQ scales {tuple(scales.shape)} do not fit a [{out_features}, {in_features}] weight "
+                f"with group_size {self.group_size}"
+            )
         if qzeros is not None and tuple(qzeros.shape) != (num_groups, out_features // 8):
             raise ValueError(f"GPTQ qzeros has shape {tuple(qzeros.shape)}, expected {(num_groups, out_features // 8)}")
         if g_idx is not None and g_idx.numel() != in_features:
@@ -62,26 +72,39 @@ class GPTQWeight(QuantizedWeight):
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         """`[in, out]`."""
-        return gptq_dequantize_ref(self.qweight, self.qzeros, self.scales, self.group_size, self.g_idx,
-                                   self.zero_offset, dtype)
+        return gptq_dequantize_ref(
+            self.qweight, self.qzeros, self.scales, self.group_size, self.g_idx, self.zero_offset, dtype
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._dense(dtype).T.contiguous()
 
     def rows(self, start: int, count: int) -> "GPTQWeight":
         zeros = None if self.qzeros is None else slice_packed_columns(self.qzeros, start, count, PLAIN_ORDER)
-        return GPTQWeight(self.qweight[:, start : start + count].contiguous(), zeros,
-                          self.scales[:, start : start + count].contiguous(), self.group_size, self.g_idx,
-                          self.zero_offset)
+        return GPTQWeight(
+            self.qweight[:, start : start + count].contiguous(),
+            zeros,
+            self.scales[:, start : start + count].contiguous(),
+            self.group_size,
+            self.g_idx,
+            self.zero_offset,
+        )
 
     def cols(self, start: int, count: int) -> "GPTQWeight":
         if start % 8 or count % 8:
-            raise ValueError(f"GPTQ cols: input columns [{start}, {start + count}) are not on the packing's 8-row "
-                             f"boundaries")
+            raise ValueError(
+                f"GPTQ cols: input columns [{start}, {start + count}) are not on the packing's 8-row boundaries"
+            )
         qweight = self.qweight[start // 8 : (start + count) // 8].contiguous()
         if self.g_idx is not None:  # act-order: the columns may use any group; keep them all
-            return GPTQWeight(qweight, self.qzeros, self.scales, self.group_size,
-                              self.g_idx[start : start + count].contiguous(), self.zero_offset)
+            return GPTQWeight(
+                qweight,
+                self.qzeros,
+                self.scales,
+                self.group_size,
+                self.g_idx[start : start + count].contiguous(),
+                self.zero_offset,
+            )
         groups = group_range(start, count, self.group_size, "GPTQ cols")
         zeros = None if self.qzeros is None else self.qzeros[groups].contiguous()
         return GPTQWeight(qweight, zeros, self.scales[groups].contiguous(), self.group_size, None, self.zero_offset)
@@ -91,15 +114,29 @@ class GPTQWeight(QuantizedWeight):
         first = parts[0]
         for p in parts:
             same_g_idx = (p.g_idx is None and first.g_idx is None) or (
-                p.g_idx is not None and first.g_idx is not None and torch.equal(p.g_idx, first.g_idx))
-            if not same_g_idx or p.group_size != first.group_size or p.in_features != first.in_features or (
-                    p.zero_offset != first.zero_offset or (p.qzeros is None) != (first.qzeros is None)
-                    or p.scales.shape[0] != first.scales.shape[0] or p.scales.dtype != first.scales.dtype):
+                p.g_idx is not None and first.g_idx is not None and torch.equal(p.g_idx, first.g_idx)
+            )
+            if (
+                not same_g_idx
+                or p.group_size != first.group_size
+                or p.in_features != first.in_features
+                or (
+                    p.zero_offset != first.zero_offset
+                    or (p.qzeros is None) != (first.qzeros is None)
+                    or p.scales.shape[0] != first.scales.shape[0]
+                    or p.scales.dtype != first.scales.dtype
+                )
+            ):
                 return None
         zeros = None if first.qzeros is None else torch.cat([p.qzeros for p in parts], dim=1)
-        return GPTQWeight(torch.cat([p.qweight for p in parts], dim=1), zeros,
-                          torch.cat([p.scales for p in parts], dim=1), first.group_size, first.g_idx,
-                          first.zero_offset)
+        return GPTQWeight(
+            torch.cat([p.qweight for p in parts], dim=1),
+            zeros,
+            torch.cat([p.scales for p in parts], dim=1),
+            first.group_size,
+            first.g_idx,
+            first.zero_offset,
+        )
 
 
 def gptq_zero_offset(config: dict) -> int:
@@ -129,5 +166,7 @@ def read_gptq(model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | Quan
             raise ValueError(f"GPTQ checkpoint has desc_act=true but no {name}.g_idx (act-order needs it)")
         if g_idx is not None and is_plain_g_idx(g_idx, group_size):
             g_idx = None
-        yield f"{name}.weight", GPTQWeight(item["qweight"], item["qzeros"], item["scales"], group_size, g_idx,
-                                           zero_offset)
+        yield (
+            f"{name}.weight",
+            GPTQWeight(item["qweight"], item["qzeros"], item["scales"], group_size, g_idx, zero_offset),
+        )
