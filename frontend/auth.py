@@ -14,10 +14,10 @@ import hmac
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from tokenmill.frontend.dashboard import check_access
-from tokenmill.frontend.errors import APIError
 
 from tokenmill.config import ServerConfig
+from tokenmill.frontend.dashboard import check_access
+from tokenmill.frontend.errors import APIError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]

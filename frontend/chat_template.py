@@ -95,7 +95,7 @@ class RenderLimits:
     max_chars: int
 
     @classmethod
-    def of(cls, server: ServerConfig) -> "RenderLimits":
+    def of(cls, server: ServerConfig) -> RenderLimits:
         return cls(server.chat_template_timeout_s, server.max_chat_template_chars)
 
 

@@ -23,7 +23,8 @@ from msgspec import UNSET, UnsetType
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.logprobs import TokenTexts
 from tokenmill.frontend.protocol import CompletionLogProbs, CompletionRequest, Logprob, PromptLogprobs
-from tokenmill.messages import PromptLogprobs as EnginePromptLogprobs, PromptLogprobsEntry
+from tokenmill.messages import PromptLogprobs as EnginePromptLogprobs
+from tokenmill.messages import PromptLogprobsEntry
 
 MIN_LOGPROB = -9999.0
 

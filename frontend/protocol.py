@@ -11,7 +11,7 @@ Responses are encoded with `encode_json`; fields that must be absent rather than
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -97,7 +97,7 @@ class SamplingRequest(Struct, kw_only=True):
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists (checked in `prompt_inputs`)
-    prompt: Union[str, list[Union[str, int, list[int]]]]
+    prompt: str | list[str | int | list[int]]
     # the legacy completions default, as OpenAI and vLLM; null = all the room left; 0 only with echo
     max_tokens: NonNegativeInt | None = 16
     logprobs: NonNegativeInt | None = None
@@ -459,7 +459,7 @@ class EmbeddingRequest(Struct, kw_only=True):
     """OpenAI's embeddings request, plus vLLM's extensions (truncate_prompt_tokens, add_special_tokens, priority)."""
 
     # a string, a list of strings, a list of token ids, or a list of token-id lists (checked in `embedding_inputs`)
-    input: Union[str, list[Union[str, int, list[int]]]]
+    input: str | list[str | int | list[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None

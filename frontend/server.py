@@ -15,7 +15,6 @@ from typing import Any
 from aiohttp import web
 
 from tokenmill.config import EngineConfig
-from tokenmill.frontend.tracing import RequestTracer, otlp_tracer
 from tokenmill.frontend import serving_misc, serving_responses
 from tokenmill.frontend.auth import make_auth_middleware
 from tokenmill.frontend.context import ServingContext
@@ -26,6 +25,7 @@ from tokenmill.frontend.lifecycle import ServerLifecycle, make_lifecycle_middlew
 from tokenmill.frontend.serving_chat import create_chat_completion
 from tokenmill.frontend.serving_completions import create_completion
 from tokenmill.frontend.serving_embeddings import EmbeddingServing
+from tokenmill.frontend.tracing import RequestTracer, otlp_tracer
 
 log = logging.getLogger("tokenmill.frontend")
 

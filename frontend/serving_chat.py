@@ -10,11 +10,15 @@ import jinja2
 import msgspec
 from aiohttp import web
 
+from tokenmill.frontend.chat_parsing import ChatOutputs, is_empty
+from tokenmill.frontend.chat_template import RENDERER_ARGS, RenderLimitError, RenderLimits, compile_chat_template
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import Choice, build_choices, request_deadline, run_choices, usage_info
-from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
+from tokenmill.frontend.limits import check_prompt_logprobs_budget, check_sampling_limits
 from tokenmill.frontend.logprobs import TokenTexts, chat_logprobs
+from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
+from tokenmill.frontend.prompt_logprobs import response_prompt_logprobs
 from tokenmill.frontend.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -32,14 +36,10 @@ from tokenmill.frontend.protocol import (
 )
 from tokenmill.frontend.protocol import chat_logprobs as requested_chat_logprobs
 from tokenmill.frontend.sse import stream_deltas
-from tokenmill.frontend.chat_template import RENDERER_ARGS, RenderLimitError, RenderLimits, compile_chat_template
-from tokenmill.frontend.limits import check_prompt_logprobs_budget, check_sampling_limits
-from tokenmill.frontend.tokenizer import encode_text, render_chat, server_chat_template
 from tokenmill.frontend.structured_outputs import structured_outputs_params
-from tokenmill.frontend.chat_parsing import ChatOutputs, is_empty
+from tokenmill.frontend.tokenizer import encode_text, render_chat, server_chat_template
 from tokenmill.frontend.tool_choice import ToolPlan, apply_tool_plan, plan_tool_calling, tool_calls_for_template
 from tokenmill.frontend.unsupported import refuse_unsupported
-from tokenmill.frontend.prompt_logprobs import response_prompt_logprobs
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -10,8 +10,16 @@ from aiohttp import web
 from tokenmill.frontend.context import ServingContext, new_request_id, read_body
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import Choice, build_choices, request_deadline, run_choices, usage_info
-from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
+from tokenmill.frontend.limits import check_prompt_logprobs_budget, check_sampling_limits
 from tokenmill.frontend.logprobs import TokenTexts, completion_logprobs
+from tokenmill.frontend.outputs import ChoiceDelta, CompletionOutput
+from tokenmill.frontend.prompt_logprobs import (
+    echo_logprobs,
+    engine_max_tokens,
+    engine_prompt_logprobs,
+    join_logprobs,
+    vllm_prompt_logprobs,
+)
 from tokenmill.frontend.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -23,17 +31,9 @@ from tokenmill.frontend.protocol import (
     to_sampling_params,
 )
 from tokenmill.frontend.sse import stream_deltas
-from tokenmill.frontend.limits import check_prompt_logprobs_budget, check_sampling_limits
-from tokenmill.frontend.tokenizer import encode_texts
 from tokenmill.frontend.structured_outputs import structured_outputs_params
+from tokenmill.frontend.tokenizer import encode_texts
 from tokenmill.frontend.unsupported import refuse_unsupported
-from tokenmill.frontend.prompt_logprobs import (
-    echo_logprobs,
-    engine_max_tokens,
-    engine_prompt_logprobs,
-    join_logprobs,
-    vllm_prompt_logprobs,
-)
 
 
 async def prompt_inputs(ctx: ServingContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:

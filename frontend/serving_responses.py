@@ -22,7 +22,6 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenmill.logs import request_id_var
 from tokenmill.frontend.context import ServingContext, read_body
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import Choice, build_choices, request_deadline, run_choices, usage_info
@@ -66,10 +65,11 @@ from tokenmill.frontend.responses_protocol import (
 )
 from tokenmill.frontend.serving_chat import chat_prompt_ids
 from tokenmill.frontend.sse import open_event_stream
+from tokenmill.frontend.structured_outputs import checked_constraint, requested_structured_outputs
 from tokenmill.frontend.tool_choice import apply_tool_plan, plan_tool_calling
 from tokenmill.frontend.tool_parsers import StreamDelta, ToolCallDelta, ToolParser
-from tokenmill.frontend.structured_outputs import checked_constraint, requested_structured_outputs
 from tokenmill.frontend.unsupported import refuse_unsupported
+from tokenmill.logs import request_id_var
 from tokenmill.messages import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("tokenmill.frontend")
@@ -185,7 +185,7 @@ async def output_constraint(ctx: ServingContext, request: ResponsesRequest) -> S
     return await checked_constraint(ctx, found)
 
 
-async def stream_events(http_request: web.Request, deltas: Any, builder: "ResponseBuilder") -> web.StreamResponse:
+async def stream_events(http_request: web.Request, deltas: Any, builder: ResponseBuilder) -> web.StreamResponse:
     """The SSE stream. Headers wait for the first delta, so a request the engine refuses still gets a plain JSON
     error with its status; a failure after that is an `error` event. A client that goes away ends the stream,
     which closes the deltas and so aborts the engine request."""

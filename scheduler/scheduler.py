@@ -45,7 +45,7 @@ from tokenmill.scheduler.spec_decode import NgramSpeculator, Speculator
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, RequestGrammar
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher
+    pass
 
 
 def make_speculator(config: SpeculativeConfig) -> Speculator | None:

@@ -25,8 +25,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from benchlib.launch import launched_server
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
@@ -39,6 +37,7 @@ from benchlib.streaming import (
     split_gaps_at_window,
     stream_completion,
 )
+from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

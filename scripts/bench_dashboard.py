@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import msgspec
-
 from benchlib.results import args_as_json, make_results_dir, save_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

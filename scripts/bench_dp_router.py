@@ -27,9 +27,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
-from tqdm import tqdm
-
 from benchlib.launch import launched_server
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
@@ -41,6 +38,8 @@ from benchlib.streaming import (
     served_model_name,
     stream_completion,
 )
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_HIT_RATE_RATIO = 1.5

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-
 from benchlib.launch import launched_server
 from benchlib.stats import summarize
 from benchlib.streaming import (

@@ -22,9 +22,8 @@ import sys
 import time
 from dataclasses import asdict
 
-import torch
-
 import bench_kernels
+import torch
 from benchlib.hf_baseline import load_hf_model, run_static_batches
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import format_table

@@ -22,8 +22,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from benchlib.launch import launched_server
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
@@ -35,6 +33,7 @@ from benchlib.streaming import (
     served_model_name,
     stream_completion,
 )
+from tqdm import tqdm
 
 MODE_FLAGS = {"on": ["--enable-prefix-caching"], "off": ["--no-enable-prefix-caching"]}
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from benchlib.launch import launched_server
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import summarize
@@ -38,6 +36,7 @@ from benchlib.streaming import (
     stream_completion,
 )
 from benchlib.workload import LengthRange
+from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

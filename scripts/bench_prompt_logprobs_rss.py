@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import requests
-
 from benchlib.launch import launched_server
 from benchlib.streaming import random_token_ids
 

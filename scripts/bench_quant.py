@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from profile_decode import DecodeDriver
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,13 +27,12 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from tqdm import tqdm
-
 from benchlib.launch import launched_server
 from benchlib.plots import plot_latency_cdfs, plot_sweep
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import format_table, latency_rows, summarize
 from benchlib.workload import BenchRequest, LengthRange, build_workload, load_tokenizer
+from tqdm import tqdm
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -23,7 +23,6 @@ import time
 from dataclasses import asdict
 
 import torch
-
 from benchlib.hf_baseline import BaselineRun, load_hf_model, run_static_batches
 from benchlib.results import args_as_json, make_results_dir, save_json
 from benchlib.stats import format_table, summarize

@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 import torch
-
 from benchlib.stats import summarize
 
 

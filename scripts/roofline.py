@@ -41,7 +41,7 @@ class ModelCost:
     attention_flops_per_context_token: int  # QK and PV FLOPs per new token per cached token
 
     @classmethod
-    def from_hf_config(cls, hf_config, weight_bytes: int, dtype_bytes: int) -> "ModelCost":
+    def from_hf_config(cls, hf_config, weight_bytes: int, dtype_bytes: int) -> ModelCost:
         hidden = hf_config.hidden_size
         layers = hf_config.num_hidden_layers
         heads = hf_config.num_attention_heads

@@ -12,8 +12,6 @@ import time
 import msgspec
 import pytest
 import zmq
-from tokenmill.frontend.engine_client import AsyncEngineClient
-from tokenmill.scheduler.process import SchedulerLoop
 
 from tokenmill import processes
 from tokenmill.config import (
@@ -24,6 +22,7 @@ from tokenmill.config import (
     ServerConfig,
     replace,
 )
+from tokenmill.frontend.engine_client import AsyncEngineClient
 from tokenmill.messages import (
     EngineReady,
     Ping,
@@ -34,6 +33,7 @@ from tokenmill.messages import (
     encode,
 )
 from tokenmill.processes import decode_or_drop, worker_socket
+from tokenmill.scheduler.process import SchedulerLoop
 from tokenmill.socket_security import new_worker_socket_keys
 
 log = logging.getLogger("test_socket_security")

@@ -15,8 +15,8 @@ from tokenmill.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    replace,
 )
-from tokenmill.config import replace
 from tokenmill.speculative import parse_speculative_config
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)

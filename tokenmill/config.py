@@ -185,11 +185,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def to_bytes(self) -> bytes:
         return msgspec.msgpack.encode(self)
 
-    def for_scheduler(self) -> "EngineConfig":
+    def for_scheduler(self) -> EngineConfig:
         """What the scheduler process receives: everything but the API key (only the frontend checks it)."""
         return replace(self, server=replace(self.server, api_key=None))
 
-    def for_workers(self) -> "EngineConfig":
+    def for_workers(self) -> EngineConfig:
         """What a worker (process or Ray actor) receives: no API key, and of the CURVE keys only the workers' pair and
         the scheduler's public key."""
         keys = self.parallel.worker_socket_keys
@@ -201,7 +201,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         return replace(self.for_scheduler(), parallel=parallel)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "EngineConfig":
+    def from_bytes(cls, data: bytes) -> EngineConfig:
         return msgspec.msgpack.decode(data, type=cls)
 
 

@@ -102,7 +102,7 @@ class DataParallelEngines:
     def configs(self) -> list[EngineConfig]:
         return [replica.config for replica in self.replicas]
 
-    def start(self) -> "DataParallelEngines":
+    def start(self) -> DataParallelEngines:
         for replica in self.replicas:
             replica.start()
         return self

@@ -28,10 +28,10 @@ import sys
 import tempfile
 import time
 
-from tokenmill.scheduler.process import run_scheduler_process
 from tokenmill.config import EngineConfig, replace
-from tokenmill.messages import EngineReady
 from tokenmill.logs import LOG_FORMAT_ENV
+from tokenmill.messages import EngineReady
+from tokenmill.scheduler.process import run_scheduler_process
 from tokenmill.workers.process import run_worker_process
 
 log = logging.getLogger("tokenmill.launcher")
@@ -77,7 +77,7 @@ class EngineProcesses:
         self.stopped = False
         self.env: dict[str, str] | None = None  # the children's environment (None: this process's); DP replicas set it
 
-    def start(self) -> "EngineProcesses":
+    def start(self) -> EngineProcesses:
         local_workers = 0 if self.ray_workers is not None else self.config.parallel.world_size
         roles = ["scheduler"] + [f"worker{rank}" for rank in range(local_workers)]
         preamble = json.dumps([str(entry) for entry in sys.path]).encode() + b"\n"

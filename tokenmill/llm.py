@@ -13,7 +13,6 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from dataclasses import replace as copied
 from typing import Any
 
 import msgspec

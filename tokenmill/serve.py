@@ -22,14 +22,14 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from tokenmill.config import EngineConfig
+from tokenmill.data_parallel import DataParallelEngines
 from tokenmill.frontend.data_parallel_client import DataParallelEngineClient
 from tokenmill.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.lifecycle import ServerLifecycle
 from tokenmill.frontend.redaction import RedactingAccessLogger
 from tokenmill.frontend.restarting_client import EngineHandle, RestartingEngineClient
-from tokenmill.config import EngineConfig
-from tokenmill.data_parallel import DataParallelEngines
 from tokenmill.launcher import EngineProcesses, kv_capacity_error, log_capacity
 
 log = logging.getLogger("tokenmill.serve")

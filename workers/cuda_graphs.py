@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -32,8 +32,8 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.workers.attention import build_attention_metadata
-from tokenmill.workers.kv_cache import allocate_kv_caches, kv_block_bytes
 from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.kv_cache import allocate_kv_caches, kv_block_bytes
 from tokenmill.workers.model_facts import text_config
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config
 from tokenmill.workers.models.layers import TensorParallel, pack_linear_weights

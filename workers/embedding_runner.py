@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData, StepPlan, StepResult
+from tokenmill.pooling_config import PoolingConfig, load_pooling_config
 from tokenmill.workers.attention import build_attention_metadata, token_positions
 from tokenmill.workers.backends import attention_backend
 from tokenmill.workers.kv_cache import PagedKVCache
 from tokenmill.workers.models.registry import is_encoder, model_class
-from tokenmill.pooling_config import PoolingConfig, load_pooling_config
 from tokenmill.workers.pooling import pool
 from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.worker import Worker

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import re
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch

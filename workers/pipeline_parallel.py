@@ -13,7 +13,7 @@ Ranks are ordered as vLLM's: global rank = stage * tensor_parallel_size + tensor
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist

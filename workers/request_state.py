@@ -7,8 +7,9 @@ requests first, then running ones), each contributing `num_scheduled_tokens` tok
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 

@@ -8,8 +8,8 @@ of this stage besides the LM head's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -7,7 +7,8 @@ step's `StepBatch` with the final hidden states (None on a pipeline stage before
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 

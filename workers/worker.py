@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,8 @@ from tokenmill.workers.models.layers import pack_linear_weights
 from tokenmill.workers.models.llama import PagedCausalLM
 from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.pipeline_parallel import stage_forward
-from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.prompt_logprobs import compute_prompt_logprobs, prompt_rows
+from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.request_state import CachedRequest, RequestStates, ScheduledRequest, plan_drafts
 from tokenmill.workers.sample_stage import SampledTokens, SampleStage
 from tokenmill.workers.step_forward import PipelinedStageForward, SingleStageForward, StepForward

@@ -101,7 +101,7 @@ class ToolParser:
         self._ws = ""  # whitespace after a call, held until other text follows (dropped otherwise)
         self._out = StreamDelta()
 
-    def fresh(self) -> "ToolParser":
+    def fresh(self) -> ToolParser:
         """A parser in its initial state, for another output."""
         return type(self)(make_id=self.make_id)
 

@@ -21,7 +21,7 @@ class NamedToolCallParser(ToolParser):
         super().__init__(**kwargs)
         self.function_name = function_name
 
-    def fresh(self) -> "NamedToolCallParser":
+    def fresh(self) -> NamedToolCallParser:
         return NamedToolCallParser(self.function_name, make_id=self.make_id)
 
     def _feed(self, text: str) -> None:

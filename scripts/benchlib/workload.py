@@ -21,7 +21,7 @@ class LengthRange:
     high: int
 
     @classmethod
-    def parse(cls, text: str) -> "LengthRange":
+    def parse(cls, text: str) -> LengthRange:
         low, _, high = text.partition(":")
         try:
             bounds = cls(int(low), int(high or low))

@@ -29,7 +29,7 @@ class DeviceMemoryPoller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "DeviceMemoryPoller":
+    def __enter__(self) -> DeviceMemoryPoller:
         try:
             import pynvml
 

@@ -15,6 +15,7 @@ import time
 
 from benchlib.hf_baseline import load_hf_model, run_static_batches
 from benchlib.workload import BenchRequest
+
 from gpucheck.common import CheckContext, SectionResult, synchronize
 from gpucheck.models import build_checkpoint
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 import bench_bystander
+import pytest
 from benchlib.launch import launched_server
 
 pytestmark = pytest.mark.slow

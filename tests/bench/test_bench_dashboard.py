@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import bench_dashboard
+import pytest
 
 pytestmark = pytest.mark.slow
 

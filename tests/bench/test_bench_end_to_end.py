@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import bench_serving
 import bench_throughput
+import pytest
 
 pytestmark = pytest.mark.slow
 

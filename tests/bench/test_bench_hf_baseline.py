@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from benchlib.hf_baseline import left_padded_batch, load_hf_model, run_static_batches
 from benchlib.workload import BenchRequest
 

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from roofline import MachinePeaks, ModelCost, decode_bound, measure_copy_bandwidth, measure_matmul_flops
 
 

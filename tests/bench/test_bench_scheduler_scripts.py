@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import bench_chunked_prefill
 import bench_prefix_caching
 import bench_priority
+import pytest
 
 pytestmark = pytest.mark.slow
 

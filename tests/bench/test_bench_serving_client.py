@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 from aiohttp import web
-
 from bench_serving import Target, arrival_gaps, chunk_text, run_requests, summarize_run
 from benchlib.workload import BenchRequest
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from benchlib.step_timing import StepRecord, StepRecorder
+
 from tokenmill.messages import RequestOutput, SchedulerStats
 
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 from aiohttp import web
-
 from benchlib.launch import free_port
 from benchlib.streaming import (
     StreamTiming,

@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-
 from benchlib.results import args_as_json, make_results_dir
 from benchlib.stats import format_table, summarize
 from benchlib.workload import LengthRange, build_workload

@@ -10,8 +10,8 @@ import time
 import pytest
 import requests
 
-from tests.helpers.stream_client import start_streams
 from tests.helpers.server import Server, alive
+from tests.helpers.stream_client import start_streams
 
 pytestmark = pytest.mark.slow
 

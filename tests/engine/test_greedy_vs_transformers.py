@@ -65,7 +65,7 @@ def test_server_concurrent_greedy_matches_transformers(family, tiny_checkpoints,
     assert sum(compared) >= len(prompts) * NEW_TOKENS // 2, f"too few tokens compared: {compared}"
 
 
-def run_offline(prompts, **engine_args) -> tuple[list[list[int]], "LLM"]:
+def run_offline(prompts, **engine_args) -> tuple[list[list[int]], LLM]:
     from tokenmill import LLM, SamplingParams
 
     # dequantized at load, as transformers runs the GGUF (tests/engine/test_quantized_gguf.py: the quantized path)

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from tests.helpers.server import alive, child_by_role, Server
+from tests.helpers.server import Server, alive, child_by_role
 
 pytestmark = pytest.mark.slow
 

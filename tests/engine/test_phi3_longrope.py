@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.reference import assert_greedy_match, hf_greedy_reference, load_reference_model
 from tests.helpers.parallel_e2e import assert_tp2_matches, offline_greedy
+from tests.helpers.reference import assert_greedy_match, hf_greedy_reference, load_reference_model
 
 pytestmark = pytest.mark.slow
 

@@ -104,6 +104,7 @@ def test_two_stages_of_two_ranks_on_a_two_node_ray_cluster_match_transformers(ti
         session_dir = cluster.head_node.get_session_dir_path()
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
         import ray
+
         from tokenmill import LLM, SamplingParams
 
         with LLM(

@@ -13,8 +13,8 @@ from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokeniz
 from tests.helpers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.kernels import gguf_ops
-from tokenmill.workers.worker import Worker
 from tokenmill.workers.quantization.gguf import GGUFWeight
+from tokenmill.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 

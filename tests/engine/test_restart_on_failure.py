@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.helpers.stream_client import StreamRecord, start_streams
 from tests.helpers.server import Server
+from tests.helpers.stream_client import StreamRecord, start_streams
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ import pytest
 import requests
 
 from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
-from tests.helpers.reference import complete_ids, hf_greedy_reference, load_reference_model
-from tests.helpers.server import alive, child_by_role, Server
 from tests.helpers.parallel_e2e import NEW_TOKENS, assert_tp2_matches, offline_greedy
+from tests.helpers.reference import complete_ids, hf_greedy_reference, load_reference_model
+from tests.helpers.server import Server, alive, child_by_role
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.config import ModelConfig
+from tokenmill.frontend.tokenizer import load_tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

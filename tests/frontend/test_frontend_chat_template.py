@@ -8,7 +8,6 @@ import copy
 import time
 
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
-
 from tokenmill.config import replace
 from tokenmill.frontend.tokenizer import encode_text
 

@@ -10,7 +10,6 @@ import json
 import re
 
 import aiohttp
-import pytest
 from aiohttp.test_utils import TestServer
 
 from tests.helpers.frontend_fakes import FakeEngine

@@ -18,10 +18,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
+from tests.helpers.frontend_fakes import FakeEngine, rejected
+from tokenmill.config import EngineConfig, ModelConfig, replace
 from tokenmill.frontend.server import build_app
 from tokenmill.frontend.tokenizer import load_tokenizer
-from tokenmill.config import EngineConfig, ModelConfig, replace
-from tests.helpers.frontend_fakes import FakeEngine, rejected
 from tokenmill.messages import EngineRequest, RequestOutput
 from tokenmill.scheduler.scheduler import Rejection
 

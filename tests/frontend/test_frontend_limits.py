@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
-
 from tokenmill.config import ServerConfig
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.limits import json_depth_exceeds

@@ -6,13 +6,11 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests.helpers.frontend_fakes import rejected
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
-
 from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.messages import EngineRequest, SamplingParams, SchedulerMessage, StepOutputs, decoder, encode
 from tokenmill.scheduler.scheduler import Rejection, Scheduler
-
-from tests.helpers.frontend_fakes import rejected
 
 OVERLOADED = "The server is overloaded: 7 requests are already waiting; retry later."
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
-
 from tokenmill.frontend.logprobs import TokenTexts
 from tokenmill.frontend.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
 from tokenmill.messages import PromptLogprobs

@@ -14,7 +14,6 @@ from openai.types.responses import Response
 
 from tests.helpers.frontend_fakes import EOS_ID
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
-
 from tokenmill.frontend.tokenizer import encode_text
 
 REPLY = "Hello there! 😀 Naïve café."

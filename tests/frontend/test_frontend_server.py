@@ -10,10 +10,9 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.helpers.frontend_fakes import EOS_ID
+from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 from tokenmill.config import replace
 from tokenmill.messages import SchedulerStats
-from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
-
 
 # ------------------------------------------------------------------------------------------ completions
 

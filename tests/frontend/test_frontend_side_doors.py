@@ -13,15 +13,15 @@ import time
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer, make_mocked_request
+
 from tests.helpers.frontend_fakes import FakeEngine
 from tests.helpers.frontend_server import async_test
+from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.frontend.dashboard import COOKIE_NAME
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.offload import Offload
 from tokenmill.frontend.redaction import RedactingAccessLogger, without_addresses
 from tokenmill.frontend.server import CONTEXT_KEY, build_app
-
-from tokenmill.config import EngineConfig, ServerConfig
 
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

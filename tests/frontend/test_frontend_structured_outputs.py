@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
-
 from tokenmill.messages import StructuredOutputsParams
 
 HI = [{"role": "user", "content": "Hi"}]

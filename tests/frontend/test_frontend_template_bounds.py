@@ -8,8 +8,8 @@ import tracemalloc
 
 import jinja2
 import pytest
-from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 
+from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 from tokenmill.frontend.chat_template import (
     ChatTemplate,
     RenderLimitError,

@@ -7,13 +7,13 @@ import os
 
 import pytest
 
+from tests.helpers.frontend_fakes import FakeEngine
+from tokenmill.config import EngineConfig, replace
 from tokenmill.frontend.context import ServingContext
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.protocol import ChatMessage
 from tokenmill.frontend.serving_chat import chat_prompt_ids
 from tokenmill.frontend.tokenizer import load_tokenizer, read_chat_template, render_chat
-from tests.helpers.frontend_fakes import FakeEngine
-from tokenmill.config import EngineConfig, replace
 
 STRICT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"

@@ -10,10 +10,9 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
-from tests.helpers.frontend_fakes import EOS_ID
 from tests.helpers.chat_templates import HERMES_TOOL_TEMPLATE
-
+from tests.helpers.frontend_fakes import EOS_ID
+from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 from tokenmill.config import replace
 from tokenmill.frontend.reasoning_parsers import end_marker_ids, get_reasoning_parser
 

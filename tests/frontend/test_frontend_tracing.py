@@ -10,11 +10,11 @@ import logging
 
 import aiohttp
 from aiohttp.test_utils import TestServer
-from tests.helpers.frontend_fakes import FakeEngine
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.helpers.frontend_fakes import FakeEngine
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.frontend.server import build_app
 from tokenmill.frontend.tracing import MISSING_EXTRA, missing_tracing_extra

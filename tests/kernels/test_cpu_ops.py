@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.kernels_testutil import make_paged_cache
 from tokenmill.kernels import cpu_ops
 from tokenmill.kernels.paged_attention import paged_attention_decode_ref
-from tests.helpers.kernels_testutil import make_paged_cache
 from tokenmill.workers.attention import write_kv_torch
 from tokenmill.workers.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 

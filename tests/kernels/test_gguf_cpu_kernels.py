@@ -27,9 +27,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import quants as gguf_quants
 
-from tokenmill.kernels import cpu_ops, gguf_ops
-
 from tests.helpers.gguf_kernels import Q, check, check_float, needs_kernels, random_blocks
+from tokenmill.kernels import cpu_ops, gguf_ops
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 BATCHES = [1, 2, 3, 7, 32, 64]

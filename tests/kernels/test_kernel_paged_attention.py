@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.kernels_testutil import make_paged_cache
 from tokenmill.kernels import paged_attention
 from tokenmill.kernels.paged_attention import (
     paged_attention_decode,
@@ -13,7 +14,6 @@ from tokenmill.kernels.paged_attention import (
     paged_attention_prefill,
     paged_attention_prefill_ref,
 )
-from tests.helpers.kernels_testutil import make_paged_cache
 
 TOLERANCES = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.kernels_testutil import make_paged_cache, poison_blocks_before_windows
 from tokenmill.kernels import cpu_ops
 from tokenmill.kernels.paged_attention import (
     paged_attention_decode,
@@ -18,7 +19,6 @@ from tokenmill.kernels.paged_attention import (
     paged_attention_prefill,
     paged_attention_prefill_ref,
 )
-from tests.helpers.kernels_testutil import make_paged_cache, poison_blocks_before_windows
 
 NUM_KV_HEADS = 2
 ATOL = RTOL = 1e-4

@@ -1,7 +1,6 @@
 """Unit tests of the KV cache manager: slot allocation, prefix lookup rules, caching computed blocks, freeing."""
 
 from tests.helpers.sched_testing import make_request
-
 from tokenmill.scheduler import kv_cache_manager
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.request import Request

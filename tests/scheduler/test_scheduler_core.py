@@ -3,6 +3,7 @@ prefix-cache reuse, embeddings and stats."""
 
 import msgspec
 import pytest
+
 from tests.helpers.sched_testing import (
     EOS,
     FakeWorker,
@@ -12,9 +13,8 @@ from tests.helpers.sched_testing import (
     scheduled_tokens,
     step,
 )
-
-from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.messages import StepResult
+from tokenmill.scheduler.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks: int = 64, **config) -> tuple[Scheduler, FakeWorker]:

@@ -2,10 +2,10 @@
 running or waiting, within one step; --max-queue-time refuses a request that never started, holding no blocks."""
 
 import msgspec
-from tests.helpers.sched_testing import EOS, FakeClock, FakeWorker, make_config, make_request, step
-from tokenmill.scheduler.scheduler import Scheduler
 
+from tests.helpers.sched_testing import EOS, FakeClock, FakeWorker, make_config, make_request, step
 from tokenmill.config import SchedulerConfig
+from tokenmill.scheduler.scheduler import Scheduler
 
 
 def make_scheduler(

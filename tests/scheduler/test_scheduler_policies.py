@@ -2,6 +2,7 @@
 SJF ageing (long jobs are not starved by a stream of short ones)."""
 
 import pytest
+
 from tests.helpers.sched_testing import (
     EOS,
     FakeClock,
@@ -12,7 +13,6 @@ from tests.helpers.sched_testing import (
     scheduled_tokens,
     step,
 )
-
 from tokenmill.scheduler.policy import SjfPolicy, make_policy
 from tokenmill.scheduler.scheduler import Scheduler
 

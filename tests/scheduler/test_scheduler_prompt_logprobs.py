@@ -3,7 +3,6 @@ position has a hidden state to score), still feed it, leak no blocks, and get th
 output only."""
 
 from tests.helpers.sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
-
 from tokenmill.messages import PromptLogprobs, StepResult
 from tokenmill.scheduler.scheduler import Scheduler
 

@@ -19,8 +19,8 @@ import random
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from tests.helpers.sched_testing import EOS, FakeWorker, make_config, make_request, scheduled_tokens
 
+from tests.helpers.sched_testing import EOS, FakeWorker, make_config, make_request, scheduled_tokens
 from tokenmill.scheduler.kv_cache_manager import cdiv
 from tokenmill.scheduler.request import RequestStatus
 from tokenmill.scheduler.scheduler import Scheduler

@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 
 from tests.helpers.sched_testing import EOS, make_request
+from tests.helpers.spec_decode_testing import NGRAM, PROMPT, TARGET, SpecFakeWorker, make_scheduler, run
 from tokenmill.config import SpeculativeConfig
 from tokenmill.messages import StructuredOutputsParams
 from tokenmill.scheduler.ngram_proposer import NgramProposer, TokenBuffer
 from tokenmill.speculative import parse_speculative_config
-from tests.helpers.spec_decode_testing import NGRAM, PROMPT, TARGET, make_scheduler, run, SpecFakeWorker
-
 
 # ---------------------------------------------------------------- config
 

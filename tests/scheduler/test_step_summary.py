@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from tests.helpers.sched_testing import FakeClock, FakeWorker, make_config, make_request, step
+from tokenmill.messages import SchedulerMessage, StepSummary, decoder, encode
 from tokenmill.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BlockPool
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.scheduler.step_summary import (
@@ -17,8 +19,6 @@ from tokenmill.scheduler.step_summary import (
     request_color,
     split_tokens,
 )
-from tokenmill.messages import SchedulerMessage, StepSummary, decoder, encode
-from tests.helpers.sched_testing import FakeClock, FakeWorker, make_config, make_request, step
 
 
 class Clock:

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.helpers.draft_checkpoints import write_first_layers_checkpoint
-from tests.helpers.spec_decode_runs import RUNNER_BLOCKS, generate, requests
 from tests.helpers.server import free_port
+from tests.helpers.spec_decode_runs import RUNNER_BLOCKS, generate, requests
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.messages import StepPlan, WorkerCommand, decoder, encode
 from tokenmill.model_source import ModelSourceError, resolve_config

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tokenmill.workers.models.bert import BertEmbeddingModel
 from tokenmill.pooling_config import PoolingConfig, check_dimensions, load_pooling_config
+from tokenmill.workers.models.bert import BertEmbeddingModel
 from tokenmill.workers.pooling import pool, truncate_embeddings
 
 CPU = torch.device("cpu")

@@ -15,8 +15,8 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelCon
 from tokenmill.frontend.tokenizer import load_tokenizer
 from tokenmill.model_source import resolve_config
 from tokenmill.workers.model_loader import iter_weights
-from tokenmill.workers.worker import Worker
 from tokenmill.workers.models.registry import model_class
+from tokenmill.workers.worker import Worker
 
 PROMPTS = [
     "The capital of France is",

@@ -22,9 +22,9 @@ from tests.helpers.runner_driver import logits_in_chunks
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.kernels import gguf_ops
 from tokenmill.workers.model_loader import iter_weights
-from tokenmill.workers.worker import Worker
 from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.quantization.gguf import GGUFWeight
+from tokenmill.workers.worker import Worker
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 896, 4864, 14, 2, 64, 2, 512
 QK_K = 256

@@ -13,8 +13,8 @@ from tests.helpers.tiny_models import TINY_CONFIGS
 from tokenmill.config import ModelConfig
 from tokenmill.workers.model_loader import iter_weights
 from tokenmill.workers.models.layers import TensorParallel, rope_inverse_frequencies
-from tokenmill.workers.models.rope import rope_parameters
 from tokenmill.workers.models.registry import architecture_of, model_class
+from tokenmill.workers.models.rope import rope_parameters
 
 CPU = torch.device("cpu")
 

@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.runner_driver import make_runner
 from tokenmill.workers.models.layers import GateUpLinear, LMHead, QKVLinear, RowParallelLinear
 from tokenmill.workers.models.packed_linear import can_pack, linear, packed
-
-from tests.helpers.runner_driver import make_runner
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 

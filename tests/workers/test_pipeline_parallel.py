@@ -59,7 +59,8 @@ def test_micro_batches_are_contiguous_non_empty_and_about_even():
 
 
 def test_parallel_sizes_are_checked_naming_the_field():
-    from tokenmill.config import EngineConfig, ModelConfig as Model, ParallelConfig
+    from tokenmill.config import EngineConfig, ParallelConfig
+    from tokenmill.config import ModelConfig as Model
     from tokenmill.launcher import check_parallel_config
 
     with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):

@@ -7,6 +7,7 @@ import socket
 import threading
 
 import psutil
+
 from tokenmill.workers.rendezvous import rendezvous_store
 
 

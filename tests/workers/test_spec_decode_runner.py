@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
+from tests.helpers.spec_decode_runs import CODE, RUNNER_BLOCKS, generate
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.messages import EngineRequest, SamplingParams
 from tokenmill.workers.worker import Worker
-from tests.helpers.spec_decode_runs import CODE, RUNNER_BLOCKS, generate
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
 

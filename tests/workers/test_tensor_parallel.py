@@ -3,7 +3,6 @@ the full logits."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -10,11 +10,11 @@ import torch
 
 from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
 from tests.helpers.runner_driver import logits_in_chunks, run_greedy
+from tests.helpers.triton_runner import BLOCK_SIZE, CHUNKS, NUM_BLOCKS, make_runner
 from tokenmill.workers import backends, worker
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tokenmill.workers.triton_backend import TritonAttentionBackend
-from tests.helpers.triton_runner import BLOCK_SIZE, CHUNKS, NUM_BLOCKS, make_runner
 
 
 @pytest.fixture

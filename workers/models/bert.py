@@ -14,8 +14,8 @@ token_type_id is 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +56,7 @@ class PackedAttentionLayout:
     max_len: int
 
     @classmethod
-    def build(
-        cls, query_start_loc: torch.Tensor, num_tokens: int, padded: bool | None = None
-    ) -> "PackedAttentionLayout":
+    def build(cls, query_start_loc: torch.Tensor, num_tokens: int, padded: bool | None = None) -> PackedAttentionLayout:
         """`padded` forces a layout (tests); None picks the cheaper one."""
         starts = query_start_loc.to(torch.int64)
         lengths = starts[1:] - starts[:-1]

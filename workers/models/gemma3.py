@@ -17,8 +17,8 @@ Parameter names follow the HF checkpoints (`model.layers.N...`), with q/k/v and 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
-from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +36,9 @@ from tokenmill.workers.models.layers import (
     TensorParallel,
     VocabEmbedding,
 )
-from tokenmill.workers.models.rope import rope_parameters
 from tokenmill.workers.models.llama import PagedCausalLM, fused_projection_target, load_hf_weights
 from tokenmill.workers.models.packed_linear import linear
+from tokenmill.workers.models.rope import rope_parameters
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ whose parts come some quantized and some dense dequantizes the quantized ones in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tokenmill.workers.backends import layer_ops
-from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 from tokenmill.workers.models import rope as _rope
+from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 from tokenmill.workers.quantization.base import QuantizedWeight, fuse_rows
 
 
@@ -123,7 +124,7 @@ def set_weight(module: nn.Module, weight: nn.Module | nn.Parameter) -> None:
     module._modules.pop("weight", None)
     if dense is not None and isinstance(weight, nn.Module):
         weight = weight.to(dense.device)  # checkpoint readers build quantized weights on the CPU
-    setattr(module, "weight", weight)
+    module.weight = weight
 
 
 class FusedRowsLoad:
@@ -465,7 +466,7 @@ class RotaryEmbedding(nn.Module):
         self.num_positions = max_model_len or max_position_embeddings
         self._cos_sin_table: torch.Tensor | None = None
 
-    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
         """The rotation of one step's positions: cos/sin for the torch code, or the kernel's table lookup."""
         kernel = layer_ops(positions.device.type).rotary
         if kernel is None:

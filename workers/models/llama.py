@@ -13,8 +13,7 @@ that q/k/v and gate/up are fused into single matmuls at load time (`qkv_proj`, `
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +34,6 @@ from tokenmill.workers.models.layers import (
 )
 from tokenmill.workers.models.pipeline import MissingLayer, PipelineStage
 from tokenmill.workers.models.rope import rope_parameters
-
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

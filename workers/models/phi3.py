@@ -9,7 +9,7 @@ scaling (Phi-3-*-128k, Phi-4-mini) come from the shared rotary embedding (`worke
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

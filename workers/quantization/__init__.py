@@ -7,7 +7,7 @@ does its own matmul; `packed_linear.linear` dispatches to it, so the model code 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

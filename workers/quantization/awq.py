@@ -7,7 +7,7 @@ qzeros int32 `[in/G, out/8]` packed the same way (absent with `zero_point: false
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -77,7 +77,7 @@ class AWQWeight(QuantizedWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return awq_dequantize_ref(self.qweight, self.qzeros, self.scales, self.group_size, dtype).T.contiguous()
 
-    def rows(self, start: int, count: int) -> "AWQWeight":
+    def rows(self, start: int, count: int) -> AWQWeight:
         zeros = None if self.qzeros is None else slice_packed_columns(self.qzeros, start, count, AWQ_ORDER)
         return AWQWeight(
             slice_packed_columns(self.qweight, start, count, AWQ_ORDER),
@@ -86,7 +86,7 @@ class AWQWeight(QuantizedWeight):
             self.group_size,
         )
 
-    def cols(self, start: int, count: int) -> "AWQWeight":
+    def cols(self, start: int, count: int) -> AWQWeight:
         groups = group_range(start, count, self.group_size, "AWQ cols")
         zeros = None if self.qzeros is None else self.qzeros[groups].contiguous()
         return AWQWeight(
@@ -94,7 +94,7 @@ class AWQWeight(QuantizedWeight):
         )
 
     @classmethod
-    def concat_rows(cls, parts: list["AWQWeight"]) -> "AWQWeight | None":
+    def concat_rows(cls, parts: list[AWQWeight]) -> AWQWeight | None:
         first = parts[0]
         if any(
             p.group_size != first.group_size

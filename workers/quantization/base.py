@@ -47,16 +47,16 @@ class QuantizedWeight(nn.Module):
         """Reorder the data in place for this machine's matmul kernel, once loading is done (a no-op unless the
         format has such a layout: GGUF's repacking). Every method keeps working on the result."""
 
-    def rows(self, start: int, count: int) -> "QuantizedWeight":
+    def rows(self, start: int, count: int) -> QuantizedWeight:
         """Output rows [start, start + count)."""
         raise NotImplementedError
 
-    def cols(self, start: int, count: int) -> "QuantizedWeight":
+    def cols(self, start: int, count: int) -> QuantizedWeight:
         """Input columns [start, start + count); ValueError when they do not fall on the format's group boundaries."""
         raise NotImplementedError
 
     @classmethod
-    def concat_rows(cls, parts: list["QuantizedWeight"]) -> "QuantizedWeight | None":
+    def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         """One weight whose rows are the parts' rows in order, or None when these parts cannot be fused."""
         return None
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Iterable, Iterator, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 

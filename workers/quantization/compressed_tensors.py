@@ -16,7 +16,7 @@ it ("Linear", a layer name, or "re:<regex>"); other schemes (int8, 2:4 sparsity,
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

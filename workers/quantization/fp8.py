@@ -10,7 +10,7 @@ quantization). Block-scaled FP8 (`weight_block_size`, DeepSeek-style) is not sup
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -56,15 +56,15 @@ class FP8Weight(QuantizedWeight):
         scale = weight_scale_per_row(self.weight_scale, self.out_features).to(compute)
         return (self.weight.to(compute) * scale[:, None]).to(dtype)
 
-    def rows(self, start: int, count: int) -> "FP8Weight":
+    def rows(self, start: int, count: int) -> FP8Weight:
         scale = self.weight_scale[start : start + count] if self.per_channel else self.weight_scale
         return FP8Weight(self.weight[start : start + count], scale, self.input_scale)
 
-    def cols(self, start: int, count: int) -> "FP8Weight":
+    def cols(self, start: int, count: int) -> FP8Weight:
         return FP8Weight(self.weight[:, start : start + count], self.weight_scale, self.input_scale)
 
     @classmethod
-    def concat_rows(cls, parts: list["FP8Weight"]) -> "FP8Weight | None":
+    def concat_rows(cls, parts: list[FP8Weight]) -> FP8Weight | None:
         first = parts[0]
         if any(
             p.in_features != first.in_features or (p.input_scale is None) != (first.input_scale is None) for p in parts

@@ -131,7 +131,7 @@ class GGUFWeight(QuantizedWeight):
         rows = _ops().dequantize_rows(selected, self.qtype, selected.shape[0], self.in_features)
         return rows.to(dtype).view(*ids.shape, self.in_features)
 
-    def rows(self, start: int, count: int) -> "GGUFWeight":
+    def rows(self, start: int, count: int) -> GGUFWeight:
         if start < 0 or count < 0 or start + count > self.out_features:
             raise ValueError(f"rows [{start}, {start + count}) out of range for {self.out_features} rows")
         if start == 0 and count == self.out_features:
@@ -148,11 +148,11 @@ class GGUFWeight(QuantizedWeight):
             )
         return GGUFWeight(self.blocks[start : start + count].clone(), self.qtype, count, self.in_features)
 
-    def permute_rows(self, order: torch.Tensor) -> "GGUFWeight":
+    def permute_rows(self, order: torch.Tensor) -> GGUFWeight:
         """Row i of the result is row `order[i]` of this weight (exact: rows are independent)."""
         return GGUFWeight(self.plain_blocks()[order], self.qtype, self.out_features, self.in_features)
 
-    def cols(self, start: int, count: int) -> "GGUFWeight":
+    def cols(self, start: int, count: int) -> GGUFWeight:
         if start < 0 or count <= 0 or start + count > self.in_features:
             raise ValueError(f"columns [{start}, {start + count}) out of range for {self.in_features} columns")
         if start % self.block_size or count % self.block_size:
@@ -166,7 +166,7 @@ class GGUFWeight(QuantizedWeight):
         return GGUFWeight(self.plain_blocks()[:, first:end].contiguous(), self.qtype, self.out_features, count)
 
     @classmethod
-    def concat_rows(cls, parts: list["GGUFWeight"]) -> "GGUFWeight | None":
+    def concat_rows(cls, parts: list[GGUFWeight]) -> GGUFWeight | None:
         """One weight when every part has the same block type and width; None (stack them) otherwise, as a Q4_K_M
         file's Q4_K and Q6_K projections of one layer."""
         first = parts[0]

@@ -11,14 +11,14 @@ symmetric int4, `compressed_tensors.py`) the codes are offset by 8.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.int4_gemm import PLAIN_ORDER, gptq_dequantize_ref
-from tokenmill.workers.quantization.awq import group_range, slice_packed_columns
 from tokenmill.workers.model_loader import safetensors_files
+from tokenmill.workers.quantization.awq import group_range, slice_packed_columns
 from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.quantization.checkpoint import int4_config, iter_grouped_tensors, quantization_config
 
@@ -79,7 +79,7 @@ class GPTQWeight(QuantizedWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._dense(dtype).T.contiguous()
 
-    def rows(self, start: int, count: int) -> "GPTQWeight":
+    def rows(self, start: int, count: int) -> GPTQWeight:
         zeros = None if self.qzeros is None else slice_packed_columns(self.qzeros, start, count, PLAIN_ORDER)
         return GPTQWeight(
             self.qweight[:, start : start + count].contiguous(),
@@ -90,7 +90,7 @@ class GPTQWeight(QuantizedWeight):
             self.zero_offset,
         )
 
-    def cols(self, start: int, count: int) -> "GPTQWeight":
+    def cols(self, start: int, count: int) -> GPTQWeight:
         if start % 8 or count % 8:
             raise ValueError(
                 f"GPTQ cols: input columns [{start}, {start + count}) are not on the packing's 8-row boundaries"
@@ -110,7 +110,7 @@ class GPTQWeight(QuantizedWeight):
         return GPTQWeight(qweight, zeros, self.scales[groups].contiguous(), self.group_size, None, self.zero_offset)
 
     @classmethod
-    def concat_rows(cls, parts: list["GPTQWeight"]) -> "GPTQWeight | None":
+    def concat_rows(cls, parts: list[GPTQWeight]) -> GPTQWeight | None:
         first = parts[0]
         for p in parts:
             same_g_idx = (p.g_idx is None and first.g_idx is None) or (
