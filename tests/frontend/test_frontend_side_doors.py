@@ -33,6 +33,7 @@ KEYED = [
     ("GET", "/v1/models", None),
     ("GET", "/debug/steps?limit=1", None),
     ("GET", "/dashboard", None),
+    ("GET", "/load", None),
 ]
 
 
@@ -56,13 +57,13 @@ async def status_of(
 
 
 @async_test
-async def test_only_health_and_ping_are_open(smollm2_model, tokenizer):
+async def test_only_health_ready_and_ping_are_open(smollm2_model, tokenizer):
     async with serving(smollm2_model, tokenizer, api_key=KEY) as (server, http):
         for method, path, body in KEYED:
             assert await status_of(http, server, method, path, body) == 401, path
             assert await status_of(http, server, method, path, body, {"Authorization": "Bearer nope"}) == 401, path
             assert await status_of(http, server, method, path, body, AUTH) == 200, path
-        for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+        for method, path in (("GET", "/health"), ("GET", "/ready"), ("GET", "/ping"), ("POST", "/ping")):
             assert await status_of(http, server, method, path) == 200, path
 
 
