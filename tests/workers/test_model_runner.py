@@ -81,9 +81,9 @@ def test_block_size_16_and_long_decode(tiny_checkpoint):
 def test_garbage_in_a_fresh_cache_never_reaches_the_output(tiny_checkpoint, monkeypatch):
     path, hf_model = tiny_checkpoint("llama")
     runner = make_runner(path)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-    runner.allocate_kv_cache(NUM_BLOCKS)  # as if torch.empty had returned memory full of NaN bits
+    real_zeros = torch.zeros  # the pool is zero-filled at allocation; a block is zeroed again on first use
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, **k).fill_(float("nan")))
+    runner.allocate_kv_cache(NUM_BLOCKS)  # as if the allocation had left memory full of NaN bits
     monkeypatch.undo()
     assert torch.isnan(runner.kv_caches[0][0][1:]).all()
     prompts = prompts_for(hf_model.config.vocab_size)
