@@ -108,18 +108,18 @@ def decode_step_seconds(runner, names: list[str], batch_size: int, context_len: 
         for k_cache, v_cache in runner.kv_caches:
             for cache in (k_cache, v_cache):
                 cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))
-        caches[name] = runner.kv_caches
+        caches[name] = runner.kv_cache  # the Worker's PagedKVCache: `runner.kv_caches` reads its layers
     tables = 1 + np.arange(batch_size * blocks_each).reshape(batch_size, blocks_each)
     input_ids = torch.randint(100, 20_000, (batch_size,), generator=generator)
     query_lens, seq_lens = np.ones(batch_size, dtype=np.int64), np.full(batch_size, context_len + 1)
     times = {name: [] for name in names}
     for _ in range(steps + 1):  # the first round warms up
         for name in names:
-            runner.kv_caches = caches[name]
+            runner.kv_cache = caches[name]
             started = time.perf_counter()
             forward(runner, input_ids, query_lens, seq_lens, tables)
             times[name].append(time.perf_counter() - started)
-    runner.kv_caches = []
+    runner.kv_cache = None
     return {name: float(np.median(t[1:])) for name, t in times.items()}
 
 

@@ -1,10 +1,13 @@
 """The prepared run on a lent GPU (issue 26 item 8, run by issue 27): one command, about 8 minutes on an H100,
 writing gpu_check.json and gpu_check.md (and gpu_check.log) under $OUT (or --out DIR), the report printed last.
 
-The `device` tool call, to copy as it is (first, here, once: `bash scripts/gpu_wheels.sh` fills the ignored .whl/
-with the four wheels the GPU machine lacks). kind: left out (an H100); carry: [".whl"]; timeout_s: 540; command:
+The `run` tool call, to copy as it is (first, here, once: `bash scripts/gpu_wheels.sh` fills the ignored .whl/ with
+the four wheels the GPU machine lacks). kind: left out (an H100; an H200 when none is free); carry: [".whl"];
+timeout_s: 540; command (three lines, as they are):
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1; python3 scripts/gpu_check.py --out $OUT
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site || exit
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1; python3 scripts/gpu_check.py --out $OUT
 
 The sections share 470 s, so with the machine's start the call ends in about 9 minutes and leaves some of the 15
 device-minutes for a rerun of what failed: the same command with `--only correctness,memory` (say) appended. Call

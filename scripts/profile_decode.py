@@ -20,13 +20,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from benchlib.stats import summarize
 
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.workers.attention import AttentionBackend
+    from tokenmill.workers.worker import Worker
 
-def build_runner(model: str, dtype: str, num_blocks: int, block_size: int, quantization: str | None = None):
+
+def build_runner(
+    model: str, dtype: str, num_blocks: int, block_size: int, quantization: str | None = None
+) -> tuple[Worker, EngineConfig]:
+    """A loaded `Worker` (the engine's in-process forward, sampler and KV cache) with `num_blocks` KV blocks."""
     from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
     from tokenmill.model_source import resolve_config
     from tokenmill.workers.worker import Worker
@@ -46,7 +55,7 @@ def build_runner(model: str, dtype: str, num_blocks: int, block_size: int, quant
 class DecodeDriver:
     """Prefills every prompt in one step, then runs one decode step (a token per request) per `step()` call."""
 
-    def __init__(self, runner, prompts: list[list[int]], max_steps: int, block_size: int) -> None:
+    def __init__(self, runner: Worker, prompts: list[list[int]], max_steps: int, block_size: int) -> None:
         from tokenmill.messages import NewRequestData, SamplingParams, StepPlan
 
         greedy = SamplingParams(max_tokens=max_steps + 1, temperature=0.0, ignore_eos=True)
@@ -116,7 +125,9 @@ def label_cpu_kernels() -> None:
     backends.device_kernels = lambda device_type: labelled_kernels  # this script runs on the CPU only
 
 
-def one_request_forward(runner, backend, blocks: np.ndarray, start: int, num_tokens: int) -> None:
+def one_request_forward(
+    runner: Worker, backend: AttentionBackend, blocks: np.ndarray, start: int, num_tokens: int
+) -> None:
     """A forward and the logits of `num_tokens` random query tokens of one request at positions [start, start +
     num_tokens), its KV in `blocks` ([1, n] block ids; keep block 0, the runner's padding block, out)."""
     from tokenmill.workers.attention import build_attention_metadata
@@ -133,7 +144,7 @@ def one_request_forward(runner, backend, blocks: np.ndarray, start: int, num_tok
 
 
 def verification_step_times(
-    runner, context_len: int, query_tokens: list[int], steps: int, rounds: int = 2
+    runner: Worker, context_len: int, query_tokens: list[int], steps: int, rounds: int = 2
 ) -> dict[str, dict[int, tuple[float, float]]]:
     """{mode: {T: (median step ms, median attention ms)}} for forwards of T query tokens of one request after
     `context_len` cached ones (the request's later tokens overwrite the same slots step after step). Modes: on the
@@ -187,7 +198,7 @@ def verification_step_times(
     return results
 
 
-def transformers_step_time(config, batch_size: int, context_len: int, repeats: int = 3) -> float:
+def transformers_step_time(config: EngineConfig, batch_size: int, context_len: int, repeats: int = 3) -> float:
     """Best time of one transformers decode forward at the same batch and context (DynamicCache, no padding)."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -198,7 +209,7 @@ def transformers_step_time(config, batch_size: int, context_len: int, repeats: i
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(ids, past_key_values=cache, use_cache=True)
-        for step in range(repeats):
+        for _ in range(repeats):
             started = time.perf_counter()
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
             best = min(best, time.perf_counter() - started)

@@ -3,9 +3,10 @@
 Per model (SmolLM2-135M's and Qwen2.5-0.5B's configs, random bf16 weights): 256 requests of 128 prompt and 128
 output tokens (ignore_eos) through one `LLM.generate`, then the same requests through transformers `generate` in
 static batches of 256 (same weights and dtype; `scripts/benchlib/hf_baseline.py`). The engine's own step timings
-give the scheduling time per step outside the worker's forward. Then the worker's `ModelRunner`, in this process,
-runs decode steps at batch 256 under torch.profiler: per step, the host wall time, the time kernels kept the GPU
-busy (the union of kernel intervals) and so the GPU idle share.
+give the scheduling time per step outside the worker's forward. Then a `Worker` (`workers/worker.py`), in this
+process, with its decode CUDA graphs captured, runs decode steps at batch 256 under torch.profiler
+(`scripts/profile_decode.py`'s driver): per step, the host wall time, the time kernels kept the GPU busy (the union of
+kernel intervals) and so the GPU idle share.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def profiled_decode_steps(ctx: CheckContext, path: str, batch: int, context: int) -> dict:
-    """Decode steps of the worker's runner at `batch` under torch.profiler: host ms per step, GPU busy and idle."""
+    """Decode steps of a `Worker` at `batch` under torch.profiler: host ms per step, GPU busy and idle."""
     import torch
     from profile_decode import DecodeDriver, build_runner
 

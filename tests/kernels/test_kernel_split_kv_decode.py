@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testutil import make_paged_cache
 
+from tests.helpers.kernels_testutil import make_paged_cache
 from tokenmill.kernels import split_kv_decode as split_kv
 from tokenmill.kernels.paged_attention import paged_attention_decode
 from tokenmill.kernels.split_kv_decode import choose_num_splits, decode_tile_shape, split_kv_decode, split_kv_decode_ref

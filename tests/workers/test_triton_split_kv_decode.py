@@ -10,7 +10,7 @@ import torch
 from tokenmill.kernels import split_kv_decode as split_kv
 from tokenmill.kernels.paged_attention import paged_attention_prefill
 from tokenmill.workers import triton_backend
-from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.attention import AttentionLayer, build_attention_metadata
 from tokenmill.workers.triton_backend import TritonAttentionBackend, paged_attention_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # real Triton on a GPU, else interpreted
@@ -56,7 +56,7 @@ def test_decode_steps_split_long_contexts_and_match_the_prefill_kernel(monkeypat
     monkeypatch.setattr(triton_backend, "device_sm_count", lambda device: 132)
     query, k_cache, v_cache, metadata = decode_step([700, 9])
     assert metadata.is_decode_only
-    out = paged_attention_triton(query, k_cache, v_cache, metadata, HEAD_DIM**-0.5, sliding_window=window)
+    out = paged_attention_triton(query, k_cache, v_cache, metadata, AttentionLayer(HEAD_DIM**-0.5, window))
     # 2 sequences x 2 kv heads on 132 SMs: split to ~2 programs an SM, at most one split per 256 visible keys
     assert splits_used == [3 if window is None else 2]
     # A decode token is also a one-query prefill sequence: the prefill kernel gives the same attention.
@@ -76,7 +76,7 @@ def test_decode_steps_split_long_contexts_and_match_the_prefill_kernel(monkeypat
 def test_batches_that_fill_the_device_are_not_split(monkeypatch, splits_used):
     monkeypatch.setattr(triton_backend, "device_sm_count", lambda device: 4)
     query, k_cache, v_cache, metadata = decode_step([700, 9])
-    paged_attention_triton(query, k_cache, v_cache, metadata, HEAD_DIM**-0.5)
+    paged_attention_triton(query, k_cache, v_cache, metadata, AttentionLayer(HEAD_DIM**-0.5))
     assert splits_used == [1]
 
 
