@@ -2,9 +2,9 @@
 
 A request's n choices run as `choice_requests` (tokenmill/messages.py) say. Each engine step's `RequestOutput` for a
 choice is folded by `next_delta` into a `ChoiceDelta`: the text its detokenizer releases, and, on the choice's last
-step, why it finished. That is the one place finish and stop reasons are decided: a stop string ends the choice with finish_reason "stop" and the string as stop_reason; otherwise
-the engine's reason stands, with the stop token id as stop_reason (None for EOS, as vLLM). `CompletionOutput` (vLLM's
-name) folds a choice's deltas into the whole choice.
+step, why it finished. That is the one place finish and stop reasons are decided: a stop string ends the choice with
+finish_reason "stop" and the string as stop_reason; otherwise the engine's reason stands, with the stop token id as
+stop_reason (None for EOS, as vLLM). `CompletionOutput` (vLLM's name) folds a choice's deltas into the whole choice.
 """
 
 from __future__ import annotations

@@ -120,7 +120,9 @@ async def create_response(ctx: ServingContext, http_request: web.Request) -> web
     try:
         max_tokens = resolve_max_tokens(request.max_output_tokens, len(prompt_ids), ctx.max_model_len, "input")
     except APIError as exc:
-        raise APIError(exc.status, exc.message, "max_output_tokens" if exc.param == "max_tokens" else exc.param)
+        raise APIError(
+            exc.status, exc.message, "max_output_tokens" if exc.param == "max_tokens" else exc.param
+        ) from exc
     params = to_sampling_params(
         sampling,
         max_tokens=max_tokens,

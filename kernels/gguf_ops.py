@@ -9,16 +9,18 @@ summation order; slower at batch 1). The default is `TOKENMILL_GGUF_ACTIVATIONS`
 The library is built for the baseline of the architecture and picks its instruction set when loaded (AVX-512 VNNI,
 AVX2, NEON or portable C++); `TOKENMILL_CPU_ISA=scalar|avx2|avx512|neon` or `set_isa` forces a lower one.
 
-Repacking (the 32-wide types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): `repack_rows` reorders a weight's blocks so that each group of 8 output rows stores
-block b of its 8 rows together, scales side by side and quants interleaved in 4-byte groups (the layout is spelled
-out in gguf_cpu.cpp at `packed_rows`; the last `out_features % 8` rows stay plain), and `gguf_matmul(...,
-repacked=True)` runs the kernel for that layout: one vpdpbusd (AVX2: maddubs) yields 8 rows' partial dot products and
-the scales are applied once per 8 rows, several times faster than the plain kernel at 2-8 activation rows and faster
-at 1 (scripts/bench_gguf_kernels.py; batch-1 GEMV against the read bandwidth: scripts/bench_gguf_gemv.py). The same integer products, so the same int8 math; only the float summation
-order differs, and it does not depend on the batch (a row's result is the same bits alone or among others). `GGUFWeight.pack_for_matmul` repacks a loaded weight in place when `repack_wanted` says so: these
-types, the int8 activation mode, and an x86 version in use (AVX-512 VNNI or AVX2; the portable and NEON versions run
-the layout, correctly but without the gain, so they keep the plain one). `TOKENMILL_GGUF_REPACK=0` turns repacking
-off (the plain kernels run: the comparison baseline).
+Repacking (the 32-wide types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): `repack_rows` reorders a weight's blocks so that
+each group of 8 output rows stores block b of its 8 rows together, scales side by side and quants interleaved in 4-byte
+groups (the layout is spelled out in gguf_cpu.cpp at `packed_rows`; the last `out_features % 8` rows stay plain), and
+`gguf_matmul(..., repacked=True)` runs the kernel for that layout: one vpdpbusd (AVX2: maddubs) yields 8 rows' partial
+dot products and the scales are applied once per 8 rows, several times faster than the plain kernel at 2-8 activation
+rows and faster at 1 (scripts/bench_gguf_kernels.py; batch-1 GEMV against the read bandwidth:
+scripts/bench_gguf_gemv.py). The same integer products, so the same int8 math; only the float summation order differs,
+and it does not depend on the batch (a row's result is the same bits alone or among others).
+`GGUFWeight.pack_for_matmul` repacks a loaded weight in place when `repack_wanted` says so: these types, the int8
+activation mode, and an x86 version in use (AVX-512 VNNI or AVX2; the portable and NEON versions run the layout,
+correctly but without the gain, so they keep the plain one). `TOKENMILL_GGUF_REPACK=0` turns repacking off (the plain
+kernels run: the comparison baseline).
 
 Where the kernels cannot be built (no compiler) or `TOKENMILL_CPU_KERNELS=0`, `gguf_matmul` dequantizes the blocks
 with the `gguf` package and multiplies with torch: correct, much slower, and logged once.

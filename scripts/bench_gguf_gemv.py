@@ -214,7 +214,8 @@ def main() -> None:
                     mib = n * gguf_ops.row_bytes(int(GGMLQuantizationType[type_name]), k) / 2**20
                     print(
                         f"{isa:7} {model:13} {shape:8} {f'{n} x {k}':>12} {type_name:7} "
-                        f"{'repacked' if rates.repacked else 'plain':8} {mib:6.2f} {rates.stream_wall / 1e9:6.1f} {rates.gemv_wall / 1e9:6.1f} "
+                        f"{'repacked' if rates.repacked else 'plain':8} {mib:6.2f} "
+                        f"{rates.stream_wall / 1e9:6.1f} {rates.gemv_wall / 1e9:6.1f} "
                         f"{ratio:6.2f} {cpu_ratio:9.2f}",
                         flush=True,
                     )

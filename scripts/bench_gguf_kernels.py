@@ -115,7 +115,7 @@ def compare_repacked(args: argparse.Namespace, threads: int, rng: np.random.Gene
                 times = []
                 for pool, repacked in ((plain, False), (packed, True)):
                     wall, cpu = seconds_per_call(
-                        lambda i: gguf_ops.gguf_matmul(
+                        lambda i, x=x, pool=pool, qtype=qtype, n=n, k=k, repacked=repacked: gguf_ops.gguf_matmul(
                             x, pool[i], int(qtype), n, k, activations="int8", repacked=repacked
                         ),
                         copies,
@@ -190,12 +190,16 @@ def main() -> None:
                 times = {}
                 for mode in args.activations:
                     t1, c1 = seconds_per_call(
-                        lambda i: gguf_ops.gguf_matmul(x1, pool[i], int(qtype), n, k, activations=mode),
+                        lambda i, x1=x1, pool=pool, qtype=qtype, n=n, k=k, mode=mode: gguf_ops.gguf_matmul(
+                            x1, pool[i], int(qtype), n, k, activations=mode
+                        ),
                         copies,
                         args.seconds,
                     )
                     tb, cb = seconds_per_call(
-                        lambda i: gguf_ops.gguf_matmul(xb, pool[i], int(qtype), n, k, activations=mode),
+                        lambda i, xb=xb, pool=pool, qtype=qtype, n=n, k=k, mode=mode: gguf_ops.gguf_matmul(
+                            xb, pool[i], int(qtype), n, k, activations=mode
+                        ),
                         copies,
                         args.seconds,
                     )

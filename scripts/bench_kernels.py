@@ -104,8 +104,8 @@ def bench_decode(args, dtype: torch.dtype, peak: float | None) -> list[Result]:
         query = torch.randn(batch, args.num_q_heads, args.head_dim, dtype=dtype, device="cuda")
         call_args = (query, k_cache, v_cache, tables, seq_lens, args.head_dim**-0.5)
         matches = close(paged_attention_decode(*call_args), paged_attention_decode_ref(*call_args), dtype)
-        kernel_us = time_us(lambda: paged_attention_decode(*call_args), args.iters)
-        reference_us = time_us(lambda: paged_attention_decode_ref(*call_args), 3, warmup=1)
+        kernel_us = time_us(lambda call_args=call_args: paged_attention_decode(*call_args), args.iters)
+        reference_us = time_us(lambda call_args=call_args: paged_attention_decode_ref(*call_args), 3, warmup=1)
         kv_bytes = 2 * int(seq_lens.sum()) * args.num_kv_heads * args.head_dim * elem
         moved = kv_bytes + 2 * query.numel() * elem + tables.numel() * 4 + seq_lens.numel() * 4
         gbps = moved / kernel_us / 1e3
@@ -177,7 +177,8 @@ def bench_others(args, dtype: torch.dtype) -> list[Result]:
 def bench_quantized_gemm(args, dtype: torch.dtype, peak: float | None) -> list[Result]:
     """Weight-only int4 (AWQ, GPTQ, GPTQ act-order) and FP8 GEMMs on one `--gemm-k` x `--gemm-n` linear layer per
     batch size, against torch's dense matmul of the same (dequantized) weight. Bandwidth counts the bytes the kernel
-    must read (packed weights, scales, zeros, x, out): small batches are memory-bound, so that is the figure to watch."""
+    must read (packed weights, scales, zeros, x, out): small batches are memory-bound, so that is the figure to
+    watch."""
     from tokenmill.kernels.fp8_gemm import FP8_DTYPE, fp8_gemm, fp8_gemm_ref, pick_method
     from tokenmill.kernels.int4_gemm import awq_dequantize_ref, awq_gemm, gptq_dequantize_ref, gptq_gemm
 
@@ -231,7 +232,8 @@ def bench_quantized_gemm(args, dtype: torch.dtype, peak: float | None) -> list[R
             else:
                 check = close(kernel(x), x @ dense, dtype)
                 label = name
-            kernel_us, reference_us = time_us(lambda: kernel(x), args.iters), time_us(lambda: x @ dense, args.iters)
+            kernel_us = time_us(lambda kernel=kernel, x=x: kernel(x), args.iters)
+            reference_us = time_us(lambda x=x, dense=dense: x @ dense, args.iters)
             gbps = (weight_bytes + 2 * batch * (k + n) * x.element_size()) / kernel_us / 1e3
             results.append(
                 Result(

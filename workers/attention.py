@@ -8,8 +8,8 @@ quantizes on write and dequantizes what it reads; caches in the model's dtype ig
 
 Padding is read, then masked: decode chunks gather whole blocks (and block-table padding points at block 0), so
 every slot of a block that appears in a block table, and all of block 0, must hold finite values, since a masked
-NaN still poisons SDPA (0 * nan = nan). The worker's KV cache (`workers/kv_cache.py`) guarantees it by zeroing each block the first time it is
-handed out; after that a slot holds zeros or stale but finite keys and values.
+NaN still poisons SDPA (0 * nan = nan). The worker's KV cache (`workers/kv_cache.py`) guarantees it by zeroing
+each block the first time it is handed out; after that a slot holds zeros or stale but finite keys and values.
 
 `AttentionMetadata` is built once per step (`workers/step_inputs.py`) and shared by every layer; whatever can be
 precomputed for the whole step (decode chunks and masks, per-sequence causal masks) is built there, not per layer.

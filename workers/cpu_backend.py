@@ -1,4 +1,5 @@
-"""The CPU attention backend and layer ops (`workers/backends.py` picks them) when the compiled kernels of `kernels/cpu_ops.cpp` are available.
+"""The CPU attention backend and layer ops (`workers/backends.py` picks them) when the compiled kernels of
+`kernels/cpu_ops.cpp` are available.
 
 Sequences of up to `MAX_KERNEL_QUERY_LEN` query tokens (decode tokens, a speculative-decoding verification step's
 1 + k tokens, short prompts) attend straight from the KV blocks in one kernel call per layer (no gather, no masks;

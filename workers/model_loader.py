@@ -8,7 +8,8 @@ Quantized weights (`ModelConfig.quantization`, resolved by `model_source`): a GG
 weights of the CPU kernels' block types stay quantized on CPU (`GGUFWeight`); other block types, every GGUF weight
 on CUDA, and every weight under `--quantization none` are dequantized at load. AWQ/GPTQ/FP8/compressed-tensors
 checkpoints are read by their format's reader (`workers/quantization.CHECKPOINT_READERS`), dequantized under
-`--quantization none` and on CPU (they are GPU formats: the Triton kernels run only on CUDA). The models' `load` methods take a `QuantizedWeight` wherever they take a linear weight.
+`--quantization none` and on CPU (they are GPU formats: the Triton kernels run only on CUDA). The models' `load`
+methods take a `QuantizedWeight` wherever they take a linear weight.
 
 dtype rule (`ModelConfig.dtype`):
 - "float32" / "bfloat16" / "float16": used as given, on any device.

@@ -70,7 +70,7 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
     except Exception as exc:
         log.error("worker %d failed:\n%s", rank, traceback.format_exc())
         results.send(encode(WorkerError(rank, f"{type(exc).__name__}: {exc}")))
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     finally:
         ctx.destroy(linger=200)
 

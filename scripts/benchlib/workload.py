@@ -26,7 +26,9 @@ class LengthRange:
         try:
             bounds = cls(int(low), int(high or low))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a length like 128 or a range like 64:512, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a length like 128 or a range like 64:512, got {text!r}"
+            ) from None
         if bounds.low < 1 or bounds.high < bounds.low:
             raise argparse.ArgumentTypeError(f"expected 1 <= low <= high, got {text!r}")
         return bounds

@@ -135,7 +135,7 @@ def test_generation_endpoints_are_400_and_tokenize_works(server):
 def test_prompt_tokens_metric_counts_embedding_inputs(server, client):
     def prompt_tokens_total() -> float:
         metrics = requests.get(f"{server.url}/metrics", timeout=10).text
-        line = next(l for l in metrics.splitlines() if l.startswith("vllm:prompt_tokens_total{"))
+        line = next(row for row in metrics.splitlines() if row.startswith("vllm:prompt_tokens_total{"))
         return float(line.rsplit(" ", 1)[1])
 
     before = prompt_tokens_total()

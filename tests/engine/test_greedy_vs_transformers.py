@@ -8,12 +8,16 @@ and each scheduling policy.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
 from tests.helpers.reference import TEXTS, assert_greedy_match, complete_ids, hf_greedy_reference, load_reference_model
 from tests.helpers.server import Server
+
+if TYPE_CHECKING:
+    from tokenmill import LLM
 
 pytestmark = pytest.mark.slow
 

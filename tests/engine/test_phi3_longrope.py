@@ -2,9 +2,9 @@
 the real processes equal transformers' `generate` in float32, with chunked prefill and prefix caching on, and on two
 tensor-parallel ranks on CPU.
 
-The tiny checkpoint's original context is 64 tokens of 1024 (tests/helpers/checkpoints.py "phi3"). With max_model_len 1024
-the engine rotates every position with the long factors (workers/models/rope.py), which is what transformers does for
-a prompt longer than the original context, so every prompt here is longer than 64 tokens.
+The tiny checkpoint's original context is 64 tokens of 1024 (tests/helpers/checkpoints.py "phi3"). With max_model_len
+1024 the engine rotates every position with the long factors (workers/models/rope.py), which is what transformers does
+for a prompt longer than the original context, so every prompt here is longer than 64 tokens.
 """
 
 from __future__ import annotations

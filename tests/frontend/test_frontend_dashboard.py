@@ -268,7 +268,7 @@ def test_the_subscriber_backlog_is_bounded():
         for i in range(3):
             subscriber.offer(b"%d" % i)
         assert await subscriber.take(1) == [b"0", b"1", b"2"] and not subscriber.dropped
-        for i in range(4):
+        for _ in range(4):
             subscriber.offer(b"x")
         assert subscriber.dropped and await subscriber.take(1) == [] and len(subscriber.updates) == 0
         subscriber.offer(b"y")  # a dropped subscriber takes nothing more

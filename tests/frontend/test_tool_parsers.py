@@ -331,10 +331,10 @@ def test_llama3_mistral_and_required_read_any_generated_calls(calls, seed):
         "mistral_v11": "".join(f"[TOOL_CALLS]{n}{json.dumps(a)}" for n, a in calls),
     }
     for key, text in texts.items():
-        make = lambda: parser(key.removesuffix("_v11"))  # noqa: E731
-        whole = make().extract(text)
+        name = key.removesuffix("_v11")
+        whole = parser(name).extract(text)
         assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [(n, a) for n, a in calls], text
-        assert fold(stream(make(), random_pieces(text, seed))) == whole
+        assert fold(stream(parser(name), random_pieces(text, seed))) == whole
     text = json.dumps([{"name": n, "parameters": a} for n, a in calls], separators=(",", ":"))
     whole = RequiredToolCallsParser().extract(text)
     assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [(n, a) for n, a in calls]

@@ -29,7 +29,8 @@ SHARED_PREFIXES = [list(range(10, 30)), list(range(40, 60)), [5] * 20]
 STOP_TOKEN = 3
 SAMPLED_TOKENS = [EOS, STOP_TOKEN] + list(range(7, 25))  # the fake worker stops a request about one time in ten
 
-# one arrival: a prompt made of a shared prefix and a unique (maybe empty) suffix, plus its sampling and scheduling options
+# one arrival: a prompt made of a shared prefix and a unique (maybe empty) suffix, plus its sampling and scheduling
+# options
 request_shapes = st.fixed_dictionaries(
     {
         "prefix": st.integers(0, len(SHARED_PREFIXES) - 1),

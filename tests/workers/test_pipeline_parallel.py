@@ -18,7 +18,9 @@ from tokenmill.workers.request_state import CachedRequest, ScheduledRequest
 
 
 def test_layers_split_evenly_with_the_extra_ones_before_the_last_stage():
-    ranges = lambda layers, stages: [PipelineStage(rank, stages).layer_range(layers) for rank in range(stages)]
+    def ranges(layers, stages):
+        return [PipelineStage(rank, stages).layer_range(layers) for rank in range(stages)]
+
     assert ranges(2, 2) == [(0, 1), (1, 2)]
     assert ranges(5, 2) == [(0, 3), (3, 5)]  # vLLM's split: the last stage also runs the norm and the head
     assert ranges(30, 4) == [(0, 7), (7, 15), (15, 23), (23, 30)]
@@ -74,7 +76,10 @@ def test_parallel_sizes_are_checked_naming_the_field():
 
 def load_stage(path, hf_config, stage: PipelineStage):
     model = model_class(architecture_of(hf_config))(hf_config, pp=stage)
-    wanted = lambda name: stage.weight_name(name, hf_config.num_hidden_layers, hf_config.tie_word_embeddings)
+
+    def wanted(name):
+        return stage.weight_name(name, hf_config.num_hidden_layers, hf_config.tie_word_embeddings)
+
     model.load_weights(iter_weights(ModelConfig(path=str(path)), wanted=wanted))
     return model.eval()
 

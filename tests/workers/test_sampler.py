@@ -315,7 +315,7 @@ def test_logprobs_come_from_the_raw_logits(device):
     result = sample(logits, states)
     raw = logits.float().log_softmax(-1).cpu()
     assert result.logprobs is not None and len(result.logprobs) == 3
-    for row, (token_logprob, top_ids, top_logprobs) in enumerate(result.logprobs):
+    for row, (token_logprob, _top_ids, _top_logprobs) in enumerate(result.logprobs):
         assert math.isclose(token_logprob, raw[row, result.token_ids[row]].item(), rel_tol=1e-6, abs_tol=1e-6)
     top_ids, top_logprobs = result.logprobs[0][1], result.logprobs[0][2]
     expected_logprobs, expected_ids = raw[0].topk(3)

@@ -1,7 +1,7 @@
-"""`paged_attention` with `AttentionLayer(sliding_window=w)` on the CPU backends (torch reference and compiled kernels) against
-dense attention with transformers' sliding-window mask (q - w < k <= q), in decode, prefill, chunked and mixed
-batches. Blocks wholly before a sequence's window hold NaN (as a block the scheduler freed may hold anything): no
-path may read them."""
+"""`paged_attention` with `AttentionLayer(sliding_window=w)` on the CPU backends (torch reference and compiled kernels)
+against dense attention with transformers' sliding-window mask (q - w < k <= q), in decode, prefill, chunked and mixed
+batches. Blocks wholly before a sequence's window hold NaN (as a block the scheduler freed may hold anything): no path
+may read them."""
 
 from __future__ import annotations
 

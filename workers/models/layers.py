@@ -510,7 +510,8 @@ class RotaryStep:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rot_dim dims of x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, rot_dim / 2]`."""
+    """Rotate the first rot_dim dims of x `[T, heads, head_dim]` by the angles whose cos/sin are
+    `[T, 1, rot_dim / 2]`."""
     rot_dim = 2 * cos.shape[-1]
     x_rot, x_pass = (x, None) if rot_dim == x.shape[-1] else (x[..., :rot_dim], x[..., rot_dim:])
     x1, x2 = x_rot.chunk(2, dim=-1)

@@ -168,7 +168,8 @@ def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 def longrope_uses_long_factors(params: dict, max_model_len: int | None, max_position_embeddings: int) -> bool:
-    """The engine-wide LongRoPE choice (module docstring): long factors when max_model_len passes the original context."""
+    """The engine-wide LongRoPE choice (module docstring): long factors when max_model_len passes the original
+    context."""
     return (max_model_len or max_position_embeddings) > params["original_max_position_embeddings"]
 
 
