@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import socket
 
-import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch's stubs do not re-export it
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 LISTEN_BACKLOG = 128
@@ -25,10 +25,10 @@ def listen_on(host: str, port: int) -> int:
 
 def rendezvous_store(
     host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta = RENDEZVOUS_TIMEOUT
-) -> dist.TCPStore:
+) -> TCPStore:
     """The store every rank joins: rank 0 serves it on host:port only, the others connect to it."""
     if rank == 0:
-        return dist.TCPStore(
+        return TCPStore(
             host,
             port,
             world_size,
@@ -37,4 +37,4 @@ def rendezvous_store(
             wait_for_workers=False,
             master_listen_fd=listen_on(host, port),
         )
-    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    return TCPStore(host, port, world_size, is_master=False, timeout=timeout)

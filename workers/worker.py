@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.kv_quant import check_kv_cache_device, kv_cache_torch_dtype
-from tokenmill.messages import PromptLogprobsEntry, StepPlan, StepResult
+from tokenmill.messages import PromptLogprobs, StepPlan, StepResult
 from tokenmill.workers.attention import DECODE_GATHER_BYTES, build_attention_metadata, token_positions
 from tokenmill.workers.backends import attention_backend
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
@@ -43,7 +43,7 @@ from tokenmill.workers.step_inputs import InputPreparer
 
 log = logging.getLogger(__name__)
 
-PromptLogprobs = dict[str, list[PromptLogprobsEntry]]  # request id -> every prompt position's entry
+StepPromptLogprobs = dict[str, PromptLogprobs]  # request id -> its prompt positions' logprobs, packed
 
 
 class Worker:
@@ -333,7 +333,7 @@ class Worker:
             plan.step_id, batch.sampled_requests, sampled, prompt_logprobs, time.perf_counter() - started
         )
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> PromptLogprobs | None:
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> StepPromptLogprobs | None:
         """Every rank: the LM head over the prompt positions that ask for logprobs; rank 0's completed entries."""
         rows = prompt_rows(scheduled)
         if rows is None:
@@ -347,7 +347,7 @@ def step_result(
     step_id: int,
     requests: list[CachedRequest],
     sampled: SampledTokens | None,
-    prompt_logprobs: PromptLogprobs | None,
+    prompt_logprobs: StepPromptLogprobs | None,
     model_time_s: float,
 ) -> StepResult:
     """The one place a generation step's StepResult is built: empty where this rank sampled nothing."""
