@@ -455,9 +455,14 @@ def compile_within(source: str, timeout_s: float) -> ChatTemplate:
     previous_trace = sys.gettrace()
     sys.settrace(check_deadline)
     try:
-        return ChatTemplate(source)
+        template = ChatTemplate(source)
     finally:
         sys.settrace(previous_trace)
+    # the trace function's error can be swallowed (raised while jinja's lexer generators are being closed, Python
+    # only reports it as unraisable), so the deadline is checked once more on the way out
+    if time.monotonic() > deadline:
+        raise RenderLimitError(f"the chat template took longer than {timeout_s:g} s to compile")
+    return template
 
 
 def compile_chat_template(source: str, timeout_s: float | None = None) -> ChatTemplate:

@@ -18,10 +18,10 @@ import requests
 from tests.helpers.api_helpers import metric
 from tests.helpers.server import Server
 
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 4096
 MAX_QUEUE_TIME_S = 3.0
 REQUEST_TIMEOUT_S = 20.0
-LONG = 400  # tokens no request here gets to generate before its deadline
+LONG = 3000  # tokens no request here gets to generate before its deadline, even on a fast idle CPU
 PROMPT = "Once upon a time, in a land far away, there lived a"
 SHARED = "You are a careful assistant who answers in full sentences and never rushes. " * 3
 
@@ -33,7 +33,7 @@ def server(tmp_path_factory):
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes",
-        "64MiB",
+        "512MiB",  # two sequences of LONG tokens
         "--max-num-seqs",
         "2",
         "--max-queue-time",

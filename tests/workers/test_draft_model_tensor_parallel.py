@@ -102,6 +102,7 @@ def run_rank(rank: int, checkpoints: dict[str, str], port: int, out_dir: str) ->
                 )
             publisher.stop()
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # rank 0 hosts the store: neither rank tears down while the other still uses it
     finally:
         dist.destroy_process_group()
 

@@ -259,6 +259,7 @@ def run_tp_rank(rank: int, path: str, port: int, prompt: list[int], out_dir: str
             },
             f"{out_dir}/rank{rank}.pt",
         )
+        dist.barrier()  # rank 0 hosts the store: neither rank tears down while the other still uses it
     finally:
         dist.destroy_process_group()
 

@@ -36,6 +36,7 @@ def run_rank(rank: int, path: str, port: int, input_ids: torch.Tensor, out_dir: 
             },
             f"{out_dir}/rank{rank}.pt",
         )
+        dist.barrier()  # rank 0 hosts the store: neither rank tears down while the other still uses it
     finally:
         dist.destroy_process_group()
 
