@@ -32,6 +32,7 @@ class Request:
         "task",
         "priority",
         "cache_salt",
+        "lora_request",
         "arrival_seq",
         "enqueue_time",
         "max_tokens",
@@ -58,6 +59,7 @@ class Request:
         self.task = engine_request.task
         self.priority = engine_request.priority
         self.cache_salt = engine_request.cache_salt
+        self.lora_request = engine_request.lora_request
         self.arrival_seq = arrival_seq  # order of admission into the scheduler; FCFS ties break on it
         self.enqueue_time = enqueue_time  # scheduler clock at admission, for ageing
         self.max_tokens = max_tokens  # resolved: never None, never past max_model_len

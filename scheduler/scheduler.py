@@ -487,6 +487,7 @@ class Scheduler:
                         req.num_computed_tokens,
                         num_scheduled,
                         req.task,
+                        req.lora_request,
                     )
                 )
                 req.on_worker = True

@@ -170,6 +170,27 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     disable_by_batch_size: int | None = None
 
 
+class LoRAModule(msgspec.Struct, frozen=True, kw_only=True):
+    """One adapter of vLLM's --lora-modules (`name=path`, or JSON with `base_model_name`)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Multi-LoRA serving (vLLM's flags): adapters chosen per request by `model`, `max_loras` of them resident in a
+    step's slots at once, `max_cpu_loras` kept loaded in host memory (None: max_loras)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[LoRAModule] = []
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING's equivalent: /v1/load_lora_adapter and /v1/unload_lora_adapter are served
+    allow_runtime_lora_updating: bool = False
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
@@ -177,6 +198,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    lora: LoRAConfig = LoRAConfig()
     ipc_dir: str = ""  # private per-instance directory for socket files, made by the launcher
 
     def ipc_address(self, name: str) -> str:

@@ -67,6 +67,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 # ---------------------------------------------------------------- frontend -> scheduler
 
 
+class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
+    """The LoRA adapter a request runs with (vLLM's LoRARequest): a name, an id unique per loaded adapter (positive;
+    a reload of the same name gets a new id, so no process mistakes the new weights for the old), and the local
+    folder holding it in PEFT's layout (adapter_config.json + adapter_model.safetensors)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+
 class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     """A prompt to run `sampling.n` times: one message, one copy of the prompt and params, whatever n is."""
 
@@ -85,6 +96,7 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     # time.monotonic() after which the request ends with what it has ("length", stop_reason "timeout"); 0: none.
     # Monotonic time is one clock for every process of a host (Linux CLOCK_MONOTONIC), where frontend and scheduler run
     deadline: float = 0.0
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 def choice_requests(request: EngineRequest) -> list[EngineRequest]:
@@ -318,6 +330,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     num_scheduled_tokens: int
     task: Literal["generate", "embed"] = "generate"
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class RunningRequestData(msgspec.Struct, array_like=True):
