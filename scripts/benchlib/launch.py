@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 def _healthy(url: str) -> bool:
+    # /ready, not /health: the port opens (and /health may answer) while the weights still load
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+        with urllib.request.urlopen(url + "/ready", timeout=2) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
