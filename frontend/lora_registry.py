@@ -101,8 +101,11 @@ class LoRARegistry:
         self.adapters: dict[str, LoadedAdapter] = {}
         self._next_id = itertools.count(1)
         for module in lora.lora_modules if lora.enable_lora else ():
-            # checked at start-up (check_lora_modules); a folder that changed since is refused here all the same
-            self.load(module.name, module.path, module.base_model_name)
+            # the CLI checked them (check_lora_modules); an app built from a config directly fails as plainly
+            try:
+                self.load(module.name, module.path, module.base_model_name)
+            except APIError as exc:
+                raise ValueError(f"--lora-modules {module.name}: {exc.message}") from None
 
     def resolve(self, requested: str | None) -> ModelTarget:
         """The base or the adapter `requested` names (None: the base); 404 naming it when it is neither."""

@@ -7,9 +7,11 @@ import msgspec
 import openai
 import pytest
 
+from tests.helpers.frontend_fakes import FakeEngine
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 from tests.helpers.lora_folders import write_lora_adapter
-from tokenmill.config import LoRAConfig, LoRAModule
+from tokenmill.config import EngineConfig, LoRAConfig, LoRAModule
+from tokenmill.frontend.server import build_app
 from tokenmill.messages import SchedulerStats
 
 
@@ -201,3 +203,10 @@ async def test_no_lora_metric_or_routes_without_enable_lora(smollm2_model, token
             text = await resp.text()
         status, _, _ = await h.post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})
     assert "lora_requests_info" not in text and status == 404
+
+
+def test_an_app_with_an_unservable_adapter_fails_to_build(smollm2_model, tokenizer, tmp_path):
+    big = str(write_lora_adapter(tmp_path / "big", rank=32))
+    config = EngineConfig(model=smollm2_model, lora=lora_config({"big": big}))
+    with pytest.raises(ValueError, match="--lora-modules big: The adapter's rank r=32"):
+        build_app(config, FakeEngine(), tokenizer)
