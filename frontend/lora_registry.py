@@ -127,9 +127,15 @@ class LoRARegistry:
             check_adapter_folder(path, self.config.max_lora_rank)
         except LoRAAdapterError as exc:
             raise APIError(exc.status, exc.message, "lora_path") from None
+        if base_model_name not in (None, self.base_name):  # vLLM ignores a base_model_name it does not serve
+            log.warning(
+                "LoRA adapter %r: base_model_name %r is not the served model %r; its parent is the latter",
+                name,
+                base_model_name,
+                self.base_name,
+            )
         request = LoRARequest(name, next(self._next_id), path)
-        parent = base_model_name or self.base_name
-        self.adapters[name] = LoadedAdapter(request, parent)
+        self.adapters[name] = LoadedAdapter(request, self.base_name)
         log.info("loaded LoRA adapter %r (id %d) from %s", name, request.lora_int_id, path)
         return request
 
