@@ -210,3 +210,13 @@ def test_an_app_with_an_unservable_adapter_fails_to_build(smollm2_model, tokeniz
     config = EngineConfig(model=smollm2_model, lora=lora_config({"big": big}))
     with pytest.raises(ValueError, match="--lora-modules big: The adapter's rank r=32"):
         build_app(config, FakeEngine(), tokenizer)
+
+
+@async_test
+async def test_tokenize_accepts_an_adapter_name(smollm2_model, tokenizer, adapters):
+    async with serving(smollm2_model, tokenizer, lora=lora_config(adapters)) as h:
+        status, by_adapter, _ = await h.post("/tokenize", {"model": "sql", "prompt": "Hello world"})
+        status_base, by_base, _ = await h.post("/tokenize", {"model": MODEL, "prompt": "Hello world"})
+        status_unknown, error, _ = await h.post("/tokenize", {"model": "nope", "prompt": "Hello world"})
+    assert (status, status_base) == (200, 200) and by_adapter["tokens"] == by_base["tokens"]
+    assert_error(status_unknown, error, 404, "NotFoundError", "model")

@@ -3,6 +3,8 @@ starvation of a waiting adapter behind a busy one, and prefix-cache keys that in
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 
 from tests.helpers.sched_testing import FakeWorker, make_config, make_request, run_to_completion, scheduled_tokens, step
@@ -133,3 +135,32 @@ def test_stats_name_the_running_and_waiting_adapters():
     stats = scheduler.stats()
     assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (["a"], ["b", "c"])
     assert Scheduler(make_config(), num_kv_blocks=8, eos_token_ids=[]).stats().running_lora_adapters == []
+
+
+def test_random_mixed_adapter_load_keeps_the_limit_and_finishes_everything():
+    """Requests of four adapters and the base arrive over time into a pool small enough to preempt: every step's
+    running batch holds at most max_loras adapters, and every request finishes with all its tokens."""
+    rng = random.Random(7)
+    scheduler = Scheduler(lora_config(2, max_num_batched_tokens=32), num_kv_blocks=8, eos_token_ids=[])
+    worker = FakeWorker(scheduler.block_size)
+    choices = ["a", "b", "c", "d", None]
+    pending = [
+        with_adapter(make_request(f"r{i}", rng.randint(2, 12), max_tokens=rng.randint(1, 8)), rng.choice(choices))
+        for i in range(40)
+    ]
+    finished: dict[str, int] = {}
+    for _ in range(2000):
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                assert scheduler.add_request(pending.pop(0)) is None
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+        plan, outputs = step(scheduler, worker)
+        assert len(adapters_of(scheduler, [r.request_id for r in scheduler.running])) <= 2
+        if plan is not None:
+            assert len(adapters_of(scheduler, scheduled_tokens(plan))) <= 2
+        for out in outputs:
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    assert len(finished) == 40 and set(finished.values()) == {"length"}
+    assert scheduler.counter_totals()[2] > 0, "the pool never ran short: the test lost its preemptions"
