@@ -19,7 +19,10 @@ class LoRAAdmission:
 
     def __init__(self, max_loras: int | None, running: Iterable[Request]) -> None:
         self.max_loras = max_loras
-        self.active = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+        # adapter ids of the running batch (not gathered when LoRA is off: this runs every step)
+        self.active: set[int] = set()
+        if max_loras is not None:
+            self.active = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
         self.refused_one = False  # an adapter request was refused this step: later ones wait behind it
 
     def admits(self, request: Request) -> bool:
