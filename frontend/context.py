@@ -14,6 +14,7 @@ from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.generation import AdmissionControl
 from tokenmill.frontend.lifecycle import ServerLifecycle
+from tokenmill.frontend.lora_registry import LoRARegistry, ModelTarget
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.offload import Offload
 from tokenmill.frontend.reasoning_parsers import get_reasoning_parser
@@ -37,6 +38,7 @@ class ServingContext:
     task: str
     created: int  # when the app was built: the model card's `created`
     offload: Offload  # the threads that tokenize and render chat templates, off the event loop
+    lora: LoRARegistry  # the LoRA adapters a request's `model` may name besides the base
     # loading / ready / degraded / draining, and the API requests in flight (tokenmill/serve.py drives it)
     lifecycle: ServerLifecycle = field(default_factory=lambda: ServerLifecycle("ready"))
 
@@ -54,7 +56,7 @@ class ServingContext:
             config=config,
             engine=engine,
             tokenizer=tokenizer,
-            metrics=FrontendMetrics(engine, name),
+            metrics=FrontendMetrics(engine, name, config.lora.max_loras if config.lora.enable_lora else None),
             admission=AdmissionControl(
                 config.scheduler.max_waiting_requests  # per scheduler
                 * config.parallel.data_parallel_size
@@ -65,12 +67,24 @@ class ServingContext:
             task=task,
             created=int(time.time()),
             offload=Offload(),
+            lora=LoRARegistry(config.lora, name),
             lifecycle=lifecycle or ServerLifecycle("ready"),
         )
 
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise APIError(404, f"The model `{requested}` does not exist.", "model")
+        """404 unless `requested` is None, the base or a LoRA adapter (they share the tokenizer)."""
+        self.lora.resolve(requested)
+
+    def resolve_model(self, requested: str | None) -> ModelTarget:
+        """The base or the LoRA adapter a generate request's `model` names; 404 naming it when neither."""
+        return self.lora.resolve(requested)
+
+    def check_base_model(self, requested: str | None) -> None:
+        """As check_model, but an adapter is a 400: an endpoint the base model alone serves (embeddings)."""
+        if self.lora.resolve(requested).lora_request is not None:
+            raise APIError(
+                400, f"The LoRA adapter `{requested}` cannot serve this endpoint; use the base model.", "model"
+            )
 
     def require_task(self, task: str, request: web.Request) -> None:
         """A clear 400 when an endpoint belongs to the other kind of instance (generation vs embeddings)."""

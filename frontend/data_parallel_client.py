@@ -132,6 +132,8 @@ class DataParallelEngineClient:
             prefix_cache_queries=0,
             prefix_cache_hits=0,
             num_preemptions=0,
+            running_lora_adapters=sorted({name for s in stats for name in s.running_lora_adapters}),
+            waiting_lora_adapters=sorted({name for s in stats for name in s.waiting_lora_adapters}),
         )
         return sum_counters(stats, gauges)
 
@@ -162,7 +164,8 @@ class DataParallelEngineClient:
         for rank, replica in enumerate(self.replicas):
             if replica.latest_stats is not None:
                 self.router.kv_usage[rank] = replica.latest_stats.kv_cache_usage
-        return self.router.route(request.prompt_token_ids, request.cache_salt, request.sampling.n)
+        lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+        return self.router.route(request.prompt_token_ids, request.cache_salt, request.sampling.n, lora_id)
 
     @contextlib.asynccontextmanager
     async def generate_choices(self, request: EngineRequest) -> AsyncIterator[list[AsyncIterator[RequestOutput]]]:

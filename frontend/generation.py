@@ -27,7 +27,7 @@ from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.outputs import ChoiceDelta, next_delta
 from tokenmill.frontend.protocol import PromptTokensDetails, UsageInfo
 from tokenmill.frontend.tracing import current_trace
-from tokenmill.messages import EngineRequest, RequestOutput, SamplingParams, choice_requests
+from tokenmill.messages import EngineRequest, LoRARequest, RequestOutput, SamplingParams, choice_requests
 
 log = logging.getLogger("tokenmill.frontend")
 
@@ -65,6 +65,7 @@ def build_choices(
     priority: int = 0,
     cache_salt: str | None = None,
     deadline: float = 0.0,
+    lora_request: LoRARequest | None = None,
 ) -> list[Choice]:
     """n choices per prompt, indexed prompt-major as OpenAI orders them. Each prompt is one engine request
     `{base_id}-{prompt_index}` (one message, one copy of its prompt and params, whatever n is); its choices are that
@@ -83,6 +84,7 @@ def build_choices(
             priority=priority,
             cache_salt=cache_salt,
             deadline=deadline,
+            lora_request=lora_request,
         )
         for i, request in enumerate(choice_requests(group)):
             choices.append(

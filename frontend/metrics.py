@@ -6,6 +6,7 @@ running totals); token counters and latency histograms are fed by the request ha
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -91,12 +92,14 @@ PROMPT_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10
 class SchedulerStatsCollector(Collector):
     """Reads the engine's latest SchedulerStats at scrape time."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, max_loras: int | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_loras = max_loras  # None: LoRA is off (no lora_requests_info)
 
     def collect(self) -> Iterator[Any]:
         replicas = self.engine.replica_stats()
+        yield from lora_requests_info(self.engine.latest_stats, self.max_loras)
         if replicas is not None:  # data parallel: one sample per replica, labelled engine="i" as in vLLM
             yield from per_engine_metrics(self.engine, replicas, self.model_name)
             return
@@ -223,6 +226,22 @@ def per_engine_metrics(engine: EngineClient, replicas: list[ReplicaStats], model
         yield info
 
 
+def lora_requests_info(stats: SchedulerStats | None, max_loras: int | None) -> Iterator[GaugeMetricFamily]:
+    """vLLM's vllm:lora_requests_info: the adapters of the running and waiting requests (comma-separated names) and
+    --max-loras in the labels, the scrape's wall-clock time as the value (vLLM's: when the labels were last set)."""
+    if max_loras is None:
+        return
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    running = ",".join(stats.running_lora_adapters) if stats is not None else ""
+    waiting = ",".join(stats.waiting_lora_adapters) if stats is not None else ""
+    info.add_metric([str(max_loras), waiting, running], time.time())
+    yield info
+
+
 def spec_decode_metrics(stats: SchedulerStats | None, model_name: str) -> Iterator[CounterMetricFamily]:
     """vLLM's speculative-decoding counters (running totals), when the engine speculates."""
     if stats is None or not stats.spec_accepted_per_pos:
@@ -252,10 +271,10 @@ def spec_decode_metrics(stats: SchedulerStats | None, model_name: str) -> Iterat
 class FrontendMetrics:
     """The app's registry and the per-request instruments the handlers feed."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, max_loras: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self.registry.register(SchedulerStatsCollector(engine, model_name))
+        self.registry.register(SchedulerStatsCollector(engine, model_name, max_loras))
         labels = ["model_name"]
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=self.registry

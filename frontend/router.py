@@ -3,8 +3,9 @@
 The frontend cannot see the replicas' prefix caches, so it keeps an approximate index per replica of what it sent
 there: the chained keys of every full prompt block (`block_size` tokens) it routed to that replica, in an LRU bounded
 by about the replica's KV-cache size (a replica cannot hold more than that, and a client cannot grow the index
-without limit). The key chain starts from a secret random root salted with the request's `cache_salt`, so requests
-of different tenants never match each other's prefixes here, as they cannot in the schedulers' caches.
+without limit). The key chain starts from a secret random root salted with the request's `cache_salt` and LoRA
+adapter id, so requests of different tenants or adapters never match each other's prefixes here, as they cannot in the
+schedulers' caches.
 
 Choosing, with SGLang's defaults:
 1. when the loads are imbalanced (max - min > `balance_abs_threshold` and max > min * `balance_rel_threshold`), the
@@ -25,6 +26,8 @@ import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+import msgspec
 
 CACHE_THRESHOLD = 0.3  # SGLang router's defaults
 BALANCE_ABS_THRESHOLD = 64
@@ -78,13 +81,15 @@ class PrefixKeys:
         self.block_size = block_size
         self._secret = os.urandom(32)
 
-    def __call__(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+    def __call__(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, lora_id: int | None = None
+    ) -> list[bytes]:
         size = self.block_size
         num_blocks = min(len(token_ids) // size, MAX_ROUTED_BLOCKS)
         if num_blocks == 0:
             return []
         data = array("q", token_ids[: num_blocks * size]).tobytes()
-        salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
+        salt = msgspec.msgpack.encode((cache_salt, lora_id))  # one unambiguous encoding of both
         parent = hashlib.blake2b(salt, key=self._secret, digest_size=KEY_BYTES).digest()
         keys = []
         stride = size * 8
@@ -139,16 +144,18 @@ class Router:
         if not alive:
             self.indexes[replica].clear()
 
-    def route(self, token_ids: Sequence[int], cache_salt: str | None = None, num_choices: int = 1) -> int:
-        """The replica for a request (all of its `num_choices` choices), counted in flight there until released.
-        Raises RuntimeError when no replica is alive."""
+    def route(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, num_choices: int = 1, lora_id: int | None = None
+    ) -> int:
+        """The replica for a request (all of its `num_choices` choices), counted in flight there until released;
+        `lora_id`: its LoRA adapter's id (None: the base model). Raises RuntimeError when no replica is alive."""
         candidates = [r for r in range(self.num_replicas) if self.alive[r]]
         if not candidates:
             raise RuntimeError("no data-parallel replica is alive")
         if self.policy == "round-robin":
             replica, reason, keys = self._next_in_turn(candidates), "round-robin", None
         else:
-            keys = self.keys(token_ids, cache_salt)
+            keys = self.keys(token_ids, cache_salt, lora_id)
             replica, reason = self._cache_aware(candidates, keys)
             self.indexes[replica].add(keys)
         self.in_flight[replica] += num_choices

@@ -179,7 +179,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     received_at = time.monotonic()
     ctx.require_task("generate", http_request)
     request: ChatCompletionRequest = decode_request(await read_body(http_request), ChatCompletionRequest)
-    ctx.check_model(request.model)
+    target = ctx.resolve_model(request.model)
     logprobs = requested_chat_logprobs(request)
     refuse_unsupported(request)
     check_sampling_limits(request, ctx.config.server, logprobs=request.top_logprobs, logprobs_param="top_logprobs")
@@ -216,6 +216,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
         priority=request.priority,
         cache_salt=request.cache_salt,
         deadline=request_deadline(received_at, request.timeout, ctx.config.scheduler.request_timeout_s),
+        lora_request=target.lora_request,
     )
     deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
     renderer = ChatRenderer(ctx, request, request_id, choices, plan)
@@ -244,6 +245,7 @@ class ChatRenderer:
         self.ctx = ctx
         self.outputs = ChatOutputs(plan)  # reasoning and tool calls read from each choice's text
         self.request = request
+        self.model_name = request.model or ctx.model_name  # the base, or the LoRA adapter it named
         self.request_id = request_id
         self.choices = choices
         self.created = now()
@@ -251,7 +253,7 @@ class ChatRenderer:
         self.num_top = request.top_logprobs or 0
 
     def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices)
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model_name, choices=choices)
 
     def _logprobs(self, token_ids: list[int], entries: list | None):
         if not self.request.logprobs or not entries:
@@ -318,7 +320,7 @@ class ChatRenderer:
             ChatCompletionResponse(
                 id=self.request_id,
                 created=self.created,
-                model=self.ctx.model_name,
+                model=self.model_name,
                 choices=choices,
                 usage=usage_info(self.choices),
                 prompt_logprobs=response_prompt_logprobs(self.choices, summaries, self.texts),

@@ -74,7 +74,7 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     received_at = time.monotonic()
     ctx.require_task("generate", http_request)
     request: CompletionRequest = decode_request(await read_body(http_request), CompletionRequest)
-    ctx.check_model(request.model)
+    target = ctx.resolve_model(request.model)
     refuse_unsupported(request)
     check_sampling_limits(request, ctx.config.server, logprobs=request.logprobs, logprobs_param="logprobs")
     max_tokens = engine_max_tokens(request)
@@ -106,6 +106,7 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
         priority=request.priority,
         cache_salt=request.cache_salt,
         deadline=request_deadline(received_at, request.timeout, ctx.config.scheduler.request_timeout_s),
+        lora_request=target.lora_request,
     )
     prompt_echoes = [await _echo_text(ctx, prompt) for prompt in inputs] if request.echo else [""] * len(inputs)
     echoes = [prompt_echoes[c.prompt_index] for c in choices]
@@ -138,6 +139,7 @@ class CompletionRenderer:
         self.request_id = request_id
         self.choices = choices
         self.echoes = echoes
+        self.model_name = request.model or ctx.model_name  # the base, or the LoRA adapter it named
         self.created = now()
         self.texts = TokenTexts(ctx.tokenizer)
         self.text_offsets = [len(echo) for echo in echoes]
@@ -179,9 +181,7 @@ class CompletionRenderer:
         )
         if self.request.return_token_ids:
             choice.token_ids = delta.token_ids
-        response = CompletionResponse(
-            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=[choice]
-        )
+        response = CompletionResponse(id=self.request_id, created=self.created, model=self.model_name, choices=[choice])
         options = self.request.stream_options
         if options is not None and options.include_usage and options.continuous_usage_stats:
             response.usage = usage_info(self.choices)
@@ -195,7 +195,7 @@ class CompletionRenderer:
             CompletionResponse(
                 id=self.request_id,
                 created=self.created,
-                model=self.ctx.model_name,
+                model=self.model_name,
                 choices=[],
                 usage=usage_info(self.choices),
             )
@@ -225,7 +225,7 @@ class CompletionRenderer:
             CompletionResponse(
                 id=self.request_id,
                 created=self.created,
-                model=self.ctx.model_name,
+                model=self.model_name,
                 choices=choices,
                 usage=usage_info(self.choices),
             )

@@ -62,7 +62,7 @@ class EmbeddingServing:
         ctx = self.ctx
         ctx.require_task("embed", http_request)
         request: EmbeddingRequest = decode_request(await read_body(http_request), EmbeddingRequest)
-        ctx.check_model(request.model)
+        ctx.check_base_model(request.model)
         prompts = await self.embedding_inputs(request)
         if request.dimensions is not None:
             self.check_dimensions(request.dimensions)

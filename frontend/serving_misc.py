@@ -40,7 +40,17 @@ async def list_models(ctx: ServingContext, request: web.Request) -> web.Response
         root=ctx.config.model.path or ctx.model_name,
         max_model_len=ctx.max_model_len,
     )
-    return json_response(encode_json(ModelList(data=[card])))
+    adapters = [
+        ModelCard(
+            id=name,
+            created=ctx.created,
+            root=adapter.request.lora_path,
+            parent=adapter.parent,
+            max_model_len=ctx.max_model_len,
+        )
+        for name, adapter in ctx.lora.adapters.items()
+    ]
+    return json_response(encode_json(ModelList(data=[card, *adapters])))
 
 
 async def tokenize(ctx: ServingContext, request: web.Request) -> web.Response:

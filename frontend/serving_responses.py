@@ -88,7 +88,7 @@ async def create_response(ctx: ServingContext, http_request: web.Request) -> web
     received_at = time.monotonic()
     ctx.require_task("generate", http_request)
     request: ResponsesRequest = decode_request(await read_body(http_request), ResponsesRequest)
-    ctx.check_model(request.model)
+    target = ctx.resolve_model(request.model)
     refuse_unsupported(request, RESPONSES_RULES)
     check_free_form_depth(request, ctx.config.server.max_json_depth)
     check_metadata(request.metadata)
@@ -145,6 +145,7 @@ async def create_response(ctx: ServingContext, http_request: web.Request) -> web
         priority=request.priority,
         cache_salt=request.cache_salt,
         deadline=request_deadline(received_at, request.timeout, ctx.config.scheduler.request_timeout_s),
+        lora_request=target.lora_request,
     )
     deltas = run_choices(ctx.engine, choices, ctx.metrics, ctx.admission)
     builder = ResponseBuilder(
@@ -238,6 +239,7 @@ class ResponseBuilder:
         self.ctx = ctx
         self.request = request
         self.response_id = response_id
+        self.model_name = request.model or ctx.model_name  # the base, or the LoRA adapter it named
         self.choices = choices
         self.params = params
         self.tools = tools
@@ -467,7 +469,7 @@ class ResponseBuilder:
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=request.instructions,
             max_output_tokens=request.max_output_tokens,
-            model=self.ctx.model_name,
+            model=self.model_name,
             output=list(self.output) if done else [],
             parallel_tool_calls=request.parallel_tool_calls,
             temperature=self.params.temperature,

@@ -27,14 +27,19 @@ BLOCK_FREE, BLOCK_CACHED, BLOCK_IN_USE = 0, 1, 2
 _encode = msgspec.msgpack.Encoder().encode
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: str | None) -> bytes:
+# what a request's first block folds in besides its tokens: its cache salt, or (salt, LoRA adapter id) for a request
+# of an adapter (a tuple, so no salt alone can spell an adapter's key)
+ExtraKey = str | tuple[str | None, int] | None
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: ExtraKey) -> bytes:
     """The prefix-cache key of one full block: sha256 chaining the parent's key, the block's tokens and extra keys."""
     return hashlib.sha256(parent_hash + _encode((token_ids, extra_key))).digest()
 
 
 # What an indexed block's KV was computed from: (the parent block's content id, its token ids, extra key). A plain
 # tuple: it is built and compared for every block of every prefix lookup.
-BlockContent = tuple[int, tuple[int, ...], "str | None"]
+BlockContent = tuple[int, tuple[int, ...], ExtraKey]
 
 
 @dataclass(slots=True, eq=False)

@@ -1,12 +1,12 @@
 """Maps requests to KV-cache blocks: prefix-cache lookup, slot allocation for the next tokens, caching, freeing.
 
 A request's block table is a list of physical blocks covering its tokens in order. Full blocks get a hash that
-chains the parent block's hash with the block's token ids; the request's cache salt is folded in once, into the first
-block's key and content (vLLM's rule: every later block carries it through its parent), so the work per block never
-grows with the salt. Once their KV is computed they are indexed in the pool so a later request with the same prefix
-reuses them instead of recomputing. A hit must also match the block's recorded content (tokens, the salt for the
-first block, and the very parent block matched before it), so the hash only finds candidates and never decides what
-KV a request reads.
+chains the parent block's hash with the block's token ids; the request's cache salt and LoRA adapter id are folded
+in once, into the first block's key and content (vLLM's rule: every later block carries them through its parent), so
+the work per block never grows with the salt. Once their KV is computed they are indexed in the pool so a later
+request with the same prefix reuses them instead of recomputing. A hit must also match the block's recorded content
+(tokens, the salt and adapter for the first block, and the very parent block matched before it), so the hash only
+finds candidates and never decides what KV a request reads.
 
 Sliding window (a model whose every layer attends to at most `window` keys): `free_leading_blocks` returns the blocks
 at the front of a running request's table that no later query can see. They leave `req_blocks` (which holds the live
@@ -19,12 +19,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenmill.scheduler.block_pool import ROOT_CONTENT_ID, Block, BlockContent, BlockPool, hash_block
+from tokenmill.scheduler.block_pool import ROOT_CONTENT_ID, Block, BlockContent, BlockPool, ExtraKey, hash_block
 from tokenmill.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def root_extra_key(request: Request) -> ExtraKey:
+    """What the request's first block key and content fold in besides tokens: its cache salt, and its LoRA adapter's
+    id, so a request never reads KV computed by the base or by another adapter (or by an earlier load of its own
+    adapter's name: a reload gets a new id)."""
+    if request.lora_request is None:
+        return request.cache_salt
+    return request.cache_salt, request.lora_request.lora_int_id
 
 
 class KVCacheManager:
@@ -158,12 +167,12 @@ class KVCacheManager:
         size = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // size):
-            parent, salt = (hashes[i - 1], None) if i else (self.pool.root_hash, request.cache_salt)
+            parent, salt = (hashes[i - 1], None) if i else (self.pool.root_hash, root_extra_key(request))
             hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size], salt))
 
     def _content(self, request: Request, index: int, parent_id: int) -> BlockContent:
         """What block `index` of the request holds, after the indexed block `parent_id` holding its prefix (the salt
         is the first block's alone: a later block's parent, unique per indexing, carries it)."""
         size = self.block_size
-        salt = request.cache_salt if index == 0 else None
+        salt = root_extra_key(request) if index == 0 else None
         return parent_id, tuple(request.all_token_ids[index * size : (index + 1) * size]), salt

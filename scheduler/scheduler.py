@@ -39,6 +39,7 @@ from tokenmill.messages import (
 )
 from tokenmill.scheduler.draft_speculator import DraftModelSpeculator
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
+from tokenmill.scheduler.lora_admission import LoRAAdmission, adapter_names
 from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.spec_decode import NgramSpeculator, Speculator
@@ -122,6 +123,8 @@ class Scheduler:
         # deadlines: the requests that have one, soonest first (deadline, request id); 0 turns the queue limit off
         self._deadlines: list[tuple[float, str]] = []
         self.max_queue_time = config.scheduler.max_queue_time_s
+        # distinct LoRA adapters the running batch may hold (the workers' slots); None: LoRA is off
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
 
     # ------------------------------------------------------------------ admission and aborts
 
@@ -164,6 +167,8 @@ class Scheduler:
             return "The prompt is empty."
         if request.sampling.structured_outputs is not None and (self.grammars is None or request.task == "embed"):
             return "Structured outputs are not available on this engine."
+        if request.lora_request is not None and (self.max_loras is None or request.task == "embed"):
+            return "LoRA adapters are not served by this engine (start it with --enable-lora)."
         if request.task == "embed":
             if num_prompt > self.max_model_len:
                 return (
@@ -345,11 +350,14 @@ class Scheduler:
     def _admit_waiting(self, now: float, budget: int, scheduled: dict[str, int]) -> int:
         """Admit waiting requests in policy order until one does not fit; returns the budget left."""
         admitted_any = False
+        loras = LoRAAdmission(self.max_loras, self.running)
         for req in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if req.grammar is not None and not self._grammar_ready(req, req.grammar):
                 continue  # still compiling (or failed): the others go ahead
+            if not loras.admits(req):
+                continue  # its adapter would be one too many: it waits, and the adapter requests after it too
             if req.is_embedding:
                 if req.num_tokens > budget:
                     break  # never chunked: wait for a step with room
@@ -383,6 +391,7 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 req.first_scheduled_time = now
             self.running.append(req)
+            loras.add(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
             admitted_any = True
@@ -664,6 +673,9 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             grammar_mask_time_s=self.grammars.take_mask_time() if self.grammars is not None else 0.0,
         )
+        if self.max_loras is not None:
+            stats.running_lora_adapters = adapter_names(self.running)
+            stats.waiting_lora_adapters = adapter_names(self.waiting)
         if self.speculator is not None:
             (
                 stats.spec_num_drafts,

@@ -41,6 +41,10 @@ def other_value(action: argparse.Action) -> list[str]:
         "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}',
         "--max-queue-time": "30",
         "--request-timeout": "60",
+        "--lora-modules": "adapter=/some/folder",
+        "--max-loras": "2",
+        "--max-lora-rank": "32",
+        "--max-cpu-loras": "4",
     }
     if flag in special:
         return [flag, special[flag]]

@@ -17,6 +17,7 @@ from tokenmill.config import (
     ServerConfig,
     replace,
 )
+from tokenmill.lora_cli import add_lora_args, lora_config_from_args, lora_flags_error
 from tokenmill.speculative import parse_speculative_config
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -463,6 +464,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         server=server,
         speculative=parse_speculative_config(args.speculative_config),
+        lora=lora_config_from_args(args),
     )
 
 
@@ -475,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     add_operations_args(serve)
+    add_lora_args(serve)
     return parser
 
 
@@ -485,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--enable-auto-tool-choice requires --tool-call-parser (choose from {', '.join(_tool_call_parsers())})"
         )
+    if (lora_error := lora_flags_error(args)) is not None:
+        parser.error(lora_error)
 
     from tokenmill.model_source import ModelSourceError, resolve_config
     from tokenmill.processes import setup_logging
@@ -494,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
         config = resolve_config(config_from_args(args))
     except ModelSourceError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 1
+    from tokenmill.frontend.lora_registry import check_lora_modules
+
+    if (lora_error := check_lora_modules(config.lora, config.model.served_model_name)) is not None:
+        print(f"tokenmill: error: {lora_error}", file=sys.stderr)
         return 1
     if config.server.otlp_traces_endpoint:
         from tokenmill.frontend.tracing import missing_tracing_extra

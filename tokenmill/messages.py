@@ -77,7 +77,6 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
     lora_path: str
 
 
-
 class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     """A prompt to run `sampling.n` times: one message, one copy of the prompt and params, whatever n is."""
 
@@ -247,6 +246,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # LoRA (gauges): the distinct adapter names of the running and the waiting requests (vLLM's lora_requests_info)
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

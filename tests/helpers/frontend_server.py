@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
 from tests.helpers.frontend_fakes import FakeEngine
-from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from tokenmill.config import EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, ServerConfig
 from tokenmill.frontend.server import build_app
 
 MODEL = "smollm2"
@@ -53,6 +53,7 @@ async def serving(
     engine: FakeEngine | None = None,
     api_key: str | None = None,
     max_waiting: int = 4096,
+    lora: LoRAConfig | None = None,
     **server_fields,
 ):
     engine = engine or FakeEngine()
@@ -60,6 +61,7 @@ async def serving(
         model=model,
         server=ServerConfig(api_key=api_key, **server_fields),
         scheduler=SchedulerConfig(max_waiting_requests=max_waiting),
+        lora=lora or LoRAConfig(),
     )
     async with TestServer(build_app(config, engine, tokenizer)) as server:
         client = AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=api_key or "unused", max_retries=0)
