@@ -29,7 +29,8 @@ from tokenmill.workers.attention import (
     token_positions,
 )
 from tokenmill.workers.backends import attention_backend
-from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
+from tokenmill.workers.capture_plan import CapturePlan, plan_cuda_graphs
+from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.kv_cache import KVCache, PagedKVCache, kv_block_bytes
@@ -217,9 +218,9 @@ class Worker:
         free_now, _ = torch.cuda.mem_get_info(self.device)
         memory = GpuMemory(free_at_start, total, free_now, torch.cuda.memory_reserved(self.device), peak)
         graph_share = 0.0
-        if self._uses_cuda_graphs():  # the graphs' pool: their largest batch's share of the profiled step
-            sched = self.config.scheduler
-            graph_share = min(1.0, graph_batch_sizes(sched.max_num_seqs)[-1] / sched.max_num_batched_tokens)
+        plan = self.capture_plan()
+        if plan.captures:  # the graphs' pool: their largest batch's share of the profiled step
+            graph_share = min(1.0, plan.batch_sizes[-1] / self.config.scheduler.max_num_batched_tokens)
         return kv_blocks_in_budget(memory, self.config.cache.gpu_memory_utilization, self.kv_block_bytes(), graph_share)
 
     def _profile_peak_memory(self) -> int:
@@ -286,20 +287,17 @@ class Worker:
         )
         self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
 
-    def _uses_cuda_graphs(self) -> bool:
-        model_cfg = self.config.model
-        return (
-            self.device.type == "cuda"
-            and not model_cfg.enforce_eager
-            and model_cfg.task != "embed"
-            and self.pp.size == 1
-        )
+    def capture_plan(self) -> CapturePlan:
+        """Which decode batches are captured as CUDA graphs and how they meet the collectives
+        (`workers/capture_plan.py`)."""
+        return plan_cuda_graphs(self.config, self.device.type, self.pp.size, self.tp.size)
 
     def capture_cuda_graphs(self) -> None:
-        """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager)."""
-        if not self._uses_cuda_graphs():
+        """Follow the capture plan (logged): on CUDA, capture the decode-step graphs over the allocated KV cache."""
+        plan = self.capture_plan()
+        log.info("%s", plan.describe())
+        if not plan.captures:
             return
-        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
         max_blocks_per_seq = -(-self.max_model_len() // self.block_size)
         free_before, _ = torch.cuda.mem_get_info(self.device)
         started = time.perf_counter()
@@ -307,17 +305,17 @@ class Worker:
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
-                sizes,
+                list(plan.batch_sizes),
                 max_blocks_per_seq,
                 self.block_size,
                 self.device,
-                cuda_graph_capture(self.device),
+                cuda_graph_capture(self.device, plan.split_at_collectives),
             )
         self.forward = self._choose_forward()
         free_after, _ = torch.cuda.mem_get_info(self.device)
         log.info(
             "captured decode CUDA graphs for batch sizes %s in %.1f s (%.2f GiB); --enforce-eager turns them off",
-            sizes,
+            list(plan.batch_sizes),
             time.perf_counter() - started,
             (free_before - free_after) / 2**30,
         )
