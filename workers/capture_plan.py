@@ -12,9 +12,11 @@ the all-reduce launched eagerly in place on the segment's output (its address is
 This is vLLM's piecewise CUDA graphs, cut at the collectives instead of at attention. We chose it over capturing
 the collectives with a capture-safe all-reduce (NCCL through torch.distributed inside `torch.cuda.graph`, a
 symmetric-memory or custom all-reduce) because it is correct with any backend and any NCCL version, needs no
-registered buffers or process-group stream handling that no GPU here has yet run, and costs one graph launch per
-collective (2 per layer), far fewer than the eager kernels it replaces. A capture-safe all-reduce can later drop the
-split without changing anything else: the plan is the one place that says which is in force.
+registered buffers or process-group stream handling that no GPU here has yet run (torch.distributed's all-reduce
+makes CUDA calls that a capture forbids, which is why vLLM wrote its own NCCL binding for captured graphs), and
+costs one graph launch per collective (2 per layer), far fewer than the eager kernels it replaces. A capture-safe
+all-reduce can later drop the split without changing anything else: the plan is the one place that says which is
+in force.
 """
 
 from __future__ import annotations
