@@ -5,6 +5,8 @@ object that records what happens while it "captures"."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -118,12 +120,14 @@ def decode_metadata(runner, num_seqs: int, query_len: int = 1):
 
 
 def test_tensor_parallel_capture_keeps_every_all_reduce_between_segments(
-    tiny_checkpoint, triton_on_cpu, forced_tensor_parallel, monkeypatch
+    tiny_checkpoint, triton_on_cpu, forced_tensor_parallel, monkeypatch, caplog
 ):
     recorder = forced_tensor_parallel
-    runner = captured_runner(tiny_checkpoint, recorder, monkeypatch, tp_size=2)
+    with caplog.at_level(logging.INFO, logger="tokenmill.workers.worker"):
+        runner = captured_runner(tiny_checkpoint, recorder, monkeypatch, tp_size=2)
     plan = runner.capture_plan()
     assert plan.split_at_collectives and plan.batch_sizes == (1, 2, 4)
+    assert plan.describe() in caplog.messages  # the plan, logged as the worker starts
     graphs = runner.decode_graphs
     assert graphs is not None and graphs.batch_sizes == list(plan.batch_sizes)
     num_layers = runner.model.num_layers
