@@ -292,6 +292,10 @@ class Worker:
         (`workers/capture_plan.py`)."""
         return plan_cuda_graphs(self.config, self.device.type, self.pp.size, self.tp.size)
 
+    def _uses_cuda_graphs(self) -> bool:
+        """Whether decode graphs are captured (the capture plan's answer; kept for callers written before it)."""
+        return self.capture_plan().captures
+
     def capture_cuda_graphs(self) -> None:
         """Follow the capture plan (logged): on CUDA, capture the decode-step graphs over the allocated KV cache."""
         plan = self.capture_plan()
