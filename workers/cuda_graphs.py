@@ -10,20 +10,27 @@ first B rows of the graph's output are the hidden states; the LM head and the sa
 the rows to sample only. Prefill, mixed and larger steps run eagerly, and `--enforce-eager` turns graphs off.
 
 Capture needs the Triton decode path (`workers/triton_backend.py`), which reads only tensors, never host values.
-How a forward is captured is a parameter (`Capture`): `cuda_graph_capture` on a GPU; tests pass one that runs
-eagerly, which exercises the static buffers and the padding on CPU.
+Which sizes are captured, and whether a graph is cut at the tensor-parallel all-reduces so that they run eagerly
+between its segments, is the worker's `CapturePlan` (`workers/capture_plan.py`). How a forward is captured is a
+parameter (`Capture`): `cuda_graph_capture` on a GPU; tests pass one that runs eagerly, which exercises the static
+buffers and the padding on CPU, or `cuda_graph_capture` with a stand-in graph object.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from tokenmill.workers.attention import AttentionMetadata
 from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.collectives import collectives_split_capture
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +50,80 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[i
     return sizes
 
 
-def cuda_graph_capture(device: torch.device) -> Capture:
-    """Capture on `device` into one memory pool shared by every graph (they never run at the same time)."""
-    pool = torch.cuda.graph_pool_handle()
+class Graph(Protocol):
+    """What capture needs of a graph: `torch.cuda.CUDAGraph`, or a stand-in in CPU tests."""
+
+    def capture_begin(self, pool: Any = None) -> None: ...
+
+    def capture_end(self) -> None: ...
+
+    def replay(self) -> None: ...
+
+
+class Segment(NamedTuple):
+    """A captured piece of a forward and the all-reduce that ends it (None for the last piece)."""
+
+    graph: Graph
+    all_reduce: tuple[torch.Tensor, ProcessGroup | None] | None
+
+
+class SegmentedReplay:
+    """A captured forward's replay: each segment's graph, then its all-reduce eagerly, in capture order."""
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+
+    def __call__(self) -> None:
+        for graph, collective in self.segments:
+            graph.replay()
+            if collective is not None:
+                dist.all_reduce(collective[0], group=collective[1])
+
+
+def cuda_graph_capture(
+    device: torch.device, split_at_collectives: bool, new_graph: Callable[[], Graph] | None = None
+) -> Capture:
+    """Capture on `device` into one memory pool shared by every graph (they never run at the same time); with
+    `split_at_collectives` (the `CapturePlan` under tensor parallelism) as segments cut at each all-reduce.
+    `new_graph` stands in for `torch.cuda.CUDAGraph` in CPU tests (no pool, stream or synchronisation off CUDA)."""
+    on_cuda = device.type == "cuda"
+    pool = torch.cuda.graph_pool_handle() if on_cuda else None
+    # capture never runs on the default stream (as torch.cuda.graph does)
+    stream = torch.cuda.Stream(device) if on_cuda else None  # type: ignore[no-untyped-call]
+    make_graph: Callable[[], Graph] = new_graph or torch.cuda.CUDAGraph
 
     def capture(forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         forward()  # warm-up outside the graph: Triton compiles its kernels, cuBLAS picks its algorithms
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            output = forward()
-        return graph.replay, output
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            segments, output = capture_segments(forward, make_graph, pool, split_at_collectives)
+        return SegmentedReplay(segments), output
 
     return capture
+
+
+def capture_segments(
+    forward: Callable[[], torch.Tensor], make_graph: Callable[[], Graph], pool: Any, split_at_collectives: bool
+) -> tuple[list[Segment], torch.Tensor]:
+    """Record `forward` into graphs: one, or with `split_at_collectives` one per stretch between all-reduces (the
+    all-reduce itself is not run while capturing: every rank skips it alike, and replay runs it)."""
+    segments: list[Segment] = []
+    graph = make_graph()
+
+    def end_segment(tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+        nonlocal graph
+        graph.capture_end()
+        segments.append(Segment(graph, (tensor, group)))
+        graph = make_graph()
+        graph.capture_begin(pool=pool)
+
+    graph.capture_begin(pool=pool)
+    with collectives_split_capture(end_segment) if split_at_collectives else contextlib.nullcontext():
+        output = forward()
+    graph.capture_end()
+    segments.append(Segment(graph, None))
+    return segments, output
 
 
 class DecodeGraphs:
@@ -85,7 +153,10 @@ class DecodeGraphs:
         for size in reversed(self.batch_sizes):  # largest first, so the smaller graphs reuse its memory
 
             def forward(size: int = size) -> torch.Tensor:
-                return model(self.input_ids[:size], self.positions[:size], self._metadata(size), kv_caches)
+                hidden: torch.Tensor = model(
+                    self.input_ids[:size], self.positions[:size], self._metadata(size), kv_caches
+                )
+                return hidden
 
             self._graphs[size] = capture(forward)
 

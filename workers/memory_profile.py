@@ -37,6 +37,27 @@ def worst_case_step(max_num_batched_tokens: int, max_model_len: int, block_size:
     return WorstCaseStep(np.array(seq_lens, dtype=np.int64), block_tables, next_block)
 
 
+class ProfiledStep(NamedTuple):
+    """What the worst-case step took on top of the weights, KV excluded (bytes reserved by torch at its peaks)."""
+
+    num_tokens: int
+    forward_peak: int  # weights + the forward's activations
+    peak: int  # weights + the whole step: forward, prompt-logprobs chunk and sample stage
+
+    @property
+    def sampler_bytes(self) -> int:
+        """What the step's tail (LM head, prompt logprobs, sampler) added to the forward's peak."""
+        return max(0, self.peak - self.forward_peak)
+
+    def log(self) -> None:
+        log.info(
+            "profiled a %d-token step: %.2f GiB peak besides the KV cache, of which the sample stage adds %.2f GiB",
+            self.num_tokens,
+            self.peak / 2**30,
+            self.sampler_bytes / 2**30,
+        )
+
+
 class GpuMemory(NamedTuple):
     """Byte counts read from CUDA while the worker starts."""
 

@@ -91,6 +91,12 @@ def prompt_rows(scheduled: Sequence[tuple[Any, int, int]]) -> PromptRows | None:
     return found
 
 
+def prompt_logprobs_chunk_rows(max_num_seqs: int) -> int:
+    """The most prompt rows one LM-head call scores: it bounds the [rows, vocab] tensors of a step's prompt logprobs
+    (as the sampler's own [max_num_seqs, vocab] ones are bounded)."""
+    return max(8, max_num_seqs // 2)
+
+
 def compute_prompt_logprobs(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,

@@ -15,28 +15,36 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.kv_quant import check_kv_cache_device, kv_cache_torch_dtype
 from tokenmill.messages import PromptLogprobs, StepPlan, StepResult
-from tokenmill.workers.attention import DECODE_GATHER_BYTES, build_attention_metadata, token_positions
+from tokenmill.workers.attention import (
+    DECODE_GATHER_BYTES,
+    AttentionMetadata,
+    build_attention_metadata,
+    token_positions,
+)
 from tokenmill.workers.backends import attention_backend
-from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
+from tokenmill.workers.capture_plan import CapturePlan, plan_cuda_graphs
+from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.kv_cache import KVCache, PagedKVCache, kv_block_bytes
-from tokenmill.workers.memory_profile import GpuMemory, kv_blocks_in_budget, worst_case_step
+from tokenmill.workers.memory_profile import GpuMemory, ProfiledStep, kv_blocks_in_budget, worst_case_step
 from tokenmill.workers.model_facts import read_eos_token_ids, text_config, weight_bytes
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import pack_linear_weights
 from tokenmill.workers.models.llama import PagedCausalLM
 from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.pipeline_parallel import stage_forward
-from tokenmill.workers.prompt_logprobs import compute_prompt_logprobs, prompt_rows
+from tokenmill.workers.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_chunk_rows, prompt_rows
 from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.request_state import CachedRequest, RequestStates, ScheduledRequest, plan_drafts
+from tokenmill.workers.sample_profile import WorstCaseSampling, profile_sample_stage
 from tokenmill.workers.sample_stage import SampledTokens, SampleStage
 from tokenmill.workers.step_forward import PipelinedStageForward, SingleStageForward, StepForward
 from tokenmill.workers.step_inputs import InputPreparer
@@ -62,6 +70,7 @@ class Worker:
         self.eos_token_ids: list[int] = []
         self.kv_cache: PagedKVCache | None = None  # set by allocate_kv_cache
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
+        self.profiled_step: ProfiledStep | None = None  # set by the memory profile (CUDA)
         self.draft: DraftModel | None = None  # speculative decoding's draft model (workers/draft_proposer.py)
         self.requests = RequestStates([], self.device)  # every request held between steps
         # the step's stages, built by allocate_kv_cache (the forward chosen again once graphs are captured)
@@ -209,13 +218,14 @@ class Worker:
         free_now, _ = torch.cuda.mem_get_info(self.device)
         memory = GpuMemory(free_at_start, total, free_now, torch.cuda.memory_reserved(self.device), peak)
         graph_share = 0.0
-        if self._uses_cuda_graphs():  # the graphs' pool: their largest batch's share of the profiled step
-            sched = self.config.scheduler
-            graph_share = min(1.0, graph_batch_sizes(sched.max_num_seqs)[-1] / sched.max_num_batched_tokens)
+        plan = self.capture_plan()
+        if plan.captures:  # the graphs' pool: their largest batch's share of the profiled step
+            graph_share = min(1.0, plan.batch_sizes[-1] / self.config.scheduler.max_num_batched_tokens)
         return kv_blocks_in_budget(memory, self.config.cache.gpu_memory_utilization, self.kv_block_bytes(), graph_share)
 
     def _profile_peak_memory(self) -> int:
-        """Bytes this process holds at the peak of a worst-case step (max_num_batched_tokens tokens), KV excluded."""
+        """Bytes this process holds at the peak of a worst-case step, KV excluded: a forward of
+        max_num_batched_tokens tokens, then (last stage) its sample stage at its costliest (`sample_profile.py`)."""
         sched = self.config.scheduler
         step = worst_case_step(sched.max_num_batched_tokens, self.max_model_len(), self.block_size)
         torch.cuda.empty_cache()
@@ -230,26 +240,34 @@ class Worker:
             self.device,
             attention_backend(self.device.type),
         )
-        num_tokens = int(step.seq_lens.sum())
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.from_numpy(token_positions(step.seq_lens, step.seq_lens)).to(self.device)
-        intermediate = None
-        if not self.pp.is_first:  # a later stage starts from zeros instead of the previous stage's hidden states
-            intermediate = torch.zeros(
-                2, num_tokens, self.text_config.hidden_size, dtype=self.dtype, device=self.device
-            )
         with torch.inference_mode():
-            hidden = stage_forward(self.model, self.pp, input_ids, positions, attn, self.kv_caches, intermediate)
+            hidden = self._profile_forward(step.seq_lens, attn)
+            forward_peak = torch.cuda.max_memory_reserved(self.device) - dummy_kv_bytes
             if self.pp.is_last:
-                self.model.compute_logits(hidden[: min(sched.max_num_seqs, num_tokens)]).softmax(dim=-1)
+                worst = WorstCaseSampling.from_config(self.config, self.vocab_size, self.max_model_len())
+                compute_logits = self.model.compute_logits
+                profile_sample_stage(worst, compute_logits, hidden, attn, self.rank, self.tp, self.eos_token_ids)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - dummy_kv_bytes
         assert self.kv_cache is not None
         self.kv_cache.release()
         del hidden
         torch.cuda.empty_cache()
-        log.info("profiled a %d-token step: %.2f GiB peak besides the KV cache", num_tokens, peak / 2**30)
+        self.profiled_step = ProfiledStep(int(step.seq_lens.sum()), forward_peak, peak)
+        self.profiled_step.log()
         return peak
+
+    def _profile_forward(self, seq_lens: np.ndarray, attn: AttentionMetadata) -> torch.Tensor:
+        """This stage's output over whole prompts of `seq_lens` (dummy token ids; a later stage starts from zeros)."""
+        num_tokens = int(seq_lens.sum())
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.from_numpy(token_positions(seq_lens, seq_lens)).to(self.device)
+        intermediate = None
+        if not self.pp.is_first:
+            intermediate = torch.zeros(
+                2, num_tokens, self.text_config.hidden_size, dtype=self.dtype, device=self.device
+            )
+        return stage_forward(self.model, self.pp, input_ids, positions, attn, self.kv_caches, intermediate)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Per layer a K and a V cache `[num_blocks, block_size, num_kv_heads, head_dim]` (`workers/kv_cache.py`),
@@ -269,20 +287,21 @@ class Worker:
         )
         self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
 
+    def capture_plan(self) -> CapturePlan:
+        """Which decode batches are captured as CUDA graphs and how they meet the collectives
+        (`workers/capture_plan.py`)."""
+        return plan_cuda_graphs(self.config, self.device.type, self.pp.size, self.tp.size)
+
     def _uses_cuda_graphs(self) -> bool:
-        model_cfg = self.config.model
-        return (
-            self.device.type == "cuda"
-            and not model_cfg.enforce_eager
-            and model_cfg.task != "embed"
-            and self.pp.size == 1
-        )
+        """Whether decode graphs are captured (the capture plan's answer; kept for callers written before it)."""
+        return self.capture_plan().captures
 
     def capture_cuda_graphs(self) -> None:
-        """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager)."""
-        if not self._uses_cuda_graphs():
+        """Follow the capture plan (logged): on CUDA, capture the decode-step graphs over the allocated KV cache."""
+        plan = self.capture_plan()
+        log.info("%s", plan.describe())
+        if not plan.captures:
             return
-        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
         max_blocks_per_seq = -(-self.max_model_len() // self.block_size)
         free_before, _ = torch.cuda.mem_get_info(self.device)
         started = time.perf_counter()
@@ -290,17 +309,17 @@ class Worker:
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
-                sizes,
+                list(plan.batch_sizes),
                 max_blocks_per_seq,
                 self.block_size,
                 self.device,
-                cuda_graph_capture(self.device),
+                cuda_graph_capture(self.device, plan.split_at_collectives),
             )
         self.forward = self._choose_forward()
         free_after, _ = torch.cuda.mem_get_info(self.device)
         log.info(
             "captured decode CUDA graphs for batch sizes %s in %.1f s (%.2f GiB); --enforce-eager turns them off",
-            sizes,
+            list(plan.batch_sizes),
             time.perf_counter() - started,
             (free_before - free_after) / 2**30,
         )
@@ -339,7 +358,11 @@ class Worker:
         if rows is None:
             return None
         return compute_prompt_logprobs(
-            self.model.compute_logits, hidden, rows, self.tp.rank, max(8, self.config.scheduler.max_num_seqs // 2)
+            self.model.compute_logits,
+            hidden,
+            rows,
+            self.tp.rank,
+            prompt_logprobs_chunk_rows(self.config.scheduler.max_num_seqs),
         )
 
 

@@ -13,6 +13,7 @@ from tests.helpers.runner_driver import logits_in_chunks, run_greedy
 from tests.helpers.triton_runner import BLOCK_SIZE, CHUNKS, NUM_BLOCKS, make_runner
 from tokenmill.workers import backends, worker
 from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.capture_plan import plan_cuda_graphs
 from tokenmill.workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tokenmill.workers.triton_backend import TritonAttentionBackend
 
@@ -116,8 +117,8 @@ def test_runner_greedy_through_decode_graphs_matches_hf(tiny_checkpoint, triton_
     path, hf_model = tiny_checkpoint("qwen3")
     runner = make_runner(path, max_num_seqs=4)
     # capture_cuda_graphs as on a GPU, with the eager stand-in for graph capture
-    monkeypatch.setattr(runner, "_uses_cuda_graphs", lambda: True)
-    monkeypatch.setattr(worker, "cuda_graph_capture", lambda device: eager_capture)
+    monkeypatch.setattr(runner, "capture_plan", lambda: plan_cuda_graphs(runner.config, "cuda", 1, 1))
+    monkeypatch.setattr(worker, "cuda_graph_capture", lambda device, split_at_collectives: eager_capture)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
     runner.capture_cuda_graphs()
     assert runner.decode_graphs.batch_sizes == [1, 2, 4]

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tokenmill.workers.backends import layer_ops
+from tokenmill.workers.collectives import all_reduce
 from tokenmill.workers.models import rope as _rope
 from tokenmill.workers.models.packed_linear import can_pack, linear, packed
 from tokenmill.workers.quantization.base import QuantizedWeight, fuse_rows
@@ -85,8 +86,8 @@ class TensorParallel(NamedTuple):
         return HeadShard(first_head, num_heads, first_head // group, 1)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(partial, group=self.group)
+        if self.size > 1:  # workers/collectives.py: at once, or a captured decode graph's segment boundary
+            all_reduce(partial, self.group)
         return partial
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
