@@ -84,6 +84,17 @@ class PrefillSequence:
 
 
 @dataclass
+class MixedBatchSplit:
+    """A mixed step in decode-first order (`workers/request_state.py`): its first `num_decode_seqs` sequences have
+    one query token each (rows [0, num_decode_seqs) of the flat batch), the rest are prefill chunks (the rows after).
+    The Triton backend sends each slice through its own kernel."""
+
+    num_decode_seqs: int
+    decode_max_seq_len: int  # the decode sequences' longest context (the split-KV rule's input, a host value)
+    prefill_query_start_loc: torch.Tensor  # [Bp + 1] int32: the prefill sequences' query starts, from 0
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about one step's flat batch of T tokens from B sequences."""
 
@@ -98,6 +109,7 @@ class AttentionMetadata:
     backend: AttentionBackend  # the implementation that built this metadata and runs every layer over it
     decode: DecodeGroup | None = None  # torch backend: the single-token sequences, batched
     prefills: list[PrefillSequence] = field(default_factory=list)  # the sequences a backend leaves to SDPA
+    mixed: MixedBatchSplit | None = None  # Triton backend: a mixed step's decode and prefill slices
 
     @property
     def num_tokens(self) -> int:
