@@ -5,7 +5,8 @@ StepPlan as one pipeline:
     or pipelined, chosen at start-up) -> sample stage (sample_stage.py) -> one StepResult (`step_result` below)
 
 Start-up, as `workers/process.py` drives it: `Worker(config, rank)` -> `load_model()` -> `num_kv_blocks_for_budget()`
-(profiles a worst-case step on CUDA) -> `allocate_kv_cache(n)` -> `capture_cuda_graphs()`.
+(profiles a worst-case step on CUDA) -> `allocate_kv_cache(n)` -> `warm_up_kernels()` (Triton compiles every kernel a
+step can use, `workers/warm_up.py`) -> `capture_cuda_graphs()`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.kernels.kv_quant import check_kv_cache_device, kv_cache_torch_dtype
 from tokenmill.messages import PromptLogprobs, StepPlan, StepResult
 from tokenmill.workers.attention import DECODE_GATHER_BYTES, build_attention_metadata, token_positions
-from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.backends import attention_backend, runs_triton
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
@@ -40,6 +41,7 @@ from tokenmill.workers.request_state import CachedRequest, RequestStates, Schedu
 from tokenmill.workers.sample_stage import SampledTokens, SampleStage
 from tokenmill.workers.step_forward import PipelinedStageForward, SingleStageForward, StepForward
 from tokenmill.workers.step_inputs import InputPreparer
+from tokenmill.workers.warm_up import DummyStepRunner, warm_up_steps
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +278,43 @@ class Worker:
             and not model_cfg.enforce_eager
             and model_cfg.task != "embed"
             and self.pp.size == 1
+        )
+
+    def warm_up_kernels(self) -> None:
+        """Where steps run Triton kernels, compile every variant a step can use by running dummy steps that write no
+        KV (`workers/warm_up.py`), and log how long it took; nothing elsewhere (nothing compiles at run time)."""
+        if not (runs_triton(self.device.type) and isinstance(self.model, PagedCausalLM)):
+            return
+        from tokenmill.workers.triton_backend import device_sm_count  # imports triton: only where it runs
+
+        sched = self.config.scheduler
+        steps = warm_up_steps(
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            self.max_model_len(),
+            int(self.model.num_kv_heads),
+            device_sm_count(self.device),
+        )
+        runner = DummyStepRunner(
+            self.model,
+            self.kv_caches,
+            attention_backend(self.device.type),
+            self.pp,
+            self.tp,
+            self.block_size,
+            self.device,
+            self.dtype,
+            int(self.text_config.hidden_size),
+            self._sliding_windows(),
+        )
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for step in steps:
+                runner.run(step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info(
+            "warmed up the Triton kernels with %d dummy steps in %.1f s", len(steps), time.perf_counter() - started
         )
 
     def capture_cuda_graphs(self) -> None:
