@@ -79,7 +79,7 @@ class SampleStage:
             for state, token_ids in zip(states, accepted):
                 state.output_token_ids.extend(token_ids)
             return SampledTokens(accepted, verified_drafts=True)
-        result = sample(logits, states)
+        result = sample(logits, states, batch.sampling)
         for state, token_id in zip(states, result.token_ids):
             state.output_token_ids.append(token_id)
         return SampledTokens(

@@ -75,7 +75,7 @@ def mixed_batch_split(step: StepShape) -> MixedBatchSplit | None:
     return MixedBatchSplit(
         num_decode,
         int(step.seq_lens[:num_decode].max()),
-        torch.from_numpy(prefill_query_start_loc).to(step.device),
+        step.to_device(prefill_query_start_loc, torch.int32),
     )
 
 

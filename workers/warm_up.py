@@ -28,6 +28,7 @@ from tokenmill.kernels.split_kv_decode import MIN_KEYS_PER_SPLIT, choose_num_spl
 from tokenmill.messages import SamplingParams
 from tokenmill.workers.attention import AttentionBackend, KVCache, build_attention_metadata, token_positions
 from tokenmill.workers.models.layers import TensorParallel
+from tokenmill.workers.models.llama import PagedCausalLM
 from tokenmill.workers.models.pipeline import PipelineStage
 from tokenmill.workers.pipeline_parallel import stage_forward
 from tokenmill.workers.sampler import RequestSamplingState, sample
@@ -65,7 +66,7 @@ def warm_up_steps(
 class DummyStepRunner:
     """Runs `WarmUpStep`s through one rank's model: its stage's layers, then the LM head and the sampler."""
 
-    model: torch.nn.Module
+    model: PagedCausalLM
     kv_caches: list[KVCache]
     backend: AttentionBackend
     pp: PipelineStage

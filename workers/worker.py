@@ -39,6 +39,8 @@ from tokenmill.workers.prompt_logprobs import compute_prompt_logprobs, prompt_ro
 from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.request_state import CachedRequest, RequestStates, ScheduledRequest, plan_drafts
 from tokenmill.workers.sample_stage import SampledTokens, SampleStage
+from tokenmill.workers.staging import ALIGNMENT as STAGING_ALIGNMENT
+from tokenmill.workers.staging import StepStaging
 from tokenmill.workers.step_forward import PipelinedStageForward, SingleStageForward, StepForward
 from tokenmill.workers.step_inputs import InputPreparer
 from tokenmill.workers.warm_up import DummyStepRunner, warm_up_steps
@@ -70,6 +72,7 @@ class Worker:
         self.forward: StepForward | None = None
         self.inputs: InputPreparer | None = None
         self.sampler: SampleStage | None = None
+        self.staging: StepStaging | None = None  # the step inputs' one host-to-device copy, made by allocate_kv_cache
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._cuda_memory_at_start = torch.cuda.mem_get_info(self.device)  # (free, total) before any weight
@@ -262,14 +265,26 @@ class Worker:
         )
         self.decode_graphs = None
         self.forward = self._choose_forward()
+        self.staging = StepStaging(self.device, initial_bytes=self._staging_bytes())
         self.inputs = InputPreparer(
             self.block_size,
             self.device,
             attention_backend(self.device.type),
             self.decode_chunk_tokens(),
             self._sliding_windows(),
+            self.staging,
+            self.vocab_size,
         )
         self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
+
+    def _staging_bytes(self) -> int:
+        """Bytes a step's staged inputs take at the configured limits (the staging buffer still grows past them)."""
+        sched = self.config.scheduler
+        max_blocks = -(-self.max_model_len() // self.block_size)
+        per_token = 3 * 8  # token id, position, slot
+        # block-table row; query start, seq len, prefill start; sample row; sampling parameters, random / filter row
+        per_seq = 4 * max_blocks + 3 * 4 + 8 + 4 * 4 + 2 * 8
+        return sched.max_num_batched_tokens * per_token + sched.max_num_seqs * per_seq + 16 * STAGING_ALIGNMENT
 
     def _uses_cuda_graphs(self) -> bool:
         model_cfg = self.config.model
@@ -359,6 +374,8 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan, prepare the inputs, run the forward, sample: one StepResult (empty on silent ranks)."""
         assert self.kv_cache and self.forward and self.inputs and self.sampler, "allocate_kv_cache first"
+        assert self.staging is not None
+        self.staging.begin_step()
         scheduled = self.requests.apply(plan, self.kv_cache.zero_never_used)
         if not scheduled:
             return step_result(plan.step_id, [], None, None, 0.0)
