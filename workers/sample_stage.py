@@ -72,6 +72,7 @@ class SampleStage:
                 [request.request_id for request in batch.sampled_requests],
                 plan.grammar_request_ids,
                 plan.grammar_bitmask,
+                batch.grammar,
             )
         states = sampling_states(batch.sampled_requests)
         if batch.drafts is not None:  # verify every draft in the rows after its request's

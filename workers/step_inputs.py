@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tokenmill.workers.attention import AttentionBackend, AttentionMetadata, build_attention_metadata, token_positions
+from tokenmill.workers.grammar_mask import StagedBitmask, stage_bitmask
 from tokenmill.workers.request_state import CachedRequest, ScheduledRequest
 from tokenmill.workers.sampler import SamplingInputs, sampling_inputs
 from tokenmill.workers.staging import StepStaging
@@ -33,6 +34,7 @@ class StepBatch:
     # speculative decoding: per sampled request its draft tokens (1 + len rows each in sample_rows); None: no drafts
     drafts: list[list[int]] | None = None
     sampling: SamplingInputs | None = None  # the sampled requests' parameters, staged with the rest; None: none
+    grammar: StagedBitmask | None = None  # the grammar bitmask rows of the sampled requests, staged; None: none
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,16 @@ class InputPreparer:
     staging: StepStaging | None = None  # the step's one host-to-device copy; None: one copy per tensor
     vocab_size: int = 0  # the logits' width (the sampling inputs are staged when set)
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest], drafts: dict[str, list[int]]) -> StepBatch:
+    def prepare(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        drafts: dict[str, list[int]],
+        grammar_request_ids: Sequence[str] = (),
+        grammar_bitmask: bytes = b"",
+    ) -> StepBatch:
         """The flat batch of `scheduled`; `drafts` (request id -> draft tokens scheduled after its known tokens, this
-        step only): such a request is sampled at its last known token and at every draft."""
+        step only): such a request is sampled at its last known token and at every draft. The plan's grammar bitmask
+        rows (`grammar_request_ids` order) of the requests sampled here travel with the step's inputs."""
         num_seqs = len(scheduled)
         query_lens = np.fromiter((entry.num_scheduled_tokens for entry in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((entry.num_computed_tokens for entry in scheduled), dtype=np.int64, count=num_seqs)
@@ -79,6 +88,7 @@ class InputPreparer:
             (query_lens, seq_lens, block_tables),
             sampled_requests,
             sampled_drafts if drafts else None,
+            (grammar_request_ids, grammar_bitmask),
         )
 
     def _staged_batch(
@@ -89,6 +99,7 @@ class InputPreparer:
         shape: tuple[np.ndarray, np.ndarray, np.ndarray],
         sampled_requests: list[CachedRequest],
         drafts: list[list[int]] | None,
+        grammar: tuple[Sequence[str], bytes],
     ) -> StepBatch:
         """The batch's device tensors, every one packed into the staging buffer, then sent in its one flush."""
         staging = self.staging
@@ -112,6 +123,9 @@ class InputPreparer:
             states = [request.sampling for request in sampled_requests if request.sampling is not None]
             if states and self.vocab_size:
                 batch.sampling = sampling_inputs(states, self.vocab_size, lambda host: staging.upload(host, host.dtype))
+            if grammar[0]:
+                row_request_ids = [request.request_id for request in sampled_requests]
+                batch.grammar = stage_bitmask(grammar[1], grammar[0], row_request_ids, staging.upload)
             staging.flush()
         return batch
 
@@ -156,4 +170,5 @@ def join_step_batches(batches: list[StepBatch]) -> StepBatch:
         sampled_requests=[request for batch in batches for request in batch.sampled_requests],
         drafts=drafts,
         sampling=None,  # the micro-batches' parameters are not joined: the sampler sends the step's own
+        grammar=None,
     )

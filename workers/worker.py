@@ -380,7 +380,9 @@ class Worker:
         if not scheduled:
             return step_result(plan.step_id, [], None, None, 0.0)
         started, inputs, drafts = time.perf_counter(), self.inputs, plan_drafts(plan)
-        batch, hidden = self.forward(scheduled, lambda part: inputs.prepare(part, drafts))
+        batch, hidden = self.forward(
+            scheduled, lambda part: inputs.prepare(part, drafts, plan.grammar_request_ids, plan.grammar_bitmask)
+        )
         if hidden is None:  # a pipeline stage before the last
             return step_result(plan.step_id, [], None, None, time.perf_counter() - started)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)

@@ -86,8 +86,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 FILTERED = SamplingParams(temperature=0.7, top_k=6, top_p=0.9, min_p=0.02, seed=3, max_tokens=8)
 
 
-def plans() -> list[StepPlan]:
-    """A prefill step (a greedy and a filtered request), then a mixed one (both decode while a third prefills)."""
+ALLOWED = range(10, 20)  # the grammar of "f" in the mixed step allows these tokens only
+
+
+def plans(vocab_size: int) -> list[StepPlan]:
+    """A prefill step (a greedy and a filtered request), then a mixed one (both decode while a third prefills; the
+    filtered one under a grammar)."""
+    words = np.zeros(-(-vocab_size // 32), dtype=np.int32)
+    words[0] = sum(1 << token for token in ALLOWED)
     return [
         StepPlan(
             0,
@@ -103,23 +109,25 @@ def plans() -> list[StepPlan]:
             [NewRequestData("s", [4, 4, 2, 9, 9, 1], 6, SamplingParams(temperature=1.0, seed=5), [20, 21], 0, 6)],
             [RunningRequestData("g", [], [], 5, 1), RunningRequestData("f", [], [12], 4, 1)],
             [],
+            grammar_request_ids=["f"],
+            grammar_bitmask=words.tobytes(),
         ),
     ]
 
 
-def run_plans(runner) -> tuple[list[list[int]], list[int]]:
+def run_plans(runner) -> tuple[list[dict[str, int]], list[int]]:
     """Each plan's sampled tokens (a running request's new token is its last sample) and the staging copies each
     step made."""
-    tokens: list[list[int]] = []
+    tokens: list[dict[str, int]] = []
     copies: list[int] = []
     last: dict[str, int] = {}
-    for plan in plans():
+    for plan in plans(runner.vocab_size):
         running = [msgspec.structs.replace(entry, new_token_ids=[last[entry.request_id]]) for entry in plan.running]
         copies_before = runner.staging.num_copies
         result = runner.execute(msgspec.structs.replace(plan, running=running))
         copies.append(runner.staging.num_copies - copies_before)
         last.update(zip(result.request_ids, result.sampled_token_ids))
-        tokens.append(list(result.sampled_token_ids))
+        tokens.append(dict(zip(result.request_ids, result.sampled_token_ids)))
     return tokens, copies
 
 
@@ -138,5 +146,5 @@ def test_a_step_makes_one_host_to_device_copy(tiny_checkpoint, use_cpu_backend, 
     counter = UploadCounter(monkeypatch)
     tokens, copies = run_plans(runner)
     assert counter.uploads == [] and copies == [1, 1]
-    # the step read what that one copy sent: the same tokens as through the host's own staging
-    assert tokens == expected
+    # the step read what that one copy sent: the same tokens as through the host's own staging, the grammar's too
+    assert tokens == expected and tokens[1]["f"] in ALLOWED
