@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.kv_quant import as_bytes, dequantize, quantize
+from tokenmill.workers.staging import StepStaging
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K cache, V cache); workers/kv_cache.py allocates them
 
@@ -84,6 +85,17 @@ class PrefillSequence:
 
 
 @dataclass
+class MixedBatchSplit:
+    """A mixed step in decode-first order (`workers/request_state.py`): its first `num_decode_seqs` sequences have
+    one query token each (rows [0, num_decode_seqs) of the flat batch), the rest are prefill chunks (the rows after).
+    The Triton backend sends each slice through its own kernel."""
+
+    num_decode_seqs: int
+    decode_max_seq_len: int  # the decode sequences' longest context (the split-KV rule's input, a host value)
+    prefill_query_start_loc: torch.Tensor  # [Bp + 1] int32: the prefill sequences' query starts, from 0
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about one step's flat batch of T tokens from B sequences."""
 
@@ -98,6 +110,7 @@ class AttentionMetadata:
     backend: AttentionBackend  # the implementation that built this metadata and runs every layer over it
     decode: DecodeGroup | None = None  # torch backend: the single-token sequences, batched
     prefills: list[PrefillSequence] = field(default_factory=list)  # the sequences a backend leaves to SDPA
+    mixed: MixedBatchSplit | None = None  # Triton backend: a mixed step's decode and prefill slices
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +146,13 @@ class StepShape:
     device: torch.device
     decode_chunk_tokens: int | None = None  # torch decode: keys per chunk; None: every decode sequence in one chunk
     sliding_windows: tuple[int, ...] = ()  # the model's distinct windows, whose reads are precomputed
+    staging: StepStaging | None = None  # the step's one host-to-device copy (workers/staging.py); None: a copy each
+
+    def to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """A host array as a `dtype` tensor on the step's device: packed into the step's staging when it has one."""
+        if self.staging is not None:
+            return self.staging.upload(np.ascontiguousarray(array), dtype)
+        return _to_device(array, dtype, self.device)
 
 
 def _decode_chunk_bounds(padded_lens: np.ndarray, max_tokens: int | None) -> list[tuple[int, int]]:
@@ -173,8 +193,10 @@ def build_attention_metadata(
     backend: AttentionBackend,
     decode_chunk_tokens: int | None = None,
     sliding_windows: tuple[int, ...] = (),
+    staging: StepStaging | None = None,
 ) -> AttentionMetadata:
-    """`backend`'s metadata for a step given as host arrays: query_lens[B], seq_lens[B], block_tables[B, max_blocks]."""
+    """`backend`'s metadata for a step given as host arrays: query_lens[B], seq_lens[B], block_tables[B, max_blocks].
+    With `staging`, its device tensors are views filled by the staging's next flush."""
     return backend.prepare(
         StepShape(
             np.asarray(query_lens, dtype=np.int64),
@@ -184,6 +206,7 @@ def build_attention_metadata(
             device,
             decode_chunk_tokens,
             sliding_windows,
+            staging,
         )
     )
 
@@ -207,10 +230,10 @@ def common_metadata(
     positions = token_positions(query_lens, seq_lens)
     slot_mapping = step.block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     return AttentionMetadata(
-        slot_mapping=_to_device(slot_mapping, torch.int64, step.device),
-        block_tables=_to_device(step.block_tables, torch.int32, step.device),
-        query_start_loc=_to_device(query_start_loc, torch.int32, step.device),
-        seq_lens=_to_device(seq_lens, torch.int32, step.device),
+        slot_mapping=step.to_device(slot_mapping, torch.int64),
+        block_tables=step.to_device(step.block_tables, torch.int32),
+        query_start_loc=step.to_device(query_start_loc, torch.int32),
+        seq_lens=step.to_device(seq_lens, torch.int32),
         is_decode_only=bool((query_lens == 1).all()),
         max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
@@ -238,22 +261,24 @@ def decode_group(step: StepShape) -> DecodeGroup | None:
         key_mask = None
         if (chunk_lens != num_keys).any():
             in_sequence = (np.arange(num_keys)[None, :] < chunk_lens[:, None])[:, None, None, :]
-            key_mask = _to_device(in_sequence, torch.bool, step.device)
+            key_mask = step.to_device(in_sequence, torch.bool)
         num_blocks = int(blocks_needed[chunk_seqs].max())
         chunk = DecodeChunk(
             start,
             end,
-            _to_device(step.block_tables[chunk_seqs, :num_blocks], torch.int64, step.device),
+            step.to_device(step.block_tables[chunk_seqs, :num_blocks], torch.int64),
             num_keys,
             key_mask,
-            _to_device(chunk_lens, torch.int64, step.device),
+            step.to_device(chunk_lens, torch.int64),
         )
+        if step.staging is not None and any(num_keys > w for w in step.sliding_windows):
+            step.staging.flush()  # the window reads are computed from the chunk's device tensors: send them first
         chunk.windowed = {w: _decode_window(chunk, w, block_size) for w in step.sliding_windows if num_keys > w}
         chunks.append(chunk)
     token_indices = None
     if not is_decode.all():
         first_rows = np.cumsum(step.query_lens) - step.query_lens
-        token_indices = _to_device(first_rows[decode_seqs], torch.int64, step.device)
+        token_indices = step.to_device(first_rows[decode_seqs], torch.int64)
     return DecodeGroup(token_indices=token_indices, chunks=chunks)
 
 
@@ -267,13 +292,13 @@ def prefill_sequences(step: StepShape, max_kernel_query_len: int) -> list[Prefil
         causal_mask = None
         if q_len != seq_len:
             query_positions = np.arange(seq_len - q_len, seq_len)
-            causal_mask = _to_device(np.arange(seq_len)[None, :] <= query_positions[:, None], torch.bool, step.device)
+            causal_mask = step.to_device(np.arange(seq_len)[None, :] <= query_positions[:, None], torch.bool)
         num_blocks = -(-seq_len // step.block_size)
         sequence = PrefillSequence(
             query_start=int(query_start_loc[seq]),
             query_end=int(query_start_loc[seq + 1]),
             seq_len=seq_len,
-            block_ids=_to_device(step.block_tables[seq, :num_blocks], torch.int64, step.device),
+            block_ids=step.to_device(step.block_tables[seq, :num_blocks], torch.int64),
             causal_mask=causal_mask,
         )
         sequence.windowed = {

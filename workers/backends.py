@@ -42,6 +42,11 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0" and cpu_ops.library() is not None
 
 
+def runs_triton(device_type: str) -> bool:
+    """Whether steps on this device type launch the Triton kernels (which compile on first use)."""
+    return device_type in TRITON_DEVICE_TYPES
+
+
 def attention_backend(device_type: str) -> AttentionBackend:
     return device_kernels(device_type).attention
 

@@ -52,12 +52,20 @@ def allocate_kv_caches(
     ]
 
 
-def zero_kv_blocks(kv_caches: list[KVCache], block_ids: torch.Tensor) -> None:
-    """Zero the given blocks of every layer's K and V cache, as bytes: torch has no CPU index_fill_ for fp8 (and
-    byte 0 is +0.0 in every cache dtype)."""
+def zero_kv_blocks(kv_caches: list[KVCache], block_runs: list[tuple[int, int]]) -> None:
+    """Zero the blocks [start, end) of each run in every layer's K and V cache, as bytes (byte 0 is +0.0 in every
+    cache dtype). Runs of host ints rather than an index tensor: zeroing sends nothing to the device, so a step's
+    inputs stay one copy (`workers/staging.py`)."""
     for k_cache, v_cache in kv_caches:
-        as_bytes(k_cache).index_fill_(0, block_ids, 0)
-        as_bytes(v_cache).index_fill_(0, block_ids, 0)
+        for start, end in block_runs:
+            as_bytes(k_cache)[start:end].zero_()
+            as_bytes(v_cache)[start:end].zero_()
+
+
+def block_runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted, distinct block ids as [start, end) runs of consecutive ids."""
+    breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(sorted_ids, breaks)]
 
 
 class PagedKVCache:
@@ -91,10 +99,10 @@ class PagedKVCache:
         if fresh.size == 0:
             return
         self._never_used[fresh] = False
-        index = torch.from_numpy(fresh).to(self.device)
-        zero_kv_blocks(self.layers, index)
+        runs = block_runs(fresh)
+        zero_kv_blocks(self.layers, runs)
         if self.draft is not None:
-            zero_kv_blocks(self.draft.kv_caches, index)
+            zero_kv_blocks(self.draft.kv_caches, runs)
 
     def release(self) -> None:
         """Drop every tensor (after start-up profiling: the real cache is allocated once its size is known)."""

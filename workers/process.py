@@ -40,6 +40,7 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
         runner.load_model()
         num_blocks = runner.num_kv_blocks_for_budget()
         runner.allocate_kv_cache(num_blocks)
+        runner.warm_up_kernels()  # before WorkerReady: /health answers 200 only once the kernels are compiled
         runner.capture_cuda_graphs()
         results.send(
             encode(

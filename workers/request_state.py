@@ -1,8 +1,10 @@
 """What the worker remembers about each request between steps, and applying a StepPlan's diff to it.
 
 A StepPlan is a diff: finished requests are forgotten, new ones arrive in full, running ones bring the tokens
-sampled last step and any new blocks. Applying it yields the step's `ScheduledRequest`s in flat-batch order (new
-requests first, then running ones), each contributing `num_scheduled_tokens` tokens from `num_computed_tokens`.
+sampled last step and any new blocks. Applying it yields the step's `ScheduledRequest`s in flat-batch order, each
+contributing `num_scheduled_tokens` tokens from `num_computed_tokens`: the single-token requests (decodes) first, then
+the others, each in plan order (vLLM's `reorder_batch`), so a mixed step's decode rows and prefill rows are two
+contiguous slices and the Triton backend runs each through its own kernel (`workers/triton_backend.py`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class RequestStates:
             scheduled.append(ScheduledRequest(request, running.num_computed_tokens, running.num_scheduled_tokens))
         if handed_out:
             blocks_handed_out(handed_out)
-        return [entry for entry in scheduled if entry.num_scheduled_tokens > 0]
+        return decode_first([entry for entry in scheduled if entry.num_scheduled_tokens > 0])
 
     def _add(self, new: NewRequestData) -> CachedRequest:
         sampling = None
@@ -77,6 +79,11 @@ class RequestStates:
         request.prompt_logprobs = prompt_logprobs_state(new)
         self.requests[new.request_id] = request
         return request
+
+
+def decode_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """`scheduled` with its one-token requests first (a stable sort: each group keeps its order)."""
+    return sorted(scheduled, key=lambda entry: entry.num_scheduled_tokens != 1)
 
 
 def plan_drafts(plan: StepPlan) -> dict[str, list[int]]:

@@ -72,6 +72,7 @@ class SampleStage:
                 [request.request_id for request in batch.sampled_requests],
                 plan.grammar_request_ids,
                 plan.grammar_bitmask,
+                batch.grammar,
             )
         states = sampling_states(batch.sampled_requests)
         if batch.drafts is not None:  # verify every draft in the rows after its request's
@@ -79,7 +80,7 @@ class SampleStage:
             for state, token_ids in zip(states, accepted):
                 state.output_token_ids.extend(token_ids)
             return SampledTokens(accepted, verified_drafts=True)
-        result = sample(logits, states)
+        result = sample(logits, states, batch.sampling)
         for state, token_id in zip(states, result.token_ids):
             state.output_token_ids.append(token_id)
         return SampledTokens(

@@ -17,7 +17,7 @@ only host sync is the single `.tolist()` at the end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,8 +87,37 @@ class SampleResult:
     logprobs: list[tuple[float, list[int], list[float]]] | None
 
 
-def sample(logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> SampleResult:
-    """Sample one token per row of `logits` ([N, V], one row per state). The caller's tensor is left untouched."""
+@dataclass
+class SamplingInputs:
+    """A step's per-row sampling parameters on the device, made from the states before the forward so that they
+    travel in the step's one host-to-device copy (`workers/staging.py`)."""
+
+    params: torch.Tensor  # [4, N] float32: temperature, top_k (0: off), top_p, min_p of every row
+    random_rows: torch.Tensor  # [R] int64: the rows that sample (the others are greedy)
+    filter_rows: torch.Tensor  # [F] int64: positions among the random rows of those top-k/top-p/min-p filter
+
+
+def sampling_inputs(
+    states: Sequence[RequestSamplingState], vocab_size: int, upload: Callable[[torch.Tensor], torch.Tensor]
+) -> SamplingInputs:
+    """The states' `SamplingInputs`, each host tensor sent to the device by `upload`."""
+    params = [state.params for state in states]
+    random_rows = [row for row, p in enumerate(params) if not p.greedy]
+    filter_rows = [i for i, row in enumerate(random_rows) if _needs_filtering(params[row], vocab_size)]
+    packed = [[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]]
+    packed.append([p.min_p for p in params])
+    return SamplingInputs(
+        upload(torch.tensor(packed, dtype=torch.float32).view(4, len(params))),
+        upload(torch.tensor(random_rows, dtype=torch.long)),
+        upload(torch.tensor(filter_rows, dtype=torch.long)),
+    )
+
+
+def sample(
+    logits: torch.Tensor, states: Sequence[RequestSamplingState], inputs: SamplingInputs | None = None
+) -> SampleResult:
+    """Sample one token per row of `logits` ([N, V], one row per state); `inputs`: the states' parameters already on
+    the device (else sent here). The caller's tensor is left untouched."""
     if logits.dim() != 2 or logits.shape[0] != len(states):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sampling states")
     logits = logits.float()
@@ -99,11 +128,19 @@ def sample(logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> Samp
     random_rows = [row for row, p in enumerate(params) if not p.greedy]
     if not random_rows:
         token_ids = logits.argmax(dim=-1)
-    elif len(random_rows) == len(states):
-        token_ids = _sample_random(logits, states)
+        return _collect_result(token_ids, raw_logprobs, params)
+    if inputs is None:
+        inputs = sampling_inputs(states, logits.shape[1], lambda tensor: _host_to_device(tensor, logits.device))
+    if len(random_rows) == len(states):
+        token_ids = _sample_random(logits, states, inputs.params, inputs.filter_rows)
     else:  # greedy rows take the argmax; the others are sampled as one block
-        rows_index = _host_to_device(torch.tensor(random_rows, dtype=torch.long), logits.device)
-        sampled = _sample_random(logits.index_select(0, rows_index), [states[row] for row in random_rows])
+        rows_index = inputs.random_rows
+        sampled = _sample_random(
+            logits.index_select(0, rows_index),
+            [states[row] for row in random_rows],
+            inputs.params.index_select(1, rows_index),
+            inputs.filter_rows,
+        )
         token_ids = logits.argmax(dim=-1).index_copy_(0, rows_index, sampled)
     return _collect_result(token_ids, raw_logprobs, params)
 
@@ -197,15 +234,22 @@ def _updated_output_counts(
 # ---------------------------------------------------------------- sampling (the non-greedy rows)
 
 
-def _sample_random(logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
-    """Temperature, top-k/top-p/min-p, then the exponential race; every row here samples."""
+def _sample_random(
+    logits: torch.Tensor,
+    states: Sequence[RequestSamplingState],
+    row_params: torch.Tensor,
+    filter_index: torch.Tensor,
+) -> torch.Tensor:
+    """Temperature, top-k/top-p/min-p, then the exponential race; every row here samples. `row_params` [4, R]:
+    the rows' temperature, top_k, top_p, min_p on the device; `filter_index`: the rows top-k/top-p/min-p filter."""
     vocab_size = logits.shape[1]
     params = [state.params for state in states]
-    temperature = _host_to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), logits.device)
-    scaled = logits / temperature.unsqueeze(1)
+    scaled = logits / row_params[0].unsqueeze(1)
     filter_rows = [row for row, p in enumerate(params) if _needs_filtering(p, vocab_size)]
     if filter_rows:
-        scaled = _filter_rows(scaled, [params[row] for row in filter_rows], filter_rows)
+        all_rows = len(filter_rows) == len(params)
+        filter_params = row_params if all_rows else row_params.index_select(1, filter_index)
+        scaled = _filter_rows(scaled, [params[row] for row in filter_rows], filter_params, filter_index)
     probs = scaled.softmax(dim=-1)
     return probs.div_(_exponential_noise(probs, states)).argmax(dim=-1)
 
@@ -214,17 +258,16 @@ def _needs_filtering(params: SamplingParams, vocab_size: int) -> bool:
     return 0 < params.top_k < vocab_size or params.top_p < 1.0 or params.min_p > 0.0
 
 
-def _filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]) -> torch.Tensor:
-    """Apply top-k/top-p/min-p to `rows` of `logits` only (the others need no sort)."""
+def _filter_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], packed: torch.Tensor, rows_index: torch.Tensor
+) -> torch.Tensor:
+    """Apply top-k/top-p/min-p to the rows `rows_index` of `logits` only (the others need no sort); `packed` [4, F]:
+    those rows' temperature, top_k, top_p, min_p on the device."""
     num_rows, vocab_size = logits.shape
-    device = logits.device
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    packed = _host_to_device(
-        torch.tensor([top_ks, [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32), device
-    )
-    top_k, top_p, min_p = packed.unbind(0)
-    all_rows = len(rows) == num_rows
-    rows_index = None if all_rows else _host_to_device(torch.tensor(rows, dtype=torch.long), device)
+    _, raw_top_k, top_p, min_p = packed.unbind(0)
+    top_k = torch.where((raw_top_k > 0) & (raw_top_k < vocab_size), raw_top_k, float(vocab_size))
+    all_rows = len(params) == num_rows
     selected = logits if all_rows else logits.index_select(0, rows_index)
     filtered = filter_top_k_top_p_min_p(
         selected,

@@ -2,8 +2,8 @@
 
 Prompts, prompt chunks and decode tokens all run in one flat batch and one forward. Only requests whose scheduled
 tokens reach the end of their known tokens are sampled, at their last row; with speculative decoding also at every
-draft row after it. This module is the one place a step's inputs are built (host arrays first, one copy to the
-device per tensor).
+draft row after it. This module is the one place a step's inputs are built: host arrays first, packed into the
+worker's staging buffer and sent to the device in one copy (`workers/staging.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import numpy as np
 import torch
 
 from tokenmill.workers.attention import AttentionBackend, AttentionMetadata, build_attention_metadata, token_positions
+from tokenmill.workers.grammar_mask import StagedBitmask, stage_bitmask
 from tokenmill.workers.request_state import CachedRequest, ScheduledRequest
+from tokenmill.workers.sampler import SamplingInputs, sampling_inputs
+from tokenmill.workers.staging import StepStaging
 
 
 @dataclass
@@ -30,6 +33,8 @@ class StepBatch:
     sampled_requests: list[CachedRequest]
     # speculative decoding: per sampled request its draft tokens (1 + len rows each in sample_rows); None: no drafts
     drafts: list[list[int]] | None = None
+    sampling: SamplingInputs | None = None  # the sampled requests' parameters, staged with the rest; None: none
+    grammar: StagedBitmask | None = None  # the grammar bitmask rows of the sampled requests, staged; None: none
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,19 @@ class InputPreparer:
     backend: AttentionBackend
     decode_chunk_tokens: int | None  # keys per decode-attention chunk on the torch path (attention.py)
     sliding_windows: tuple[int, ...] = ()  # the models' distinct windows, whose attention reads prepare precomputes
+    staging: StepStaging | None = None  # the step's one host-to-device copy; None: one copy per tensor
+    vocab_size: int = 0  # the logits' width (the sampling inputs are staged when set)
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest], drafts: dict[str, list[int]]) -> StepBatch:
+    def prepare(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        drafts: dict[str, list[int]],
+        grammar_request_ids: Sequence[str] = (),
+        grammar_bitmask: bytes = b"",
+    ) -> StepBatch:
         """The flat batch of `scheduled`; `drafts` (request id -> draft tokens scheduled after its known tokens, this
-        step only): such a request is sampled at its last known token and at every draft."""
+        step only): such a request is sampled at its last known token and at every draft. The plan's grammar bitmask
+        rows (`grammar_request_ids` order) of the requests sampled here travel with the step's inputs."""
         num_seqs = len(scheduled)
         query_lens = np.fromiter((entry.num_scheduled_tokens for entry in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((entry.num_computed_tokens for entry in scheduled), dtype=np.int64, count=num_seqs)
@@ -67,24 +81,58 @@ class InputPreparer:
                 sample_rows.extend(range(end_row - 1 - len(request_drafts), end_row))
                 sampled_requests.append(request)
                 sampled_drafts.append(list(request_drafts))
-        device = self.device
-        return StepBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
-            positions=torch.from_numpy(token_positions(query_lens, seq_lens)).to(device),
+        return self._staged_batch(
+            np.array(input_ids, dtype=np.int64),
+            token_positions(query_lens, seq_lens),
+            np.array(sample_rows, dtype=np.int64),
+            (query_lens, seq_lens, block_tables),
+            sampled_requests,
+            sampled_drafts if drafts else None,
+            (grammar_request_ids, grammar_bitmask),
+        )
+
+    def _staged_batch(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        sample_rows: np.ndarray,
+        shape: tuple[np.ndarray, np.ndarray, np.ndarray],
+        sampled_requests: list[CachedRequest],
+        drafts: list[list[int]] | None,
+        grammar: tuple[Sequence[str], bytes],
+    ) -> StepBatch:
+        """The batch's device tensors, every one packed into the staging buffer, then sent in its one flush."""
+        staging = self.staging
+        batch = StepBatch(
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
             attn=build_attention_metadata(
-                query_lens,
-                seq_lens,
-                block_tables,
+                *shape,
                 self.block_size,
-                device,
+                self.device,
                 self.backend,
                 self.decode_chunk_tokens,
                 self.sliding_windows,
+                staging,
             ),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long).to(device),
+            sample_rows=self._to_device(sample_rows),
             sampled_requests=sampled_requests,
-            drafts=sampled_drafts if drafts else None,
+            drafts=drafts,
         )
+        if staging is not None:
+            states = [request.sampling for request in sampled_requests if request.sampling is not None]
+            if states and self.vocab_size:
+                batch.sampling = sampling_inputs(states, self.vocab_size, lambda host: staging.upload(host, host.dtype))
+            if grammar[0]:
+                row_request_ids = [request.request_id for request in sampled_requests]
+                batch.grammar = stage_bitmask(grammar[1], grammar[0], row_request_ids, staging.upload)
+            staging.flush()
+        return batch
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        if self.staging is not None:
+            return self.staging.upload(array, torch.int64)
+        return torch.from_numpy(array).to(self.device)
 
 
 def _check_schedulable(
@@ -121,4 +169,6 @@ def join_step_batches(batches: list[StepBatch]) -> StepBatch:
         sample_rows=torch.cat(rows),
         sampled_requests=[request for batch in batches for request in batch.sampled_requests],
         drafts=drafts,
+        sampling=None,  # the micro-batches' parameters are not joined: the sampler sends the step's own
+        grammar=None,
     )

@@ -1,9 +1,12 @@
 """The CUDA attention backend and layer ops (`workers/backends.py` picks them): the Triton kernels from `kernels/`.
 
 Per layer the KV write scatters this step's keys and values to their slots (slot -1, a CUDA-graph padding row, is
-skipped); attention runs the split-KV decode kernel when every sequence has one query token (its split count chosen
-from the batch, kv heads and longest visible context against the device's SMs) and the varlen prefill kernel
-otherwise (prompts, chunks, prefix-cache hits, and mixed batches, where a decode token is a sequence of one query).
+skipped); attention runs the split-KV decode kernel on the sequences with one query token (its split count chosen
+from their number, kv heads and longest visible context against the device's SMs) and the varlen prefill kernel on
+the others (prompts, chunks, prefix-cache hits, drafts). A mixed step comes decode-first (`workers/request_state.py`,
+vLLM's `reorder_batch`), so `prepare` records where its decode rows end and each kernel runs on its own contiguous
+slice of the one forward; sequences of one query after the first longer one (a batch built in another order) are
+left to the prefill kernel, which is correct for them too.
 The layers' RMSNorm (with the residual add fused) and rotary embedding use the matching kernels.
 
 Everything here reads only tensors from `AttentionMetadata` (no host values, no syncs), so a decode step built on
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from tokenmill.kernels.kv_write import write_kv
@@ -22,7 +26,14 @@ from tokenmill.kernels.paged_attention import paged_attention_prefill
 from tokenmill.kernels.rms_norm import rms_norm
 from tokenmill.kernels.rotary import apply_rotary
 from tokenmill.kernels.split_kv_decode import choose_num_splits, split_kv_decode
-from tokenmill.workers.attention import AttentionLayer, AttentionMetadata, KVCache, StepShape, common_metadata
+from tokenmill.workers.attention import (
+    AttentionLayer,
+    AttentionMetadata,
+    KVCache,
+    MixedBatchSplit,
+    StepShape,
+    common_metadata,
+)
 from tokenmill.workers.ops import LayerOps
 
 
@@ -46,11 +57,26 @@ def device_sm_count(device: torch.device) -> int:
 
 
 def decode_num_splits(
-    metadata: AttentionMetadata, num_kv_heads: int, device: torch.device, sliding_window: int | None
+    num_seqs: int, max_seq_len: int, num_kv_heads: int, device: torch.device, sliding_window: int | None
 ) -> int:
-    """The split-KV decode kernel's split count for a decode-only step, from host values only (graph-safe)."""
-    visible = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
-    return choose_num_splits(int(metadata.seq_lens.shape[0]), num_kv_heads, visible, device_sm_count(device))
+    """The split-KV decode kernel's split count for `num_seqs` decode sequences, from host values only (graph-safe)."""
+    visible = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    return choose_num_splits(num_seqs, num_kv_heads, visible, device_sm_count(device))
+
+
+def mixed_batch_split(step: StepShape) -> MixedBatchSplit | None:
+    """Where a step's leading one-query sequences end, when both they and longer ones are in it; else None."""
+    is_decode = step.query_lens == 1
+    num_decode = len(is_decode) if is_decode.all() else int(np.argmin(is_decode))
+    if num_decode == 0 or num_decode == len(is_decode):
+        return None
+    prefill_query_start_loc = np.zeros(len(is_decode) - num_decode + 1, dtype=np.int32)
+    np.cumsum(step.query_lens[num_decode:], out=prefill_query_start_loc[1:])
+    return MixedBatchSplit(
+        num_decode,
+        int(step.seq_lens[:num_decode].max()),
+        step.to_device(prefill_query_start_loc, torch.int32),
+    )
 
 
 def paged_attention_triton(
@@ -65,38 +91,71 @@ def paged_attention_triton(
     With a sliding window, a query at position p sees keys p - window < k <= p (the kernels start at the window).
     An fp8 cache holds keys / k_scale and values / v_scale (plain floats: a captured CUDA graph keeps them)."""
     if metadata.is_decode_only:
-        return decode_attention(query, k_cache, v_cache, metadata, layer)
-    return paged_attention_prefill(
-        query,
-        k_cache,
-        v_cache,
-        metadata.block_tables,
-        metadata.query_start_loc,
-        metadata.seq_lens,
-        layer.scale,
-        layer.sliding_window,
-        layer.k_scale,
-        layer.v_scale,
-    )
+        return decode_attention(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                metadata.max_seq_len, layer)  # fmt: skip
+    mixed = metadata.mixed
+    if mixed is None:
+        return prefill_attention(
+            query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, layer
+        )
+    decodes = mixed.num_decode_seqs  # also their rows: one query token each
+    output = torch.empty_like(query)
+    output[:decodes] = decode_attention(
+        query[:decodes], k_cache, v_cache, metadata.block_tables[:decodes], metadata.seq_lens[:decodes],
+        mixed.decode_max_seq_len, layer,
+    )  # fmt: skip
+    output[decodes:] = prefill_attention(
+        query[decodes:], k_cache, v_cache, metadata.block_tables[decodes:], mixed.prefill_query_start_loc,
+        metadata.seq_lens[decodes:], layer,
+    )  # fmt: skip
+    return output
 
 
 def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
     layer: AttentionLayer,
 ) -> torch.Tensor:
-    """A decode-only step's attention: the one call into the split-KV decode kernel (`kernels/split_kv_decode.py`)."""
-    num_splits = decode_num_splits(metadata, k_cache.shape[2], query.device, layer.sliding_window)
+    """One query per sequence: the one call into the split-KV decode kernel (`kernels/split_kv_decode.py`)."""
+    num_splits = decode_num_splits(
+        int(seq_lens.shape[0]), max_seq_len, k_cache.shape[2], query.device, layer.sliding_window
+    )
     return split_kv_decode(
         query,
         k_cache,
         v_cache,
-        metadata.block_tables,
-        metadata.seq_lens,
+        block_tables,
+        seq_lens,
         layer.scale,
         num_splits,
+        layer.sliding_window,
+        layer.k_scale,
+        layer.v_scale,
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layer: AttentionLayer,
+) -> torch.Tensor:
+    """Varlen causal queries (any lengths): the one call into the prefill kernel (`kernels/paged_attention.py`)."""
+    return paged_attention_prefill(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        layer.scale,
         layer.sliding_window,
         layer.k_scale,
         layer.v_scale,
@@ -110,7 +169,9 @@ class TritonAttentionBackend:
     write_kv = staticmethod(write_kv)
 
     def prepare(self, step: StepShape) -> AttentionMetadata:
-        return common_metadata(step, self)
+        metadata = common_metadata(step, self)
+        metadata.mixed = mixed_batch_split(step)
+        return metadata
 
     def forward(
         self,

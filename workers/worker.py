@@ -5,7 +5,8 @@ StepPlan as one pipeline:
     or pipelined, chosen at start-up) -> sample stage (sample_stage.py) -> one StepResult (`step_result` below)
 
 Start-up, as `workers/process.py` drives it: `Worker(config, rank)` -> `load_model()` -> `num_kv_blocks_for_budget()`
-(profiles a worst-case step on CUDA) -> `allocate_kv_cache(n)` -> `capture_cuda_graphs()`.
+(profiles a worst-case step on CUDA) -> `allocate_kv_cache(n)` -> `warm_up_kernels()` (Triton compiles every kernel a
+step can use, `workers/warm_up.py`) -> `capture_cuda_graphs()`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tokenmill.workers.attention import (
     build_attention_metadata,
     token_positions,
 )
-from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.backends import attention_backend, runs_triton
 from tokenmill.workers.capture_plan import CapturePlan, plan_cuda_graphs
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
@@ -46,8 +47,11 @@ from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.request_state import CachedRequest, RequestStates, ScheduledRequest, plan_drafts
 from tokenmill.workers.sample_profile import WorstCaseSampling, profile_sample_stage
 from tokenmill.workers.sample_stage import SampledTokens, SampleStage
+from tokenmill.workers.staging import ALIGNMENT as STAGING_ALIGNMENT
+from tokenmill.workers.staging import StepStaging
 from tokenmill.workers.step_forward import PipelinedStageForward, SingleStageForward, StepForward
 from tokenmill.workers.step_inputs import InputPreparer
+from tokenmill.workers.warm_up import DummyStepRunner, warm_up_steps
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,7 @@ class Worker:
         self.forward: StepForward | None = None
         self.inputs: InputPreparer | None = None
         self.sampler: SampleStage | None = None
+        self.staging: StepStaging | None = None  # the step inputs' one host-to-device copy, made by allocate_kv_cache
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._cuda_memory_at_start = torch.cuda.mem_get_info(self.device)  # (free, total) before any weight
@@ -278,12 +283,15 @@ class Worker:
         )
         self.decode_graphs = None
         self.forward = self._choose_forward()
+        self.staging = StepStaging(self.device, initial_bytes=self._staging_bytes())
         self.inputs = InputPreparer(
             self.block_size,
             self.device,
             attention_backend(self.device.type),
             self.decode_chunk_tokens(),
             self._sliding_windows(),
+            self.staging,
+            self.vocab_size,
         )
         self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
 
@@ -292,9 +300,55 @@ class Worker:
         (`workers/capture_plan.py`)."""
         return plan_cuda_graphs(self.config, self.device.type, self.pp.size, self.tp.size)
 
+    def _staging_bytes(self) -> int:
+        """Bytes a step's staged inputs take at the configured limits (the staging buffer still grows past them)."""
+        sched = self.config.scheduler
+        max_blocks = -(-self.max_model_len() // self.block_size)
+        per_token = 3 * 8  # token id, position, slot
+        # block-table row; query start, seq len, prefill start; sample row; sampling parameters, random / filter row
+        per_seq = 4 * max_blocks + 3 * 4 + 8 + 4 * 4 + 2 * 8
+        return sched.max_num_batched_tokens * per_token + sched.max_num_seqs * per_seq + 16 * STAGING_ALIGNMENT
+
     def _uses_cuda_graphs(self) -> bool:
         """Whether decode graphs are captured (the capture plan's answer; kept for callers written before it)."""
         return self.capture_plan().captures
+
+    def warm_up_kernels(self) -> None:
+        """Where steps run Triton kernels, compile every variant a step can use by running dummy steps that write no
+        KV (`workers/warm_up.py`), and log how long it took; nothing elsewhere (nothing compiles at run time)."""
+        if not (runs_triton(self.device.type) and isinstance(self.model, PagedCausalLM)):
+            return
+        from tokenmill.workers.triton_backend import device_sm_count  # imports triton: only where it runs
+
+        sched = self.config.scheduler
+        steps = warm_up_steps(
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            self.max_model_len(),
+            int(self.model.num_kv_heads),
+            device_sm_count(self.device),
+        )
+        runner = DummyStepRunner(
+            self.model,
+            self.kv_caches,
+            attention_backend(self.device.type),
+            self.pp,
+            self.tp,
+            self.block_size,
+            self.device,
+            self.dtype,
+            int(self.text_config.hidden_size),
+            self._sliding_windows(),
+        )
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for step in steps:
+                runner.run(step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info(
+            "warmed up the Triton kernels with %d dummy steps in %.1f s", len(steps), time.perf_counter() - started
+        )
 
     def capture_cuda_graphs(self) -> None:
         """Follow the capture plan (logged): on CUDA, capture the decode-step graphs over the allocated KV cache."""
@@ -339,11 +393,15 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan, prepare the inputs, run the forward, sample: one StepResult (empty on silent ranks)."""
         assert self.kv_cache and self.forward and self.inputs and self.sampler, "allocate_kv_cache first"
+        assert self.staging is not None
+        self.staging.begin_step()
         scheduled = self.requests.apply(plan, self.kv_cache.zero_never_used)
         if not scheduled:
             return step_result(plan.step_id, [], None, None, 0.0)
         started, inputs, drafts = time.perf_counter(), self.inputs, plan_drafts(plan)
-        batch, hidden = self.forward(scheduled, lambda part: inputs.prepare(part, drafts))
+        batch, hidden = self.forward(
+            scheduled, lambda part: inputs.prepare(part, drafts, plan.grammar_request_ids, plan.grammar_bitmask)
+        )
         if hidden is None:  # a pipeline stage before the last
             return step_result(plan.step_id, [], None, None, time.perf_counter() - started)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)

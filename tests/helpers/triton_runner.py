@@ -21,3 +21,12 @@ def make_runner(path, max_num_seqs: int = 256) -> Worker:
     runner.load_model()
     runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
     return runner
+
+
+def force_triton_on_cpu(monkeypatch) -> None:
+    """Make `attention_backend("cpu")` the Triton backend (interpreted on CPU) until the monkeypatch is undone; the
+    caller clears `backends.device_kernels` again afterwards."""
+    from tokenmill.workers import backends
+
+    monkeypatch.setattr(backends, "TRITON_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    backends.device_kernels.cache_clear()

@@ -275,7 +275,7 @@ def test_tensor_parallel_rank_0_returns_the_prompt_logprobs(tiny_checkpoint, tmp
         run_tp_rank, args=(str(path), free_port(), prompt, str(tmp_path)), nprocs=2, start_method="spawn"
     )
     rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2))
-    assert rank0["first"] is None and rank0["sampled"] == ["scored", "plain"]
+    assert rank0["first"] is None and rank0["sampled"] == ["plain", "scored"]  # decode-first
     scored = msgspec.msgpack.decode(rank0["second"]["scored"], type=PromptLogprobs)
     assert_prompt_logprobs_match(scored, prompt, reference_logprobs(hf_model, prompt), 3)
     assert set(rank0["second"]) == {"scored"}
