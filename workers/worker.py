@@ -23,6 +23,8 @@ from tokenmill.kernels.kv_quant import check_kv_cache_device, kv_cache_torch_dty
 from tokenmill.messages import PromptLogprobs, StepPlan, StepResult
 from tokenmill.workers.attention import DECODE_GATHER_BYTES, build_attention_metadata, token_positions
 from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.cpu_backend import CpuKernelBackend
+from tokenmill.workers.cpu_graphs import CPU_GRAPH_BATCH_SIZES, CpuDecodeGraphs, NotCapturable
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_batch_sizes
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
@@ -31,7 +33,7 @@ from tokenmill.workers.memory_profile import GpuMemory, kv_blocks_in_budget, wor
 from tokenmill.workers.model_facts import read_eos_token_ids, text_config, weight_bytes
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import pack_linear_weights
-from tokenmill.workers.models.llama import PagedCausalLM
+from tokenmill.workers.models.llama import LlamaForCausalLM, PagedCausalLM
 from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.pipeline_parallel import stage_forward
 from tokenmill.workers.prompt_logprobs import compute_prompt_logprobs, prompt_rows
@@ -279,7 +281,11 @@ class Worker:
         )
 
     def capture_cuda_graphs(self) -> None:
-        """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager)."""
+        """On CUDA, capture the decode-step graphs over the allocated KV cache (not with enforce_eager); on the CPU,
+        record the decoder's kernel calls for small decode batches instead (`workers/cpu_graphs.py`)."""
+        if self._uses_cpu_graphs():
+            self._record_cpu_graphs()
+            return
         if not self._uses_cuda_graphs():
             return
         sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
@@ -303,6 +309,44 @@ class Worker:
             sizes,
             time.perf_counter() - started,
             (free_before - free_after) / 2**30,
+        )
+
+    def _uses_cpu_graphs(self) -> bool:
+        model_cfg = self.config.model
+        return (
+            self.device.type == "cpu"
+            and not model_cfg.enforce_eager
+            and model_cfg.task != "embed"
+            and self.world_size == 1
+            and isinstance(self.model, LlamaForCausalLM)
+            and isinstance(attention_backend("cpu"), CpuKernelBackend)
+        )
+
+    def _record_cpu_graphs(self) -> None:
+        """Record the decoder's kernel calls at the batch sizes where Python's share of a step is large; a model whose
+        forward computes outside the kernels (a torch fallback, MoE routing) stays eager, with one log line."""
+        sizes = [size for size in CPU_GRAPH_BATCH_SIZES if size <= self.config.scheduler.max_num_seqs]
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self.decode_graphs = CpuDecodeGraphs(
+                    self.model,
+                    self.kv_caches,
+                    sizes,
+                    -(-self.max_model_len() // self.block_size),
+                    self.block_size,
+                    int(self.text_config.hidden_size),
+                    self.dtype,
+                )
+        except NotCapturable as exc:
+            log.info("decode steps stay eager on the CPU: %s", exc)
+            return
+        self.forward = self._choose_forward()
+        log.info(
+            "recorded the decoder's CPU kernel calls for decode batch sizes %s in %.1f s; --enforce-eager turns "
+            "this off",
+            sizes,
+            time.perf_counter() - started,
         )
 
     def _choose_forward(self) -> StepForward:
