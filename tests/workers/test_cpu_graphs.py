@@ -74,12 +74,12 @@ def test_recorded_steps_equal_the_eager_forward_bit_for_bit(gguf_worker):
     worker = gguf_worker
     with torch.inference_mode():
         graphs = CpuDecodeGraphs(
-            worker.model, worker.kv_caches, [1, 2, 4], 16, BLOCK_SIZE, worker.text_config.hidden_size, worker.dtype
+            worker.model, worker.kv_caches, [1, 2, 4], 8, BLOCK_SIZE, worker.text_config.hidden_size, worker.dtype
         )
         rng = np.random.default_rng(3)
         for num_seqs in (1, 2, 3):
-            seq_lens = rng.integers(20, 200, num_seqs)
-            tables = rng.permutation(np.arange(1, NUM_BLOCKS))[: num_seqs * 13].reshape(num_seqs, 13)
+            seq_lens = rng.integers(20, 120, num_seqs)
+            tables = rng.permutation(np.arange(1, NUM_BLOCKS))[: num_seqs * 8].reshape(num_seqs, 8)
             attn = build_attention_metadata(
                 np.ones(num_seqs, dtype=np.int64), seq_lens, tables, BLOCK_SIZE, worker.device, graphs.attention
             )
@@ -97,11 +97,11 @@ def test_recorded_steps_equal_the_eager_forward_bit_for_bit(gguf_worker):
 def test_worker_greedy_tokens_unchanged_by_recorded_steps(gguf_worker):
     worker = gguf_worker
     rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(100, 20_000, n)] for n in (40, 9, 25)]
+    prompts = [[int(t) for t in rng.integers(100, 20_000, n)] for n in (20, 6, 11)]
 
     def generate() -> list[list[int]]:
         # staggered arrivals: decode batches of 1, 2 and 3 (replayed at 4), and mixed steps that run eagerly
-        return run_greedy(worker, prompts, 12, num_blocks=NUM_BLOCKS, chunk_size=16, arrival_steps=[0, 3, 5])
+        return run_greedy(worker, prompts, 8, num_blocks=NUM_BLOCKS, chunk_size=8, arrival_steps=[0, 3, 5])
 
     eager = generate()
     worker.capture_cuda_graphs()
@@ -114,7 +114,7 @@ def test_worker_greedy_tokens_unchanged_by_recorded_steps(gguf_worker):
     finally:
         worker.decode_graphs = None
         worker.forward = worker._choose_forward()
-    assert len(replays) > 10
+    assert len(replays) >= 6  # decode-only steps at batch 1, 2 and 3
 
 
 def test_dense_models_keep_the_eager_forward(tiny_checkpoint):
