@@ -318,6 +318,8 @@ class Worker:
             and not model_cfg.enforce_eager
             and model_cfg.task != "embed"
             and self.world_size == 1
+            # adapters would be applied per request, which a recording made without them could not see
+            and not self.config.lora.enable_lora
             and isinstance(self.model, LlamaForCausalLM)
             and isinstance(attention_backend("cpu"), CpuKernelBackend)
         )

@@ -133,9 +133,10 @@ def test_dense_models_keep_the_eager_forward(tiny_checkpoint):
     assert worker.decode_graphs is None
 
 
-def test_enforce_eager_records_nothing(gguf_worker, monkeypatch):
+@pytest.mark.parametrize("section, field", [("model", "enforce_eager"), ("lora", "enable_lora")])
+def test_enforce_eager_and_lora_record_nothing(gguf_worker, monkeypatch, section, field):
     config = gguf_worker.config
     assert gguf_worker._uses_cpu_graphs()
-    eager = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, enforce_eager=True))
-    monkeypatch.setattr(gguf_worker, "config", eager)
+    changed = msgspec.structs.replace(getattr(config, section), **{field: True})
+    monkeypatch.setattr(gguf_worker, "config", msgspec.structs.replace(config, **{section: changed}))
     assert not gguf_worker._uses_cpu_graphs()
