@@ -375,7 +375,8 @@ def int8_matmul_on(
     lib = library()
     if lib is None:
         return None
-    kernel = lib.tm_gguf_matmul_repacked if repacked else lib.tm_gguf_matmul
+    # looked up on the library at each call, so a recording of the calls (workers/cpu_graphs.py) sees this one too
+    kernel_name = "tm_gguf_matmul_repacked" if repacked else "tm_gguf_matmul"
     pointer = blocks.data_ptr()
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
@@ -384,7 +385,7 @@ def int8_matmul_on(
             return gguf_matmul(x, blocks, qtype, out_features, in_features, activations="int8", repacked=repacked)
         out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
         if (
-            kernel(
+            getattr(lib, kernel_name)(
                 qtype,
                 dtype_code,
                 x.data_ptr(),

@@ -82,7 +82,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="allow the `dimensions` embedding parameter on models that do not declare Matryoshka support",
     )
     m.add_argument(
-        "--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs; run every decode step eagerly"
+        "--enforce-eager",
+        action="store_true",
+        help="never capture CUDA graphs (CUDA) or record the decoder's kernel calls (CPU): every decode step eager",
     )
     m.add_argument(
         "--generation-config",

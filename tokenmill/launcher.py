@@ -88,6 +88,11 @@ class EngineProcesses:
         }
         # every child logs in the instance's format: it sets up logging before it has read the config
         env = {**(self.env if self.env is not None else os.environ), LOG_FORMAT_ENV: self.config.server.log_format}
+        # OpenMP threads sleep at once when idle instead of spinning (libgomp's default spins ~300,000 iterations):
+        # on a small CPU host a spinning worker thread takes the core the scheduler and frontend need, which made two
+        # threads 7x (batch 1) to 21x (batch 8) slower than one on a loaded 2-vCPU machine, against 1.1-1.3x passive
+        # (scripts/bench_cpu_threads.py, docs/benchmarks.md). A user's own setting wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         for role in roles:
             child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE, env=env)
             self.children.append((f"tokenmill-{role}", child))

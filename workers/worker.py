@@ -31,6 +31,8 @@ from tokenmill.workers.attention import (
 )
 from tokenmill.workers.backends import attention_backend, runs_triton
 from tokenmill.workers.capture_plan import CapturePlan, plan_cuda_graphs
+from tokenmill.workers.cpu_backend import CpuKernelBackend
+from tokenmill.workers.cpu_graphs import CPU_GRAPH_BATCH_SIZES, CpuDecodeGraphs, NotCapturable
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
@@ -39,7 +41,7 @@ from tokenmill.workers.memory_profile import GpuMemory, ProfiledStep, kv_blocks_
 from tokenmill.workers.model_facts import read_eos_token_ids, text_config, weight_bytes
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import pack_linear_weights
-from tokenmill.workers.models.llama import PagedCausalLM
+from tokenmill.workers.models.llama import LlamaForCausalLM, PagedCausalLM
 from tokenmill.workers.models.registry import architecture_of, model_class
 from tokenmill.workers.pipeline_parallel import stage_forward
 from tokenmill.workers.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_chunk_rows, prompt_rows
@@ -351,7 +353,11 @@ class Worker:
         )
 
     def capture_cuda_graphs(self) -> None:
-        """Follow the capture plan (logged): on CUDA, capture the decode-step graphs over the allocated KV cache."""
+        """On the CPU, record the decoder's kernel calls for small decode batches (`workers/cpu_graphs.py`); on CUDA,
+        follow the capture plan (logged): capture the decode-step graphs over the allocated KV cache."""
+        if self._uses_cpu_graphs():
+            self._record_cpu_graphs()
+            return
         plan = self.capture_plan()
         log.info("%s", plan.describe())
         if not plan.captures:
@@ -376,6 +382,46 @@ class Worker:
             list(plan.batch_sizes),
             time.perf_counter() - started,
             (free_before - free_after) / 2**30,
+        )
+
+    def _uses_cpu_graphs(self) -> bool:
+        model_cfg = self.config.model
+        return (
+            self.device.type == "cpu"
+            and not model_cfg.enforce_eager
+            and model_cfg.task != "embed"
+            and self.world_size == 1
+            # adapters would be applied per request, which a recording made without them could not see
+            and not self.config.lora.enable_lora
+            and isinstance(self.model, LlamaForCausalLM)
+            and isinstance(attention_backend("cpu"), CpuKernelBackend)
+        )
+
+    def _record_cpu_graphs(self) -> None:
+        """Record the decoder's kernel calls at the batch sizes where Python's share of a step is large; a model whose
+        forward computes outside the kernels (a torch fallback, MoE routing) stays eager, with one log line."""
+        sizes = [size for size in CPU_GRAPH_BATCH_SIZES if size <= self.config.scheduler.max_num_seqs]
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self.decode_graphs = CpuDecodeGraphs(
+                    self.model,
+                    self.kv_caches,
+                    sizes,
+                    -(-self.max_model_len() // self.block_size),
+                    self.block_size,
+                    int(self.text_config.hidden_size),
+                    self.dtype,
+                )
+        except NotCapturable as exc:
+            log.info("decode steps stay eager on the CPU: %s", exc)
+            return
+        self.forward = self._choose_forward()
+        log.info(
+            "recorded the decoder's CPU kernel calls for decode batch sizes %s in %.1f s; --enforce-eager turns "
+            "this off",
+            sizes,
+            time.perf_counter() - started,
         )
 
     def _choose_forward(self) -> StepForward:

