@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, is_pooling_task
 from tokenmill.kernels.kv_quant import check_kv_cache_device, kv_cache_torch_dtype
 from tokenmill.messages import PromptLogprobs, StepPlan, StepResult
 from tokenmill.workers.attention import DECODE_GATHER_BYTES, build_attention_metadata, token_positions
@@ -274,7 +274,7 @@ class Worker:
         return (
             self.device.type == "cuda"
             and not model_cfg.enforce_eager
-            and model_cfg.task != "embed"
+            and not is_pooling_task(model_cfg.task)
             and self.pp.size == 1
         )
 
