@@ -12,25 +12,35 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 
+class PairingError(ValueError):
+    """Texts that do not pair; `param` names the field to blame."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
 class EncodedPair(NamedTuple):
     token_ids: list[int]
     second_segment_start: int | None  # where token_type_id 1 starts; None: all 0 (RoBERTa, decoders)
 
 
 def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
-    """The (text_1, text_2) pairs to score, in output order; ValueError naming the field when they do not pair."""
+    """The (text_1, text_2) pairs to score, in output order; PairingError naming the field when they do not pair."""
     firsts = [text_1] if isinstance(text_1, str) else list(text_1)
     seconds = [text_2] if isinstance(text_2, str) else list(text_2)
     if not firsts:
-        raise ValueError("text_1: must not be empty")
+        raise PairingError("text_1", "must not be empty")
     if not seconds:
-        raise ValueError("text_2: must not be empty")
+        raise PairingError("text_2", "must not be empty")
     if len(firsts) == 1:
         return [(firsts[0], second) for second in seconds]
     if len(firsts) != len(seconds):
-        raise ValueError(
-            f"text_1: holds {len(firsts)} texts and text_2 {len(seconds)}; score one text_1 against any number "
-            "of text_2, or N against N"
+        raise PairingError(
+            "text_1",
+            f"holds {len(firsts)} texts and text_2 {len(seconds)}; score one text_1 against any number "
+            "of text_2, or N against N",
         )
     return list(zip(firsts, seconds, strict=True))
 

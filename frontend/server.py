@@ -25,6 +25,7 @@ from tokenmill.frontend.lifecycle import ServerLifecycle, make_lifecycle_middlew
 from tokenmill.frontend.serving_chat import create_chat_completion
 from tokenmill.frontend.serving_completions import create_completion
 from tokenmill.frontend.serving_embeddings import EmbeddingServing
+from tokenmill.frontend.serving_score import add_score_routes
 from tokenmill.frontend.tracing import RequestTracer, otlp_tracer
 
 log = logging.getLogger("tokenmill.frontend")
@@ -153,6 +154,7 @@ def build_app(
         app.router.add_post("/v1/embeddings", EmbeddingServing(ctx).create_embedding)
     else:
         app.router.add_post("/v1/embeddings", route(wrong_task_embeddings))  # a clear 400: the wrong instance
+    add_score_routes(app, ctx)  # /rerank, /score, /classify: a 400 naming the task on other instances
     return app
 
 

@@ -41,6 +41,7 @@ def other_value(action: argparse.Action) -> list[str]:
         "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}',
         "--max-queue-time": "30",
         "--request-timeout": "60",
+        "--hf-overrides": '{"architectures": ["Qwen3ForSequenceClassification"]}',
     }
     if flag in special:
         return [flag, special[flag]]
