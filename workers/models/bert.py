@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.workers.models.packed_linear import PackableLinear
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, what BERT checkpoints call "gelu"
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -119,7 +121,7 @@ class BertSelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.qkv = PackableLinear(config.hidden_size, 3 * config.hidden_size)
 
     def forward(self, hidden: torch.Tensor, layout: PackedAttentionLayout) -> torch.Tensor:
         q, k, v = self.qkv(hidden).view(hidden.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
@@ -136,7 +138,7 @@ class BertDenseAddNorm(nn.Module):
 
     def __init__(self, in_features: int, hidden_size: int, eps: float):
         super().__init__()
-        self.dense = nn.Linear(in_features, hidden_size)
+        self.dense = PackableLinear(in_features, hidden_size)
         self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -158,7 +160,7 @@ class BertIntermediate(nn.Module):
         super().__init__()
         if config.hidden_act not in _ACTIVATIONS:
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = PackableLinear(config.hidden_size, config.intermediate_size)
         self.activation = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

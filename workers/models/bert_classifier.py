@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tokenmill.workers.models.bert import BertEmbeddingModel, strip_model_prefix
+from tokenmill.workers.models.packed_linear import PackableLinear
 
 # checkpoint name (model prefix stripped) -> head parameter, per family
 _BERT_HEAD_NAMES = {
@@ -39,8 +40,8 @@ class FirstTokenClassifierHead(nn.Module):
 
     def __init__(self, hidden_size: int, num_labels: int):
         super().__init__()
-        self.dense = nn.Linear(hidden_size, hidden_size)
-        self.out = nn.Linear(hidden_size, num_labels)
+        self.dense = PackableLinear(hidden_size, hidden_size)
+        self.out = PackableLinear(hidden_size, num_labels)
 
     def forward(self, first_token_hidden: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.dense(first_token_hidden)))
