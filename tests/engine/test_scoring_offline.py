@@ -88,3 +88,22 @@ def test_decoder_reranker_from_yes_no_logits(root):
     assert results[0].prompt_token_ids == tokenizer(QUERY, text_pair=DOCUMENTS[0])["input_ids"]
     assert np.ptp(want) > 1e-3
     np.testing.assert_allclose([r.outputs.score for r in results], want, atol=1e-4, rtol=0)
+
+
+def test_decoder_sequence_classifier_score_head(root):
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    causal = build_tiny_checkpoint("qwen3", root)
+    path = root / "qwen3-seq-cls"
+    config = AutoConfig.from_pretrained(causal)
+    config.architectures, config.num_labels, config.pad_token_id = ["Qwen3ForSequenceClassification"], 1, 0
+    torch.manual_seed(1)
+    reference = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    reference.save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(causal).save_pretrained(path)
+    with LLM(str(path), dtype="float32") as llm:  # auto-detected: task "score", the checkpoint's score.weight head
+        results = llm.score(QUERY, DOCUMENTS)
+    with torch.no_grad():
+        want = [torch.sigmoid(reference(torch.tensor([r.prompt_token_ids])).logits[0, 0]).item() for r in results]
+    assert np.ptp(want) > 1e-3
+    np.testing.assert_allclose([r.outputs.score for r in results], want, atol=1e-4, rtol=0)
