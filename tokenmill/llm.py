@@ -39,10 +39,10 @@ from tokenmill.messages import (
     choice_requests,
 )
 from tokenmill.speculative import parse_speculative_config
+from tokenmill.stats import sum_counters
 
 if TYPE_CHECKING:
     from tokenmill.llm_scoring import ClassificationResult, ScoringResult
-from tokenmill.stats import sum_counters
 
 READY_TIMEOUT_S = 600.0
 

@@ -84,7 +84,7 @@ class EmbeddingRunner(Worker):
 
     def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         weights = super().checkpoint_weights()
-        return weights if self.encoder else _decoder_body_weights(weights)
+        return weights if self.encoder else decoder_body_weights(weights)
 
     def num_kv_blocks_for_budget(self) -> int:
         """No blocks for the scheduler to manage: embedding requests never keep KV between steps."""
@@ -189,7 +189,7 @@ def _check_whole(new: NewRequestData, tasks: tuple[str, ...]) -> None:
         )
 
 
-def _decoder_body_weights(
+def decoder_body_weights(
     weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]],
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """A decoder checkpoint's tensors minus its LM head, under `model.` whether saved from *ForCausalLM or *Model."""

@@ -22,7 +22,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.messages import NewRequestData
 from tokenmill.score_config import Activation, ScoreConfig, load_score_config
-from tokenmill.workers.embedding_runner import EmbeddingRunner, _decoder_body_weights
+from tokenmill.workers.embedding_runner import EmbeddingRunner, decoder_body_weights
 from tokenmill.workers.quantization.base import QuantizedWeight
 from tokenmill.workers.worker import Worker
 
@@ -45,7 +45,7 @@ class ScoringRunner(EmbeddingRunner):
     def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         if self.encoder:
             return super().checkpoint_weights()
-        return _decoder_body_weights(self._keep_head_sources(Worker.checkpoint_weights(self)))
+        return decoder_body_weights(self._keep_head_sources(Worker.checkpoint_weights(self)))
 
     def _keep_head_sources(
         self, weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
