@@ -22,7 +22,13 @@ from tokenmill.frontend.tokenizer import vocab_size
 from tokenmill.frontend.tool_parsers import get_tool_parser
 from tokenmill.logs import request_id_var
 
-TASK_ENDPOINTS = {"generate": "/v1/completions, /v1/chat/completions and /v1/responses", "embed": "/v1/embeddings"}
+TASK_ENDPOINTS = {
+    "generate": "/v1/completions, /v1/chat/completions and /v1/responses",
+    "embed": "/v1/embeddings",
+    "score": "/v1/rerank, /v2/rerank, /rerank, /v1/score, /score, /v1/classify and /classify",
+}
+# the instance's task as the endpoints see it: both sequence-classifier tasks serve the same endpoints
+_ENDPOINT_TASKS = {"embed": "embed", "classify": "score", "score": "score"}
 
 
 @dataclass
@@ -50,7 +56,7 @@ class ServingContext:
         if model.max_model_len <= 0:
             raise ValueError("config.model.max_model_len is unset: resolve the config (resolve_config) first")
         name = model.served_model_name or model.model or model.path
-        task = "embed" if model.task == "embed" else "generate"
+        task = _ENDPOINT_TASKS.get(model.task, "generate")
         check_parser_names(config.server)
         return cls(
             config=config,
@@ -87,7 +93,7 @@ class ServingContext:
             )
 
     def require_task(self, task: str, request: web.Request) -> None:
-        """A clear 400 when an endpoint belongs to the other kind of instance (generation vs embeddings)."""
+        """A clear 400 when an endpoint belongs to another kind of instance (generation, embeddings, scores)."""
         if self.task != task:
             raise APIError(
                 400,

@@ -26,6 +26,7 @@ from tokenmill.frontend.serving_chat import create_chat_completion
 from tokenmill.frontend.serving_completions import create_completion
 from tokenmill.frontend.serving_embeddings import EmbeddingServing
 from tokenmill.frontend.serving_lora import add_lora_routes
+from tokenmill.frontend.serving_score import add_score_routes
 from tokenmill.frontend.tracing import RequestTracer, otlp_tracer
 
 log = logging.getLogger("tokenmill.frontend")
@@ -155,6 +156,7 @@ def build_app(
     else:
         app.router.add_post("/v1/embeddings", route(wrong_task_embeddings))  # a clear 400: the wrong instance
     add_lora_routes(app, ctx)  # /v1/load_lora_adapter, /v1/unload_lora_adapter: only when runtime updating is on
+    add_score_routes(app, ctx)  # /rerank, /score, /classify: a 400 naming the task on other instances
     return app
 
 

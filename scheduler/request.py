@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from tokenmill.config import is_pooling_task
 from tokenmill.messages import EngineRequest, FinishReason, SamplingParams
 from tokenmill.scheduler.structured_outputs import RequestGrammar
 
@@ -33,6 +34,7 @@ class Request:
         "priority",
         "cache_salt",
         "lora_request",
+        "second_segment_start",
         "arrival_seq",
         "enqueue_time",
         "max_tokens",
@@ -60,6 +62,7 @@ class Request:
         self.priority = engine_request.priority
         self.cache_salt = engine_request.cache_salt
         self.lora_request = engine_request.lora_request
+        self.second_segment_start = engine_request.second_segment_start
         self.arrival_seq = arrival_seq  # order of admission into the scheduler; FCFS ties break on it
         self.enqueue_time = enqueue_time  # scheduler clock at admission, for ageing
         self.max_tokens = max_tokens  # resolved: never None, never past max_model_len
@@ -99,7 +102,7 @@ class Request:
 
     @property
     def is_embedding(self) -> bool:
-        return self.task == "embed"
+        return is_pooling_task(self.task)
 
     @property
     def remaining_work(self) -> int:

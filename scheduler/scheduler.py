@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
-from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.config import EngineConfig, SpeculativeConfig, is_pooling_task
 from tokenmill.grammars import GrammarError
 from tokenmill.messages import (
     EngineRequest,
@@ -142,7 +142,7 @@ class Scheduler:
             if reason is not None:
                 return Rejection(reason)
         max_tokens = request.sampling.max_tokens
-        if request.task == "embed":
+        if is_pooling_task(request.task):
             max_tokens = 0
         elif max_tokens is None:
             max_tokens = self.max_model_len - len(request.prompt_token_ids)
@@ -165,11 +165,11 @@ class Scheduler:
             return f"Request id {request.request_id!r} is already in use."
         if num_prompt == 0:
             return "The prompt is empty."
-        if request.sampling.structured_outputs is not None and (self.grammars is None or request.task == "embed"):
+        if request.sampling.structured_outputs is not None and (self.grammars is None or is_pooling_task(request.task)):
             return "Structured outputs are not available on this engine."
-        if request.lora_request is not None and (self.max_loras is None or request.task == "embed"):
+        if request.lora_request is not None and (self.max_loras is None or is_pooling_task(request.task)):
             return "LoRA adapters are not served by this engine (start it with --enable-lora)."
-        if request.task == "embed":
+        if is_pooling_task(request.task):
             if num_prompt > self.max_model_len:
                 return (
                     f"The input has {num_prompt} tokens, more than the model's maximum context length "
@@ -497,6 +497,7 @@ class Scheduler:
                         num_scheduled,
                         req.task,
                         req.lora_request,
+                        req.second_segment_start,
                     )
                 )
                 req.on_worker = True

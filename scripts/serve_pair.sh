@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run a chat instance and an embedding instance side by side, with the machine's memory split between them.
+# Run a chat instance and an embedding instance side by side, with the machine's memory split between them; and,
+# when RERANK_MODEL (--rerank-model) names one, a third instance serving a reranker (/v1/rerank, /score, /classify).
 #
 #   scripts/serve_pair.sh start    start both, wait until both /health answer 200, print curl commands to try
 #   scripts/serve_pair.sh stop     SIGTERM both, wait until every process of theirs is gone (SIGKILL after a timeout)
@@ -22,7 +23,12 @@
 #   CHAT_GPU_UTIL       --chat-gpu-util F   0.6
 #   EMBED_GPU_UTIL      --embed-gpu-util F  0.25
 #   CHAT_KV_CACHE       --chat-kv-cache B   2GiB (CPU KV budget of the chat instance)
-#   CHAT_ARGS / EMBED_ARGS                  more `tokenmill serve` flags for one instance (word-split)
+#   RERANK_MODEL        --rerank-model M    none: no third instance (a cross-encoder, e.g. a
+#                                           ...ForSequenceClassification directory, always served with --task score)
+#   RERANK_PORT         --rerank-port N     8002
+#   RERANK_GPU_UTIL     --rerank-gpu-util F 0.1
+#   CHAT_ARGS / EMBED_ARGS / RERANK_ARGS    more `tokenmill serve` flags for one instance (word-split); a decoder
+#                                           reranker passes its --hf-overrides here
 #   PAIR_HOST           --host H            0.0.0.0 (the health checks and curl examples use 127.0.0.1)
 #   PYTHON                                  python3
 #   START_TIMEOUT / STOP_TIMEOUT            300 / 30 seconds
@@ -41,6 +47,9 @@ PAIR_HOST="${PAIR_HOST:-0.0.0.0}"
 PYTHON="${PYTHON:-python3}"
 START_TIMEOUT="${START_TIMEOUT:-300}"
 STOP_TIMEOUT="${STOP_TIMEOUT:-30}"
+RERANK_MODEL="${RERANK_MODEL:-}"
+RERANK_PORT="${RERANK_PORT:-8002}"
+RERANK_GPU_UTIL="${RERANK_GPU_UTIL:-0.1}"
 INSTANCES=(chat embed)
 
 usage() {
@@ -61,6 +70,9 @@ while [[ $# -gt 0 ]]; do
         --chat-gpu-util) CHAT_GPU_UTIL="${2:?--chat-gpu-util needs a value}" ;;
         --embed-gpu-util) EMBED_GPU_UTIL="${2:?--embed-gpu-util needs a value}" ;;
         --chat-kv-cache) CHAT_KV_CACHE="${2:?--chat-kv-cache needs a value}" ;;
+        --rerank-model) RERANK_MODEL="${2:?--rerank-model needs a value}" ;;
+        --rerank-port) RERANK_PORT="${2:?--rerank-port needs a value}" ;;
+        --rerank-gpu-util) RERANK_GPU_UTIL="${2:?--rerank-gpu-util needs a value}" ;;
         --host) PAIR_HOST="${2:?--host needs a value}" ;;
         *) echo "unknown option: $1" >&2; usage ;;
     esac
@@ -68,6 +80,10 @@ while [[ $# -gt 0 ]]; do
 done
 LOG_DIR="$DIR/logs"
 RUN_DIR="$DIR/run"
+# the reranker: started when named; stopped and reported whenever it was started (its pid file is there)
+if [[ -n "$RERANK_MODEL" || ( "$COMMAND" != start && -f "$RUN_DIR/rerank.pid" ) ]]; then
+    INSTANCES+=(rerank)
+fi
 
 # ------------------------------------------------------------------ one instance
 
@@ -86,7 +102,7 @@ group_alive() {  # any process left in the instance's session / process group (i
 }
 
 port_of() {
-    case "$1" in chat) echo "$CHAT_PORT" ;; embed) echo "$EMBED_PORT" ;; esac
+    case "$1" in chat) echo "$CHAT_PORT" ;; embed) echo "$EMBED_PORT" ;; rerank) echo "$RERANK_PORT" ;; esac
 }
 
 health_code() {  # HTTP status of /health, 000 when nothing answers
@@ -102,6 +118,10 @@ launch() {
         args+=(--gpu-memory-utilization "$CHAT_GPU_UTIL" --kv-cache-memory-bytes "$CHAT_KV_CACHE")
         # shellcheck disable=SC2206  # word-splitting the extra flags is the point
         args+=(${CHAT_ARGS:-})
+    elif [[ "$name" == rerank ]]; then
+        args+=("$RERANK_MODEL" --task score --gpu-memory-utilization "$RERANK_GPU_UTIL")
+        # shellcheck disable=SC2206
+        args+=(${RERANK_ARGS:-})
     else
         [[ -n "$EMBED_MODEL" ]] && args+=("$EMBED_MODEL")
         args+=(--task embed --gpu-memory-utilization "$EMBED_GPU_UTIL")
@@ -197,7 +217,7 @@ start() {
 
     cat <<EOF
 
-Both instances are up. Logs: $LOG_DIR/{chat,embed}.log; stop them with: $0 stop
+The instances are up (${INSTANCES[*]}). Logs: $LOG_DIR/<name>.log; stop them with: $0 stop
 
   curl http://127.0.0.1:$CHAT_PORT/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}'
@@ -205,6 +225,13 @@ Both instances are up. Logs: $LOG_DIR/{chat,embed}.log; stop them with: $0 stop
   curl http://127.0.0.1:$EMBED_PORT/v1/embeddings -H 'Content-Type: application/json' \\
     -d '{"input": ["The cat sat on the mat.", "A feline rested on the rug."]}'
 EOF
+    if [[ " ${INSTANCES[*]} " == *" rerank "* ]]; then
+        cat <<EOF
+
+  curl http://127.0.0.1:$RERANK_PORT/v1/rerank -H 'Content-Type: application/json' \\
+    -d '{"query": "Where do cats sleep?", "documents": ["On the mat.", "Paris is in France."], "top_n": 1}'
+EOF
+    fi
 }
 
 status() {

@@ -45,6 +45,7 @@ def other_value(action: argparse.Action) -> list[str]:
         "--max-loras": "2",
         "--max-lora-rank": "32",
         "--max-cpu-loras": "4",
+        "--hf-overrides": '{"architectures": ["Qwen3ForSequenceClassification"]}',
     }
     if flag in special:
         return [flag, special[flag]]

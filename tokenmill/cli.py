@@ -40,6 +40,38 @@ def parse_bytes(text: str) -> int:
     return int(number * (1 << (10 * " kmgt".index(unit or " "))))
 
 
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (vLLM's --hf-overrides)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def task_from_flags(task: str, runner: str, convert: str) -> str:
+    """--task, or vLLM >= 0.10's --runner / --convert spelling of it (ValueError when they disagree)."""
+    if convert in ("embed", "classify"):
+        if runner == "generate":
+            raise ValueError(f"--convert {convert} makes a pooling model; it cannot run with --runner generate")
+        implied = convert
+    elif runner == "generate":
+        implied = "generate"
+    elif runner == "pooling":
+        if task not in ("embed", "classify", "score"):
+            raise ValueError("--runner pooling needs --convert embed or --convert classify (or a pooling --task)")
+        implied = task
+    else:
+        return task
+    if task not in ("auto", implied) and not (implied == "classify" and task == "score"):
+        raise ValueError(f"--task {task} contradicts --runner {runner} --convert {convert}")
+    return task if task != "auto" else implied
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
     m.add_argument(
@@ -61,7 +93,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "config.json's quantization_config); 'none' dequantizes a quantized checkpoint at load",
     )
     m.add_argument("--max-model-len", type=int, default=0, help="context length (default: the model's)")
-    m.add_argument("--task", default="auto", choices=["auto", "generate", "embed"])
+    m.add_argument("--task", default="auto", choices=["auto", "generate", "embed", "classify", "score"])
     m.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument(
@@ -91,6 +123,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="sampling defaults for requests that leave them unset: 'auto' (the model's "
         "generation_config.json), 'vllm' (none), or a folder holding a generation_config.json",
+    )
+    m.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="vLLM >= 0.10's spelling of the task: 'pooling' with --convert embed or classify",
+    )
+    m.add_argument("--convert", default="auto", choices=["auto", "embed", "classify", "none"])
+    m.add_argument(
+        "--hf-overrides",
+        type=json_object,
+        default={},
+        help="JSON replacing config.json keys, e.g. a decoder reranker's "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}\'',
     )
 
     c = parser.add_argument_group("KV cache")
@@ -427,7 +474,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype),
             quantization=args.quantization,
             max_model_len=args.max_model_len,
-            task=args.task,
+            task=task_from_flags(args.task, args.runner, args.convert),
             chat_template=args.chat_template,
             seed=args.seed,
             pooling=args.pooling,
@@ -435,6 +482,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             allow_dimensions=args.allow_dimensions,
             enforce_eager=args.enforce_eager,
             generation_config=args.generation_config,
+            hf_overrides=args.hf_overrides,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -493,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     if (lora_error := lora_flags_error(args)) is not None:
         parser.error(lora_error)
 
+    try:
+        task_from_flags(args.task, args.runner, args.convert)
+    except ValueError as exc:
+        parser.error(str(exc))
     from tokenmill.model_source import ModelSourceError, resolve_config
     from tokenmill.processes import setup_logging
 

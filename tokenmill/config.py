@@ -8,7 +8,7 @@ Fields that depend on the model (resolved path, max_model_len, task) are filled 
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -29,7 +29,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # dequantized at load (the reference path)
     quantization: Literal["gguf", "awq", "gptq", "fp8", "compressed-tensors", "none"] | None = None
     max_model_len: int = 0  # 0: take it from the model
-    task: Literal["auto", "generate", "embed"] = "auto"
+    task: Literal["auto", "generate", "embed", "classify", "score"] = "auto"
     chat_template: str | None = None  # a file or a literal Jinja template
     seed: int = 0
     # embeddings: None means "from the model's sentence-transformers files"
@@ -41,6 +41,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     generation_config: str = "auto"
     # the sampling defaults read from it by resolve_config (temperature, top_p, ..., max_tokens)
     generation_defaults: dict[str, int | float] = {}
+    # vLLM's --hf-overrides: config.json keys replaced before the model is read (e.g. a decoder reranker's
+    # architectures, classifier_from_token and is_original_qwen3_reranker)
+    hf_overrides: dict[str, Any] = {}
+
+
+# Tasks whose requests are encoded whole in one step and pooled, with no KV cache: embeddings, and the sequence
+# classifiers (cross-encoder and decoder rerankers) behind /classify, /score and /rerank.
+POOLING_TASKS = frozenset({"embed", "classify", "score"})
+
+
+def is_pooling_task(task: str) -> bool:
+    return task in POOLING_TASKS
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

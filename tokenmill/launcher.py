@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from tokenmill.config import EngineConfig, replace
+from tokenmill.config import EngineConfig, is_pooling_task, replace
 from tokenmill.logs import LOG_FORMAT_ENV
 from tokenmill.messages import EngineReady
 from tokenmill.scheduler.process import run_scheduler_process
@@ -150,8 +150,8 @@ def check_parallel_config(config: EngineConfig) -> None:
     for field in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(parallel, field) < 1:
             raise ValueError(f"{field} must be at least 1, got {getattr(parallel, field)}")
-    if parallel.pipeline_parallel_size > 1 and config.model.task == "embed":
-        raise ValueError("pipeline_parallel_size > 1 serves generation models only (task 'embed' runs unsplit)")
+    if parallel.pipeline_parallel_size > 1 and is_pooling_task(config.model.task):
+        raise ValueError("pipeline_parallel_size > 1 serves generation models only (pooling tasks run unsplit)")
 
 
 def kv_capacity_error(config: EngineConfig, ready: EngineReady) -> str | None:
@@ -162,7 +162,7 @@ def kv_capacity_error(config: EngineConfig, ready: EngineReady) -> str | None:
     """
     tokens = ready.num_kv_blocks * ready.block_size
     max_len = config.model.max_model_len
-    if config.model.task == "embed" or config.cache.num_kv_blocks or max_len <= tokens:
+    if is_pooling_task(config.model.task) or config.cache.num_kv_blocks or max_len <= tokens:
         return None
     return (
         f"max_model_len {max_len} needs {-(-max_len // ready.block_size)} KV cache blocks but only "
@@ -184,7 +184,7 @@ def log_capacity(config: EngineConfig, ready: EngineReady) -> None:
         ready.device,
         ready.weight_bytes / 2**20,
     )
-    if config.model.task == "embed":
+    if is_pooling_task(config.model.task):
         log.info(
             "no KV cache (embeddings: each step encodes whole inputs, up to %d tokens)",
             config.scheduler.max_num_batched_tokens,

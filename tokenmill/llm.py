@@ -1,5 +1,5 @@
-"""The offline API: `LLM(model, **engine_args).generate(prompts, SamplingParams(...))`, and `.embed(texts)` for
-embedding models.
+"""The offline API: `LLM(model, **engine_args).generate(prompts, SamplingParams(...))`, `.embed(texts)` for
+embedding models, `.score(text_1, text_2)` and `.classify(texts)` for sequence classifiers.
 
 It starts the same scheduler and worker processes as `tokenmill serve` and talks to them over the same sockets with a
 blocking client, so offline results are exactly what the server would produce.
@@ -13,7 +13,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -40,6 +40,9 @@ from tokenmill.messages import (
 )
 from tokenmill.speculative import parse_speculative_config
 from tokenmill.stats import sum_counters
+
+if TYPE_CHECKING:
+    from tokenmill.llm_scoring import ClassificationResult, ScoringResult
 
 READY_TIMEOUT_S = 600.0
 
@@ -366,6 +369,40 @@ class LLM:
         with bar:
             self._run(map(requests_of, prompts), on_output)
         return results
+
+    # ------------------------------------------------------------------ scores and classes (tokenmill/llm_scoring.py)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringResult]:
+        """One relevance score per (text_1, text_2) pair, 1:N or N:N; needs a sequence classifier (task 'score')."""
+        from tokenmill import llm_scoring
+
+        return llm_scoring.score(self, text_1, text_2, truncate_prompt_tokens)
+
+    def classify(
+        self, prompts: str | Sequence[str], truncate_prompt_tokens: int | None = None
+    ) -> list[ClassificationResult]:
+        """Label probabilities per text; needs a sequence classifier (task 'classify' or 'score')."""
+        from tokenmill import llm_scoring
+
+        return llm_scoring.classify(self, prompts, truncate_prompt_tokens)
+
+    def run_pooling_requests(self, requests: list[EngineRequest]) -> list[bytes]:
+        """Each pooling request's float32 answer (embedding, scores or probabilities), in request order."""
+        answers: dict[str, bytes] = {}
+
+        def on_output(out: RequestOutput, request_id: str) -> bool:
+            if out.error is not None or out.embedding is None:
+                raise ValueError(out.error or f"the engine ended request {request_id} with '{out.finish_reason}'")
+            answers[request_id] = out.embedding
+            return True
+
+        self._run(iter([[(request, request.request_id)] for request in requests]), on_output)
+        return [answers[request.request_id] for request in requests]
 
     # ------------------------------------------------------------------ feeding the engine
 

@@ -83,7 +83,7 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    task: Literal["generate", "embed"] = "generate"
+    task: Literal["generate", "embed", "classify", "score"] = "generate"
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
@@ -96,6 +96,9 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     # Monotonic time is one clock for every process of a host (Linux CLOCK_MONOTONIC), where frontend and scheduler run
     deadline: float = 0.0
     lora_request: LoRARequest | None = None  # None: the base model
+    # a cross-encoder's text pair: the index of the second text's first token (token_type_id 1 from there on, as
+    # vLLM's compressed token types); None: every token is of type 0
+    second_segment_start: int | None = None
 
 
 def choice_requests(request: EngineRequest) -> list[EngineRequest]:
@@ -331,8 +334,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    task: Literal["generate", "embed"] = "generate"
+    task: Literal["generate", "embed", "classify", "score"] = "generate"
     lora_request: LoRARequest | None = None  # None: the base model
+    second_segment_start: int | None = None  # as EngineRequest's: where a text pair's token_type_id 1 starts
 
 
 class RunningRequestData(msgspec.Struct, array_like=True):

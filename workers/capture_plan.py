@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, is_pooling_task
 from tokenmill.workers.cuda_graphs import graph_batch_sizes
 
 
@@ -75,8 +75,8 @@ def _why_no_graphs(config: EngineConfig, device_type: str, pp_size: int) -> str 
         return f"no CUDA graphs on {device_type}"
     if config.model.enforce_eager:
         return "--enforce-eager"
-    if config.model.task == "embed":
-        return "an embedding model"
+    if is_pooling_task(config.model.task):
+        return "a pooling model (embedding, scoring)"
     if pp_size > 1:
         return "pipeline parallelism: stages exchange hidden states between micro-batches"
     return None

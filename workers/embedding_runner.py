@@ -40,6 +40,8 @@ EMBEDDING_DTYPE = np.dtype("<f4")  # what StepResult.embeddings carry: little-en
 
 
 class EmbeddingRunner(Worker):
+    tasks: tuple[str, ...] = ("embed",)  # the request tasks this runner answers
+
     def __init__(self, config: EngineConfig, rank: int = 0):
         super().__init__(config, rank)
         self.pooling: PoolingConfig | None = None
@@ -52,6 +54,12 @@ class EmbeddingRunner(Worker):
 
     def load_model(self) -> None:
         super().load_model()
+        self.load_output_head()
+        if not self.encoder:
+            self._allocate_step_cache()
+
+    def load_output_head(self) -> None:
+        """What turns the final hidden states into a request's answer: here the pooling."""
         model_cfg = self.config.model
         self.pooling = load_pooling_config(model_cfg.path, self.architecture, model_cfg.pooling, model_cfg.normalize)
         log.info(
@@ -59,8 +67,6 @@ class EmbeddingRunner(Worker):
             self.pooling.mode,
             "L2-normalized" if self.pooling.normalize else "not normalized",
         )
-        if not self.encoder:
-            self._allocate_step_cache()
 
     @property
     def vocab_size(self) -> int:
@@ -78,7 +84,7 @@ class EmbeddingRunner(Worker):
 
     def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         weights = super().checkpoint_weights()
-        return weights if self.encoder else _decoder_body_weights(weights)
+        return weights if self.encoder else decoder_body_weights(weights)
 
     def num_kv_blocks_for_budget(self) -> int:
         """No blocks for the scheduler to manage: embedding requests never keep KV between steps."""
@@ -115,7 +121,7 @@ class EmbeddingRunner(Worker):
             )
         requests = [new for new in plan.new_requests if new.num_scheduled_tokens > 0]
         for new in requests:
-            _check_whole(new)
+            _check_whole(new, self.tasks)
         if not requests:
             return StepResult(plan.step_id, [], [])
         started = time.perf_counter()
@@ -127,14 +133,21 @@ class EmbeddingRunner(Worker):
         positions = torch.from_numpy(token_positions(lengths, lengths)).to(device)
         starts = torch.from_numpy(query_start_loc).to(device)
         if self.encoder:
-            hidden = self.model(input_ids, positions, starts)
+            token_types = _token_type_ids(requests, lengths)
+            token_type_ids = None if token_types is None else torch.from_numpy(token_types).to(device)
+            hidden = self.model(input_ids, positions, starts, token_type_ids=token_type_ids)
         else:
             hidden = self.model(input_ids, positions, self._step_attention(lengths), self.kv_caches)
         if self.rank != 0:
             return StepResult(plan.step_id, [], [], model_time_s=time.perf_counter() - started)
-        pooled = pool(hidden, starts, self.pooling).cpu().numpy().astype(EMBEDDING_DTYPE, copy=False)
-        embeddings = {new.request_id: pooled[i].tobytes() for i, new in enumerate(requests)}
+        vectors = self.outputs(hidden, starts, requests).cpu().numpy().astype(EMBEDDING_DTYPE, copy=False)
+        embeddings = {new.request_id: vectors[i].tobytes() for i, new in enumerate(requests)}
         return StepResult(plan.step_id, [], [], embeddings=embeddings, model_time_s=time.perf_counter() - started)
+
+    def outputs(self, hidden: torch.Tensor, starts: torch.Tensor, requests: list[NewRequestData]) -> torch.Tensor:
+        """One float32 row per request [B, D] from the step's hidden states [T, H]: here the pooled embedding."""
+        assert self.pooling is not None, "load_model() first"
+        return pool(hidden, starts, self.pooling)
 
     def _step_attention(self, lengths: np.ndarray):
         """Attention metadata placing the step's sequences one after another in the scratch cache."""
@@ -154,9 +167,21 @@ class EmbeddingRunner(Worker):
         )
 
 
-def _check_whole(new: NewRequestData) -> None:
-    if new.task != "embed":
-        raise ValueError(f"request {new.request_id} has task {new.task!r} on an embedding instance")
+def _token_type_ids(requests: list[NewRequestData], lengths: np.ndarray) -> np.ndarray | None:
+    """[T] token types of the packed step: 1 from each text pair's second segment on; None when all are 0."""
+    if all(new.second_segment_start is None for new in requests):
+        return None
+    starts = np.cumsum(lengths) - lengths
+    types = np.zeros(int(lengths.sum()), dtype=np.int64)
+    for start, length, new in zip(starts, lengths, requests, strict=True):
+        if new.second_segment_start is not None:
+            types[start + new.second_segment_start : start + length] = 1
+    return types
+
+
+def _check_whole(new: NewRequestData, tasks: tuple[str, ...]) -> None:
+    if new.task not in tasks:
+        raise ValueError(f"request {new.request_id} has task {new.task!r} on an instance serving {tasks}")
     if new.num_computed_tokens != 0 or new.num_scheduled_tokens != len(new.token_ids):
         raise ValueError(
             f"embedding request {new.request_id} must run whole: {new.num_scheduled_tokens} of "
@@ -164,7 +189,7 @@ def _check_whole(new: NewRequestData) -> None:
         )
 
 
-def _decoder_body_weights(
+def decoder_body_weights(
     weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]],
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """A decoder checkpoint's tensors minus its LM head, under `model.` whether saved from *ForCausalLM or *Model."""

@@ -64,6 +64,8 @@ def load_hf_config(model_cfg: ModelConfig):
         hf_config = AutoConfig.from_pretrained(model_cfg.path, gguf_file=model_cfg.gguf_file)
     else:
         hf_config = AutoConfig.from_pretrained(model_cfg.path)
+    for key, value in model_cfg.hf_overrides.items():  # vLLM's --hf-overrides
+        setattr(hf_config, key, value)
     if not getattr(hf_config, "architectures", None):
         try:
             hf_config.architectures = [architecture_of(hf_config)]

@@ -77,7 +77,12 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
 
 
 def make_worker(config: EngineConfig, rank: int) -> Worker:
-    """The worker of a generation instance, or the embedding runner of an embedding one."""
+    """The worker of a generation instance, the embedding runner of an embedding one, the scoring runner of a
+    sequence classifier (--task classify / score)."""
+    if config.model.task in ("classify", "score"):
+        from tokenmill.workers.scoring_runner import ScoringRunner
+
+        return ScoringRunner(config, rank=rank)
     if config.model.task == "embed":
         from tokenmill.workers.embedding_runner import EmbeddingRunner
 

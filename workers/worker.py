@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, is_pooling_task
 from tokenmill.kernels.kv_quant import check_kv_cache_device, kv_cache_torch_dtype
 from tokenmill.messages import PromptLogprobs, StepPlan, StepResult
 from tokenmill.workers.attention import (
@@ -389,7 +389,7 @@ class Worker:
         return (
             self.device.type == "cpu"
             and not model_cfg.enforce_eager
-            and model_cfg.task != "embed"
+            and not is_pooling_task(model_cfg.task)
             and self.world_size == 1
             # adapters would be applied per request, which a recording made without them could not see
             and not self.config.lora.enable_lora

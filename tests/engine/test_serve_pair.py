@@ -1,4 +1,5 @@
-"""scripts/serve_pair.sh: a chat and an embedding instance on two ports, started, used, stopped, nothing left behind."""
+"""scripts/serve_pair.sh: a chat and an embedding instance (and an optional reranker) on their ports, started, used,
+stopped, nothing left behind."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.helpers.cross_encoders import build_bert_cross_encoder
 from tests.helpers.server import alive, descendants, free_port
 
 pytestmark = pytest.mark.slow
@@ -80,6 +82,30 @@ def test_pair_serves_chat_and_embeddings_then_stops_cleanly(pair_env, tmp_path):
     assert "serving SmolLM2" in (tmp_path / "logs" / "chat.log").read_text()
     assert "serving all-MiniLM-L6-v2" in (tmp_path / "logs" / "embed.log").read_text()
     assert pair("status", pair_env).returncode == 3
+
+
+def test_reranker_as_a_third_instance(pair_env, tmp_path):
+    reranker = build_bert_cross_encoder(tmp_path / "models")
+    env = {**pair_env, "RERANK_MODEL": str(reranker), "RERANK_PORT": str(free_port())}
+    started = pair("start", env)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert "/v1/rerank" in started.stdout
+        status = pair("status", env)
+        assert status.returncode == 0 and status.stdout.count("/health 200") == 3, status.stdout
+        pids = [int((tmp_path / "run" / f"{name}.pid").read_text()) for name in ("chat", "embed", "rerank")]
+        pids += [kid for pid in pids for kid in descendants(pid)]
+        ranked = requests.post(
+            f"http://127.0.0.1:{env['RERANK_PORT']}/v1/rerank",
+            timeout=120,
+            json={"query": "Where do cats sleep?", "documents": ["On the mat.", "Paris is in France."]},
+        )
+        assert ranked.status_code == 200 and sorted(r["index"] for r in ranked.json()["results"]) == [0, 1]
+    finally:
+        stopped = pair("stop", pair_env)  # without RERANK_MODEL: the reranker's pid file still names it
+    assert stopped.returncode == 0 and "rerank: stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+    assert [pid for pid in pids if alive(pid)] == []
+    assert not list((tmp_path / "run").glob("*.pid"))
 
 
 def test_start_fails_with_the_log_tail_when_an_instance_dies(pair_env, tmp_path):

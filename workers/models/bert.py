@@ -9,7 +9,7 @@ embedding request is encoded in one step and pooled (see `workers/pooling.py`).
 
 Parameter names follow the HF checkpoints (`embeddings.word_embeddings`, `encoder.layer.N.attention.self.query`, ...)
 except that query/key/value are fused into one matmul (`attention.self.qkv`) at load time. Every token's
-token_type_id is 0.
+token_type_id is 0 unless the caller passes them (a cross-encoder's text pair, `bert_classifier.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.workers.models.packed_linear import PackableLinear
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, what BERT checkpoints call "gelu"
@@ -104,9 +106,13 @@ class BertEmbeddings(nn.Module):
         is_roberta = getattr(config, "model_type", "bert") in ("roberta", "xlm-roberta")
         self.position_offset = (config.pad_token_id + 1) if is_roberta else 0
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
-        return self.LayerNorm(hidden + self.token_type_embeddings.weight[0])
+        if token_type_ids is None:  # every token of type 0: one row, broadcast
+            return self.LayerNorm(hidden + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(hidden + self.token_type_embeddings(token_type_ids))
 
 
 class BertSelfAttention(nn.Module):
@@ -115,7 +121,7 @@ class BertSelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.qkv = PackableLinear(config.hidden_size, 3 * config.hidden_size)
 
     def forward(self, hidden: torch.Tensor, layout: PackedAttentionLayout) -> torch.Tensor:
         q, k, v = self.qkv(hidden).view(hidden.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
@@ -132,7 +138,7 @@ class BertDenseAddNorm(nn.Module):
 
     def __init__(self, in_features: int, hidden_size: int, eps: float):
         super().__init__()
-        self.dense = nn.Linear(in_features, hidden_size)
+        self.dense = PackableLinear(in_features, hidden_size)
         self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -154,7 +160,7 @@ class BertIntermediate(nn.Module):
         super().__init__()
         if config.hidden_act not in _ACTIVATIONS:
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = PackableLinear(config.hidden_size, config.intermediate_size)
         self.activation = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -207,10 +213,12 @@ class BertEmbeddingModel(nn.Module):
         positions: torch.Tensor,
         query_start_loc: torch.Tensor,
         padded_layout: bool | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Packed batch -> last_hidden_state [T, H]. `padded_layout` forces an attention layout (tests only)."""
+        """Packed batch -> last_hidden_state [T, H]. `padded_layout` forces an attention layout (tests only);
+        `token_type_ids` [T] are a text pair's segments (None: all 0)."""
         layout = PackedAttentionLayout.build(query_start_loc, input_ids.shape[0], padded_layout)
-        hidden = self.embeddings(input_ids, positions)
+        hidden = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             hidden = layer(hidden, layout)
         return hidden
@@ -220,7 +228,7 @@ class BertEmbeddingModel(nn.Module):
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)
         for name, tensor in weights:
-            name = _strip_model_prefix(name)
+            name = strip_model_prefix(name)
             if name.startswith(_UNUSED_PREFIXES) or name in _UNUSED_NAMES:
                 continue
             module_path, _, param_name = name.rpartition(".")
@@ -244,7 +252,7 @@ class BertEmbeddingModel(nn.Module):
             raise ValueError(f"parameters not filled exactly once by the checkpoint: {wrong[:8]}")
 
 
-def _strip_model_prefix(name: str) -> str:
+def strip_model_prefix(name: str) -> str:
     for prefix in _MODEL_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix) :]

@@ -35,7 +35,7 @@ from torch.distributed import ProcessGroup
 from tokenmill.workers.backends import layer_ops
 from tokenmill.workers.collectives import all_reduce
 from tokenmill.workers.models import rope as _rope
-from tokenmill.workers.models.packed_linear import can_pack, linear, packed
+from tokenmill.workers.models.packed_linear import PackableLinear, can_pack, linear, packed
 from tokenmill.workers.quantization.base import QuantizedWeight, fuse_rows
 
 
@@ -433,7 +433,7 @@ def pack_linear_weights(model: nn.Module) -> None:
             continue
         if isinstance(module, LMHead) and module.tied:
             module.packed_tied_weight = packed(module.weight)
-        elif isinstance(module, (QKVLinear, GateUpLinear, RowParallelLinear, LMHead)):
+        elif isinstance(module, (QKVLinear, GateUpLinear, RowParallelLinear, LMHead, PackableLinear)):
             module.weight = packed(module.weight)
 
 

@@ -37,6 +37,14 @@ def packed(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT), requires_grad=False)
 
 
+class PackableLinear(nn.Linear):
+    """An `nn.Linear` (checkpoint names unchanged) whose matmul runs through `linear`, so that
+    `layers.pack_linear_weights` may pack its weight: the BERT-family encoders' layers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` through oneDNN wherever it can run (a packed weight, or a dense one it reorders per call); a
     quantized weight runs its own kernel."""

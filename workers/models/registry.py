@@ -25,8 +25,22 @@ _MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "BertForMaskedLM": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
     "RobertaModel": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
     "XLMRobertaModel": ("tokenmill.workers.models.bert", "BertEmbeddingModel"),
+    # sequence classifiers (--task classify / score): cross-encoders with their pooler and classifier, and decoders
+    # built as their causal LM, the `score` head (or the LM head's classifier_from_token rows) kept by the runner
+    "BertForSequenceClassification": ("tokenmill.workers.models.bert_classifier", "BertForSequenceClassification"),
+    "RobertaForSequenceClassification": ("tokenmill.workers.models.bert_classifier", "BertForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": (
+        "tokenmill.workers.models.bert_classifier",
+        "BertForSequenceClassification",
+    ),
+    "LlamaForSequenceClassification": ("tokenmill.workers.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForSequenceClassification": ("tokenmill.workers.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForSequenceClassification": ("tokenmill.workers.models.llama", "Qwen3ForCausalLM"),
 }
-ENCODER_ARCHITECTURES = frozenset(name for name, (module, _) in _MODEL_CLASSES.items() if module.endswith(".bert"))
+ENCODER_ARCHITECTURES = frozenset(
+    name for name, (module, _) in _MODEL_CLASSES.items() if module.endswith((".bert", ".bert_classifier"))
+)
+CLASSIFIER_ARCHITECTURES = frozenset(name for name in _MODEL_CLASSES if name.endswith("ForSequenceClassification"))
 
 # For configs that carry no `architectures` (GGUF metadata gives only the model type).
 _ARCHITECTURE_BY_MODEL_TYPE = {
