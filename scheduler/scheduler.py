@@ -580,6 +580,8 @@ class Scheduler:
                     error = req.grammar.accept(token_id, req.output_token_ids)
                     if error is not None:
                         finish_reason = "error"
+                        if self.grammars is not None:  # the compiled grammar its matcher shares state with
+                            self.grammars.forget(req.grammar)
                     elif req.grammar.finished:
                         finish_reason = "stop"  # the grammar is complete: nothing but end of sequence could follow
                 if finish_reason is not None:
