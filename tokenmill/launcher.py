@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 
 from tokenmill.config import EngineConfig, replace
 from tokenmill.logs import LOG_FORMAT_ENV
@@ -41,6 +42,18 @@ CHILD_ENTRY = (
     "import json, sys; sys.path[:] = json.loads(sys.stdin.buffer.readline()); "
     "from tokenmill.launcher import run_child; run_child(sys.argv[1], sys.stdin.buffer.read())"
 )
+
+
+def child_environment(base: Mapping[str, str], log_format: str) -> dict[str, str]:
+    """The environment of the scheduler and worker children: `base`, the instance's log format (a child sets up
+    logging before it has read the config), and OpenMP threads that sleep when they wait unless the user chose
+    otherwise. libgomp's threads spin at every barrier by default; on a host with more runnable processes than cores
+    a spinning thread burns the time slice its descheduled partner needs, and a CPU worker with two threads ran a
+    64-token completion in 58-97 s instead of 1-7 s (load ~15 on 2 cores), long enough for clients to time out. vLLM
+    sets KMP_BLOCKTIME=1 on its CPU backend for the same reason (Intel's OpenMP)."""
+    env = {**base, LOG_FORMAT_ENV: log_format}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def run_child(role: str, config_bytes: bytes) -> None:
@@ -86,8 +99,7 @@ class EngineProcesses:
             "scheduler": self.config.for_scheduler().to_bytes(),
             "worker": self.config.for_workers().to_bytes(),
         }
-        # every child logs in the instance's format: it sets up logging before it has read the config
-        env = {**(self.env if self.env is not None else os.environ), LOG_FORMAT_ENV: self.config.server.log_format}
+        env = child_environment(self.env if self.env is not None else os.environ, self.config.server.log_format)
         for role in roles:
             child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE, env=env)
             self.children.append((f"tokenmill-{role}", child))
