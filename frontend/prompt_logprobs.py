@@ -12,21 +12,30 @@ formatted.
   generates one token that the response leaves out.
 
 -inf becomes -9999.0, as vLLM writes it into JSON.
+
+A server response formats them into JSON a slice of positions at a time (`prompt_logprobs_json`), giving the event loop
+back between slices: the largest prompt the budget admits (hundreds of thousands of positions, each a dict of k + 1
+entries) would otherwise hold every other stream's next chunk for as long as formatting it takes (~2 ms per thousand
+values, most of it decoding token texts).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
+import msgspec
 from msgspec import UNSET, UnsetType
 
 from tokenmill.frontend.errors import APIError
 from tokenmill.frontend.logprobs import TokenTexts
-from tokenmill.frontend.protocol import CompletionLogProbs, CompletionRequest, Logprob, PromptLogprobs
+from tokenmill.frontend.protocol import CompletionLogProbs, CompletionRequest, Logprob, PromptLogprobs, encode_json
 from tokenmill.messages import PromptLogprobs as EnginePromptLogprobs
 from tokenmill.messages import PromptLogprobsEntry
 
 MIN_LOGPROB = -9999.0
+# values (positions x (k + 1)) formatted between two turns of the event loop: ~1-3 ms of work
+FORMAT_SLICE_VALUES = 1024
 
 
 def _clamp(logprob: float) -> float:
@@ -47,6 +56,30 @@ def vllm_prompt_logprobs(
     """vLLM's `prompt_logprobs` list for a prompt and the engine's arrays."""
     entries = engine_logprobs.entries()
     return [None] + [_position_dict(token_id, entry, texts) for token_id, entry in zip(prompt_ids[1:], entries)]
+
+
+async def prompt_logprobs_json(
+    prompt_ids: Sequence[int], engine_logprobs: EnginePromptLogprobs, texts: TokenTexts
+) -> msgspec.Raw:
+    """`vllm_prompt_logprobs` as JSON, to embed in a response: built and encoded a slice of positions at a time,
+    yielding to the event loop between slices."""
+    logprobs, ranks, top_ids, top_logprobs = engine_logprobs.arrays()
+    step = max(1, FORMAT_SLICE_VALUES // (engine_logprobs.num_top + 1))
+    parts = [b"[null"]
+    for start in range(0, engine_logprobs.num_positions, step):
+        stop = start + step
+        rows = zip(
+            prompt_ids[start + 1 : stop + 1],
+            logprobs[start:stop].tolist(),
+            ranks[start:stop].tolist(),
+            top_ids[start:stop].tolist(),
+            top_logprobs[start:stop].tolist(),
+        )
+        positions = [_position_dict(token_id, (lp, rank, ids, lps), texts) for token_id, lp, rank, ids, lps in rows]
+        parts.append(b"," + encode_json(positions)[1:-1])  # the slice's items, without its brackets
+        await asyncio.sleep(0)
+    parts.append(b"]")
+    return msgspec.Raw(b"".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------- completions
@@ -107,11 +140,13 @@ def join_logprobs(first: CompletionLogProbs | None, second: CompletionLogProbs |
 # ---------------------------------------------------------------------------------------------- chat
 
 
-def response_prompt_logprobs(choices: Sequence, summaries: Sequence, texts: TokenTexts) -> PromptLogprobs | UnsetType:
-    """A one-prompt response's top-level `prompt_logprobs` (vLLM's chat shape), from the first choice (a `Choice`)
-    whose summary (a `CompletionOutput`) has them; UNSET when the request did not ask."""
+async def response_prompt_logprobs(
+    choices: Sequence, summaries: Sequence, texts: TokenTexts
+) -> msgspec.Raw | UnsetType:
+    """A one-prompt response's top-level `prompt_logprobs` (vLLM's chat shape) as JSON, from the first choice (a
+    `Choice`) whose summary (a `CompletionOutput`) has them; UNSET when the request did not ask."""
     for summary in summaries:
         if summary.prompt_logprobs is not None:
             prompt_ids = choices[summary.index].request.prompt_token_ids
-            return vllm_prompt_logprobs(prompt_ids, summary.prompt_logprobs, texts)
+            return await prompt_logprobs_json(prompt_ids, summary.prompt_logprobs, texts)
     return UNSET

@@ -315,6 +315,8 @@ class Logprob(Struct, kw_only=True):
 
 # vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: Logprob} (the token and its top k)
 PromptLogprobs = list[dict[int, Logprob] | None]
+# what a server response carries: the same list already encoded, a slice at a time (frontend/prompt_logprobs.py)
+PromptLogprobsField = PromptLogprobs | msgspec.Raw | UnsetType
 
 
 class CompletionChoice(Struct, kw_only=True):
@@ -325,7 +327,7 @@ class CompletionChoice(Struct, kw_only=True):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobsField = UNSET
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -399,7 +401,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobsField = UNSET
 
 
 class DeltaMessage(Struct, kw_only=True):

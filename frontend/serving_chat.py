@@ -228,7 +228,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: web.Request)
     async with aclosing(deltas):
         async for delta in deltas:
             summaries[delta.index].add(delta)
-    return web.Response(body=renderer.full_response(summaries), content_type="application/json")
+    return web.Response(body=await renderer.full_response(summaries), content_type="application/json")
 
 
 class ChatRenderer:
@@ -304,7 +304,7 @@ class ChatRenderer:
         chunk.usage = usage_info(self.choices)
         return encode_json(chunk)
 
-    def full_response(self, summaries: list[CompletionOutput]) -> bytes:
+    async def full_response(self, summaries: list[CompletionOutput]) -> bytes:
         messages = [self.outputs.whole(s) for s in summaries]
         choices = [
             ChatChoice(
@@ -323,6 +323,6 @@ class ChatRenderer:
                 model=self.model_name,
                 choices=choices,
                 usage=usage_info(self.choices),
-                prompt_logprobs=response_prompt_logprobs(self.choices, summaries, self.texts),
+                prompt_logprobs=await response_prompt_logprobs(self.choices, summaries, self.texts),
             )
         )

@@ -18,7 +18,7 @@ from tokenmill.frontend.prompt_logprobs import (
     engine_max_tokens,
     engine_prompt_logprobs,
     join_logprobs,
-    vllm_prompt_logprobs,
+    prompt_logprobs_json,
 )
 from tokenmill.frontend.protocol import (
     CompletionChoice,
@@ -118,7 +118,7 @@ async def create_completion(ctx: ServingContext, http_request: web.Request) -> w
     async with aclosing(deltas):
         async for delta in deltas:
             summaries[delta.index].add(delta)
-    return web.Response(body=renderer.full_response(summaries), content_type="application/json")
+    return web.Response(body=await renderer.full_response(summaries), content_type="application/json")
 
 
 async def _echo_text(ctx: ServingContext, prompt: tuple[str | None, list[int]]) -> str:
@@ -201,7 +201,7 @@ class CompletionRenderer:
             )
         )
 
-    def full_response(self, summaries: list[CompletionOutput]) -> bytes:
+    async def full_response(self, summaries: list[CompletionOutput]) -> bytes:
         choices = [
             CompletionChoice(
                 index=s.index,
@@ -214,7 +214,7 @@ class CompletionRenderer:
         ]
         for choice, summary in zip(choices, summaries):
             if summary.prompt_logprobs is not None:  # as vLLM, whenever the engine computed them
-                choice.prompt_logprobs = vllm_prompt_logprobs(
+                choice.prompt_logprobs = await prompt_logprobs_json(
                     self.choices[summary.index].request.prompt_token_ids, summary.prompt_logprobs, self.texts
                 )
         if self.request.return_token_ids:

@@ -107,7 +107,12 @@ class SchedulerLoop:
                 cache_bytes=self.config.scheduler.structured_outputs_cache_bytes,
             )
         self.scheduler = Scheduler(
-            self.config, num_blocks, first.eos_token_ids, grammars=grammars, sliding_window=first.sliding_window
+            self.config,
+            num_blocks,
+            first.eos_token_ids,
+            grammars=grammars,
+            sliding_window=first.sliding_window,
+            prompt_logprobs_row_cost=max(r.prompt_logprobs_row_cost for r in readies),
         )
         self.to_frontend.send(
             encode(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
@@ -58,10 +59,6 @@ def make_speculator(config: SpeculativeConfig) -> Speculator | None:
     return None
 
 
-# a prompt that asks for prompt logprobs is computed at most max_num_batched_tokens / this per step (at least 16)
-PROMPT_LOGPROBS_CHUNK_DIVISOR = 8
-
-
 class Rejection(NamedTuple):
     """Why a request was refused: one sentence for the client, and whether retrying later can help."""
 
@@ -79,6 +76,7 @@ class Scheduler:
         policy: SchedulingPolicy | None = None,
         grammars: GrammarCompiler | None = None,
         sliding_window: int | None = None,
+        prompt_logprobs_row_cost: float = 0.0,
     ) -> None:
         self.config = config
         # every layer's window is at most this (None: some layer attends to everything): blocks older are freed,
@@ -88,9 +86,10 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
-        # a prompt token that asks for its logprob also runs the LM head over the whole vocabulary and a top-k: such
-        # a prompt is computed in chunks of this many tokens, so no step grows much longer for the other requests
-        self.prompt_logprobs_chunk = max(16, self.max_num_batched_tokens // PROMPT_LOGPROBS_CHUNK_DIVISOR)
+        # a prompt token that asks for its logprob also runs the LM head over the whole vocabulary and a top-k: it
+        # takes 1 + this many tokens of the step's budget (WorkerReady.prompt_logprobs_row_cost; ~85 on a 2-layer
+        # test model, ~0.1 on an 8B one), and such a prompt is chunked to fit, so no step grows long for the others
+        self.prompt_logprobs_row_cost = prompt_logprobs_row_cost
         # 0 means "not resolved from a model" (unit tests): then the pool's capacity is the only limit
         self.max_model_len = config.model.max_model_len or num_kv_blocks * self.block_size
         # the most tokens one request can ever hold; below max_model_len only with an explicit block count
@@ -248,7 +247,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.is_embedding:
                 continue
-            num_new = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            num_new = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget), budget)
             if num_new <= 0:
                 continue
             self._free_slid_out_blocks(req)
@@ -274,7 +273,7 @@ class Scheduler:
                 self._step_drafts[req.request_id] = drafts
                 num_new += len(drafts)
             scheduled[req.request_id] = num_new
-            budget -= num_new
+            budget -= self._budget_cost(req, num_new)
 
         # then waiting requests, unless this step had to preempt (they would only take the freed blocks back)
         if not preempted_any:
@@ -371,7 +370,7 @@ class Scheduler:
                     if not self.chunked_prefill and req.num_preemptions == 0:
                         break
                     num_new = budget
-                num_new = self._chunk(req, num_new)
+                num_new = self._chunk(req, num_new, budget)
                 lookahead = self._lookahead_slots(req, num_cached + num_new)  # it has computed none yet
                 while (new_block_ids := self.kv.allocate_slots(req, num_new, hits, lookahead)) is None:
                     if lookahead:  # best effort, as for running requests
@@ -393,22 +392,35 @@ class Scheduler:
             self.running.append(req)
             loras.add(req)
             scheduled[req.request_id] = num_new
-            budget -= num_new
+            budget -= self._budget_cost(req, num_new)
             admitted_any = True
         if admitted_any:
             self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
         return budget
 
-    def _chunk(self, req: Request, num_new: int) -> int:
-        """`num_new`, capped at `prompt_logprobs_chunk` while a request that asks for prompt logprobs is in its
-        prompt (with chunked prefill on)."""
-        if (
-            self.chunked_prefill
-            and req.sampling.prompt_logprobs is not None
+    def _scores_prompt(self, req: Request) -> bool:
+        """Whether the request's next tokens are prompt positions whose logprobs the workers compute (it asks for
+        them and has none delivered yet)."""
+        return (
+            req.sampling.prompt_logprobs is not None
+            and req.num_output_tokens == 0
             and req.num_computed_tokens < req.num_prompt_tokens
-        ):
-            return min(num_new, self.prompt_logprobs_chunk)
-        return num_new
+        )
+
+    def _budget_cost(self, req: Request, num_new: int) -> int:
+        """The tokens of the step's budget that `num_new` of the request's tokens take: their forward, and for prompt
+        positions that ask for logprobs the LM head and scoring over the vocabulary too."""
+        if not self._scores_prompt(req):
+            return num_new
+        return math.ceil(num_new * (1.0 + self.prompt_logprobs_row_cost))
+
+    def _chunk(self, req: Request, num_new: int, budget: int) -> int:
+        """`num_new`, cut (with chunked prefill on) to the prompt positions whose cost (`_budget_cost`) fits in
+        `budget`; never below one, so such a prompt always advances (a step can then exceed its budget by at most
+        one position's LM head: the budget is spent and nothing is scheduled after it)."""
+        if not self.chunked_prefill or not self._scores_prompt(req):
+            return num_new
+        return min(num_new, max(1, int(budget / (1.0 + self.prompt_logprobs_row_cost))))
 
     def _grammar_ready(self, req: Request, grammar: RequestGrammar) -> bool:
         """Whether a waiting request's grammar is compiled; a grammar that failed finishes the request with why."""
@@ -578,6 +590,8 @@ class Scheduler:
                     error = req.grammar.accept(token_id, req.output_token_ids)
                     if error is not None:
                         finish_reason = "error"
+                        if self.grammars is not None:  # the compiled grammar its matcher shares state with
+                            self.grammars.forget(req.grammar)
                     elif req.grammar.finished:
                         finish_reason = "stop"  # the grammar is complete: nothing but end of sequence could follow
                 if finish_reason is not None:

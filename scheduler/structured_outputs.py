@@ -11,6 +11,11 @@ the parser limits bound. The tokenizer it needs is loaded on the same pool as so
 Nothing the grammar engine raises may end the scheduler: a failed compile or copy is a GrammarError for that request
 alone, a matcher that raises while stepping finishes its request with an error, and a bitmask fill that raises is
 redone row by row, a failing row allowing every token for that one step (its request then finishes with the error).
+A matcher can also fail without raising: past the engine's limits (a regex `c{100000}` constructs too many lexer
+expressions once it is walked) it goes into an error state whose mask allows only end of sequence. Such a request
+ends with the engine's error once its mask is filled, never with a silent stop; and since llguidance's deep copies
+share their lexer's expressions, the compiled grammar it was copied from is dropped from the cache (`forget`), so the
+next request with that constraint starts from a fresh compile, not from a matcher someone else broke.
 
 `RequestGrammar` is one request's matcher. It advances with every token the request samples; preemption keeps it
 as it is (recompute preemption keeps the sampled tokens, so the matcher's state stays true), and the worker applies
@@ -117,8 +122,17 @@ class GrammarCompiler:
             log.exception("filling the structured-output bitmask failed; filling it row by row")
             for i, grammar in enumerate(grammars):
                 grammar.fill_row(bitmask, i)
+        for grammar in grammars:
+            grammar.check_engine_state()
         self.mask_time_s += time.perf_counter() - started
         return bitmask
+
+    def forget(self, grammar: RequestGrammar) -> None:
+        """Drop the cache entry `grammar` was copied from (its matcher failed: the shared state may be broken)."""
+        for key, future in list(self._cache.items()):
+            if future is grammar.compiled_future:
+                del self._cache[key]
+                self.cached_bytes -= entry_bytes(key)
 
     def take_mask_time(self) -> float:
         spent, self.mask_time_s = self.mask_time_s, 0.0
@@ -126,6 +140,11 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def engine_error(matcher: llguidance.LLMatcher) -> str:
+    """The matcher's error, without the marker llguidance appends when verbose errors are off."""
+    return str(matcher.get_error()).replace("<non-verbose/>", "").strip()
 
 
 def entry_bytes(key: bytes) -> int:
@@ -149,6 +168,10 @@ class RequestGrammar:
     @property
     def compiled(self) -> bool:
         return self._compiled.done()
+
+    @property
+    def compiled_future(self) -> Future[llguidance.LLMatcher]:
+        return self._compiled
 
     def start(self) -> None:
         """Take a private copy of the compiled matcher (once it is compiled). Raises GrammarError."""
@@ -176,6 +199,12 @@ class RequestGrammar:
             self.error = f"the grammar engine failed: {exc}"
             bitmask[row] = ALL_TOKENS
 
+    def check_engine_state(self) -> None:
+        """After its mask is filled: a matcher the engine put into its error state (a limit hit while masking)
+        allowed only end of sequence; the request ends with the engine's error when its token comes back."""
+        if self.error is None and self.started_matcher.is_error():
+            self.error = f"the grammar engine failed: {engine_error(self.started_matcher)}"
+
     def accept(self, token_id: int, output_token_ids: Sequence[int]) -> str | None:
         """Advance past a sampled token (already appended to `output_token_ids`); the error, if it does not fit or
         the grammar engine failed."""
@@ -187,6 +216,10 @@ class RequestGrammar:
             return None
         try:
             if not self.started_matcher.consume_token(token_id):
+                # the mask allowed it: the engine's own error says why (e.g. a limit hit while advancing)
+                reason = engine_error(self.started_matcher)
+                if reason:
+                    return f"the structured-output grammar is beyond the grammar engine's limits: {reason}"
                 return f"the sampled token {token_id} does not fit the structured-output grammar"
             self._stopped = self.started_matcher.is_stopped()
         except Exception as exc:

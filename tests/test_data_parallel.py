@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import zmq
 
 from tokenmill.config import EngineConfig, ParallelConfig
-from tokenmill.data_parallel import replica_environments
+from tokenmill.data_parallel import EngineSockets, replica_environments
+from tokenmill.messages import Pong, encode
+from tokenmill.processes import make_socket
 
 
 def config(**parallel) -> EngineConfig:
@@ -42,3 +47,29 @@ def test_a_size_below_one_is_refused():
 
     with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
         DataParallelEngines(config(data_parallel_size=0))
+
+
+def test_the_offline_client_drops_an_undecodable_frame_and_reads_on(tmp_path, caplog):
+    """A garbage frame on a replica's output socket is logged and dropped (as the scheduler drops one), and the
+    messages after it still arrive."""
+    configs = []
+    for replica in range(2):
+        ipc_dir = tmp_path / str(replica)
+        ipc_dir.mkdir()
+        configs.append(EngineConfig(ipc_dir=str(ipc_dir)))
+    ctx = zmq.Context()
+    schedulers = [make_socket(ctx, zmq.PUSH, c.ipc_address("outputs"), bind=True) for c in configs]
+    sockets = EngineSockets(ctx, configs)
+    try:
+        schedulers[0].send(b"\xc1 not msgpack")
+        schedulers[1].send(encode(Pong(7)))
+        received = []
+        deadline = time.monotonic() + 10
+        while not received and time.monotonic() < deadline:
+            message = sockets.receive(100)
+            if message is not None:
+                received.append(message)
+        assert received == [Pong(7)]
+        assert "dropped an undecodable 13-byte frame from replica 0's scheduler" in caplog.text
+    finally:
+        ctx.destroy(linger=0)

@@ -14,6 +14,7 @@ The server's asynchronous counterpart is `frontend/data_parallel_client.py`.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -31,7 +32,9 @@ from tokenmill.messages import (
     decoder,
     encode,
 )
-from tokenmill.processes import make_socket
+from tokenmill.processes import decode_or_drop, make_socket
+
+log = logging.getLogger("tokenmill.data_parallel")
 
 
 def check_data_parallel(config: EngineConfig) -> None:
@@ -191,11 +194,14 @@ class EngineSockets:
                 raw = self.from_schedulers[replica].recv(zmq.NOBLOCK)
             except zmq.Again:
                 continue
-            return self._decoded(replica, raw)
+            # an undecodable frame is logged and dropped, as the scheduler and the server's client do
+            msg = decode_or_drop(self._decoder, raw, log, f"replica {replica}'s scheduler")
+            if msg is not None:
+                return self._noted(replica, msg)
         return None
 
-    def _decoded(self, replica: int, raw: bytes):
-        msg = self._decoder.decode(raw)
+    def _noted(self, replica: int, msg):
+        """`msg`, after the router has noted what it says about the replica (finished requests, KV usage)."""
         if self.size > 1 and isinstance(msg, StepOutputs):
             for out in msg.outputs:
                 if out.finish_reason is not None and self.owner.pop(out.request_id, None) is not None:

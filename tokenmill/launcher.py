@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 
 from tokenmill.config import EngineConfig, is_pooling_task, replace
 from tokenmill.logs import LOG_FORMAT_ENV
@@ -41,6 +42,20 @@ CHILD_ENTRY = (
     "import json, sys; sys.path[:] = json.loads(sys.stdin.buffer.readline()); "
     "from tokenmill.launcher import run_child; run_child(sys.argv[1], sys.stdin.buffer.read())"
 )
+
+
+def child_environment(base: Mapping[str, str], log_format: str) -> dict[str, str]:
+    """The environment of the scheduler and worker children: `base`, the instance's log format (a child sets up
+    logging before it has read the config), and OpenMP threads that sleep when they wait unless the user chose
+    otherwise. libgomp's threads spin at every barrier by default; on a host with more runnable processes than cores
+    a spinning thread burns the time slice its descheduled partner needs, and a CPU worker with two threads ran a
+    64-token completion in 58-97 s instead of 1-7 s (load ~15 on 2 cores), long enough for clients to time out. vLLM
+    sets KMP_BLOCKTIME=1 on its CPU backend for the same reason (Intel's OpenMP). Decode steps alone: two spinning
+    threads were 7x (batch 1) to 21x (batch 8) slower than one on a loaded 2-vCPU machine, passive ones 1.1-1.3x
+    (scripts/bench_cpu_threads.py, docs/benchmarks.md)."""
+    env = {**base, LOG_FORMAT_ENV: log_format}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def run_child(role: str, config_bytes: bytes) -> None:
@@ -86,13 +101,7 @@ class EngineProcesses:
             "scheduler": self.config.for_scheduler().to_bytes(),
             "worker": self.config.for_workers().to_bytes(),
         }
-        # every child logs in the instance's format: it sets up logging before it has read the config
-        env = {**(self.env if self.env is not None else os.environ), LOG_FORMAT_ENV: self.config.server.log_format}
-        # OpenMP threads sleep at once when idle instead of spinning (libgomp's default spins ~300,000 iterations):
-        # on a small CPU host a spinning worker thread takes the core the scheduler and frontend need, which made two
-        # threads 7x (batch 1) to 21x (batch 8) slower than one on a loaded 2-vCPU machine, against 1.1-1.3x passive
-        # (scripts/bench_cpu_threads.py, docs/benchmarks.md). A user's own setting wins.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env = child_environment(self.env if self.env is not None else os.environ, self.config.server.log_format)
         for role in roles:
             child = subprocess.Popen([sys.executable, "-c", CHILD_ENTRY, role], stdin=subprocess.PIPE, env=env)
             self.children.append((f"tokenmill-{role}", child))

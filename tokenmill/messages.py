@@ -386,6 +386,9 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     # the model's sliding window when every attention layer has one (the largest), else None: the scheduler then
     # frees the blocks of a running request that slid out of it
     sliding_window: int | None = None
+    # a prompt position's LM head and scoring when it asks for prompt logprobs, in tokens of forward (0: none here);
+    # the scheduler charges it to the step's token budget
+    prompt_logprobs_row_cost: float = 0.0
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

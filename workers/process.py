@@ -54,6 +54,7 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
                     eos_token_ids=list(runner.eos_token_ids),
                     vocab_size=runner.vocab_size,
                     sliding_window=runner.kv_sliding_window,
+                    prompt_logprobs_row_cost=runner.prompt_logprobs_row_cost,
                 )
             )
         )

@@ -379,14 +379,17 @@ def _exponential_noise(probs: torch.Tensor, states: Sequence[RequestSamplingStat
     """q ~ Exp(1) per (row, token): the rest from the global generator, and a seeded row from its own generator
     seeded with (seed, number of outputs so far), so a request's draws depend on nothing but its seed and position:
     a preempted request, resumed with its outputs, draws the same q as if it had run alone."""
-    noise = torch.empty_like(probs)
+    uniform = torch.empty_like(probs)
     seeded = [(row, state) for row, state in enumerate(states) if state.generator is not None]
     if len(seeded) < len(states):
-        noise.exponential_()
+        uniform.uniform_()
     for row, state in seeded:
         state.generator.manual_seed(position_seed(state.params.seed, len(state.output_token_ids)))
-        noise[row].exponential_(generator=state.generator)
-    # exponential_ can return exactly 0; 0 / 0 would be NaN, which argmax picks.
+        uniform[row].uniform_(generator=state.generator)
+    # q = -log(1 - u), u ~ U[0, 1): Exp(1) by inversion. torch's CPU exponential_ takes ~5x as long (2 rows of a 49k
+    # vocabulary: ~5.6 ms against ~1.1 ms, one thread), which every sampled request paid each step.
+    noise = uniform.neg_().log1p_().neg_()
+    # u = 0 gives exactly 0; 0 / 0 would be NaN, which argmax picks.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 

@@ -38,7 +38,7 @@ from tokenmill.workers.distributed import init_distributed, parallel_position, r
 from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.kv_cache import KVCache, PagedKVCache, kv_block_bytes
 from tokenmill.workers.memory_profile import GpuMemory, ProfiledStep, kv_blocks_in_budget, worst_case_step
-from tokenmill.workers.model_facts import read_eos_token_ids, text_config, weight_bytes
+from tokenmill.workers.model_facts import prompt_logprobs_row_cost, read_eos_token_ids, text_config, weight_bytes
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
 from tokenmill.workers.models.layers import pack_linear_weights
 from tokenmill.workers.models.llama import LlamaForCausalLM, PagedCausalLM
@@ -73,6 +73,7 @@ class Worker:
         self.dtype = torch.float32
         self.model: Any = None  # a PagedCausalLM (an encoder in embedding instances)
         self.weight_bytes = 0
+        self.prompt_logprobs_row_cost = 0.0  # a prompt position's LM head and scoring, in forward tokens
         self.eos_token_ids: list[int] = []
         self.kv_cache: PagedKVCache | None = None  # set by allocate_kv_cache
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
@@ -108,6 +109,9 @@ class Worker:
         model.load_weights(self.checkpoint_weights())
         self.model = model.eval()
         self.weight_bytes = weight_bytes(model)
+        if self.vocab_size and model.lm_head is not None:  # a language model's last pipeline stage
+            hidden_size = self.text_config.hidden_size
+            self.prompt_logprobs_row_cost = prompt_logprobs_row_cost(model, self.vocab_size, hidden_size)
         if self.device.type == "cpu":
             pack_linear_weights(model)
         self.eos_token_ids = read_eos_token_ids(model_cfg.path, self.hf_config)

@@ -4,11 +4,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+
+import msgspec
+import numpy as np
 
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
 from tokenmill.frontend.logprobs import TokenTexts
-from tokenmill.frontend.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
+from tokenmill.frontend.prompt_logprobs import (
+    FORMAT_SLICE_VALUES,
+    echo_logprobs,
+    prompt_logprobs_json,
+    vllm_prompt_logprobs,
+)
 from tokenmill.messages import PromptLogprobs
 
 PROMPT = "The quick brown fox jumps"
@@ -173,3 +182,42 @@ def test_echo_top_logprobs_keep_the_token_and_the_first_k_of_a_longer_list(token
     assert logprobs.top_logprobs == [None, {texts[200]: -1.0, texts[7]: -2.0}, {texts[300]: -2.5, texts[9]: -0.5}]
     assert logprobs.token_logprobs == [None, -1.0, -2.5] and end == sum(len(texts[t]) for t in ids)
     assert vllm_prompt_logprobs(ids, entries, texts)[1][200].rank == 1  # the top entry's rank wins (vLLM)
+
+
+def long_prompt_logprobs(num_positions: int, k: int) -> tuple[list[int], PromptLogprobs]:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 1000, num_positions + 1).tolist(), PromptLogprobs.from_arrays(
+        -rng.random(num_positions),
+        rng.integers(1, 1000, num_positions),
+        rng.integers(0, 1000, (num_positions, k)),
+        np.where(rng.random((num_positions, k)) < 0.1, -np.inf, -rng.random((num_positions, k))),
+    )
+
+
+@async_test
+async def test_a_long_prompts_logprobs_are_formatted_in_slices_between_turns_of_the_event_loop(tokenizer):
+    """The JSON a response embeds is vLLM's list (as the offline API builds it), and other tasks run between its
+    slices: a prompt of 2,000 positions x 21 values does not hold the loop for the whole of it."""
+    ids, engine_logprobs = long_prompt_logprobs(2000, 20)
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.create_task(count_turns())
+    await asyncio.sleep(0)
+    formatted = await prompt_logprobs_json(ids, engine_logprobs, TokenTexts(tokenizer))
+    counter.cancel()
+    slices = -(-2000 * 21 // FORMAT_SLICE_VALUES)
+    assert turns >= slices - 1
+    expected = msgspec.json.encode(vllm_prompt_logprobs(ids, engine_logprobs, TokenTexts(tokenizer)))
+    assert json.loads(bytes(formatted)) == json.loads(expected)
+    assert json.loads(bytes(formatted))[1 + 7][str(ids[8])]["rank"] > 0
+
+
+@async_test
+async def test_a_one_token_prompt_formats_as_one_null(tokenizer):
+    assert bytes(await prompt_logprobs_json([5], PromptLogprobs(3), TokenTexts(tokenizer))) == b"[null]"

@@ -90,14 +90,8 @@ def test_prompt_logprobs_ride_on_the_first_output_of_their_request_only():
     assert [o.prompt_logprobs for o in outputs] == [None, None]
 
 
-def test_a_prompt_logprobs_prompt_is_computed_in_bounded_chunks_next_to_others():
-    """Each of its prompt tokens also costs an LM head over the vocabulary: at most max_num_batched_tokens / 8 (at
-    least 16) of them per step, while a plain prompt takes the rest of the budget."""
-    sched, worker = make_scheduler()
-    chunk = sched.prompt_logprobs_chunk
-    assert chunk == max(16, sched.max_num_batched_tokens // 8)
-    sched.add_request(make_request("scored", 3 * chunk + 5, max_tokens=1, prompt_logprobs=2))
-    sched.add_request(make_request("plain", 8, max_tokens=1))
+def scheduled_per_step(sched: Scheduler, worker: FakeWorker) -> list[dict[str, int]]:
+    """Each step's tokens per request until every request has finished."""
     scheduled: list[dict[str, int]] = []
     while sched.has_unfinished_requests():
         plan, _ = step(sched, worker)
@@ -105,5 +99,38 @@ def test_a_prompt_logprobs_prompt_is_computed_in_bounded_chunks_next_to_others()
             {n.request_id: n.num_scheduled_tokens for n in plan.new_requests}
             | {r.request_id: r.num_scheduled_tokens for r in plan.running}
         )
-    assert [s.get("scored") for s in scheduled] == [chunk, chunk, chunk, 5]
-    assert scheduled[0]["plain"] == 8
+    return scheduled
+
+
+def test_a_prompt_logprobs_position_is_charged_its_lm_head_in_the_step_budget():
+    """Each prompt position that asks for its logprob costs 1 + the worker's row cost tokens of the budget: with a
+    row cost of 3 and a 64-token budget the prompt runs 16 positions a step, and a running decoder ahead of it keeps
+    its token every step (the chunk shrinks to the rest)."""
+    cfg = make_config(max_num_batched_tokens=64)
+    sched, worker = Scheduler(cfg, 256, [2], prompt_logprobs_row_cost=3.0), FakeWorker(cfg.cache.block_size)
+    sched.add_request(make_request("decoder", 4, max_tokens=12, ignore_eos=True))
+    step(sched, worker)
+    sched.add_request(make_request("scored", 3 * 16 + 5, max_tokens=1, prompt_logprobs=2))
+    scheduled = scheduled_per_step(sched, worker)
+    # 63 tokens of budget after the decoder's one: 15 positions (60 tokens) a step, then the last 8
+    assert [s.get("scored") for s in scheduled[:4]] == [15, 15, 15, 8]
+    assert all(s["decoder"] == 1 for s in scheduled[:4])
+    assert sched.kv.pool.num_free_blocks == 256
+
+
+def test_a_prompt_logprobs_position_dearer_than_the_budget_still_advances_one_a_step():
+    cfg = make_config(max_num_batched_tokens=32)
+    sched, worker = Scheduler(cfg, 64, [2], prompt_logprobs_row_cost=100.0), FakeWorker(cfg.cache.block_size)
+    sched.add_request(make_request("scored", 5, max_tokens=1, prompt_logprobs=0))
+    sched.add_request(make_request("plain", 8, max_tokens=1))
+    scheduled = scheduled_per_step(sched, worker)
+    # the budget is spent by the one position: nothing is scheduled after it until the prompt is done
+    assert scheduled == [{"scored": 1}] * 5 + [{"plain": 8}]
+
+
+def test_without_prompt_logprobs_or_once_delivered_tokens_cost_one_each():
+    cfg = make_config(max_num_batched_tokens=32)
+    sched, worker = Scheduler(cfg, 64, [2], prompt_logprobs_row_cost=100.0), FakeWorker(cfg.cache.block_size)
+    sched.add_request(make_request("plain", 20, max_tokens=1))
+    sched.add_request(make_request("second", 12, max_tokens=1))
+    assert scheduled_per_step(sched, worker)[0] == {"plain": 20, "second": 12}

@@ -239,3 +239,23 @@ def test_a_mask_the_grammar_engine_fails_to_fill_ends_that_request_alone(tokeniz
     assert len(outputs["bad"]) == 1  # ended on the token sampled from the failed mask
     jsonschema.validate(json.loads(texts(tokenizer, outputs)["good"]), SCHEMA)
     assert scheduler.kv.usage == 0 and not scheduler.requests
+
+
+def test_a_grammar_past_the_engines_limits_ends_each_request_with_the_error_never_a_silent_stop(
+    tokenizer, ll_tokenizer
+):
+    """`c{100000}` compiles, but walking it constructs more lexer expressions than llguidance allows: the matcher
+    goes into an error state whose mask allows only end of sequence, a state llguidance's deep copies share with the
+    cached grammar. Every request with that constraint must end with the engine's error (a 400 for its client),
+    never finish "stop" with text the regex does not match, and leave the cache without the broken grammar."""
+    compiler = GrammarCompiler(lambda: ll_tokenizer)
+    scheduler = make_scheduler(tokenizer, compiler)
+    worker = MaskingWorker(4, tokenizer.eos_token_id)
+    for i in range(3):
+        scheduler.add_request(constrained(f"r{i}", 8, max_tokens=64, regex="(a|b)*c{100000}"))
+        outputs = run_to_completion(compiled(scheduler), worker)
+        last = outputs[f"r{i}"][-1]
+        assert last.finish_reason == "error", (last, texts(tokenizer, outputs))
+        assert "too many expressions" in last.error
+        assert not compiler._cache and compiler.cached_bytes == 0
+    assert scheduler.kv.usage == 0 and not scheduler.requests

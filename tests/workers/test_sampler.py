@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from tokenmill.messages import SamplingParams
-from tokenmill.workers.sampler import RequestSamplingState, filter_top_k_top_p_min_p, process_logits, sample
+from tokenmill.workers.sampler import (
+    RequestSamplingState,
+    _exponential_noise,
+    filter_top_k_top_p_min_p,
+    process_logits,
+    sample,
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NEG_INF = float("-inf")
@@ -342,3 +348,15 @@ def test_filter_with_topk_candidates_equals_the_full_sort():
     assert torch.equal(filter_top_k_top_p_min_p(logits, top_k, top_p, min_p, num_candidates=40), full)
     kept = torch.isfinite(full).sum(dim=-1)
     assert kept[0] == 5 and kept[4] == 1 and (kept <= top_k).all() and kept[2] < 40
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_the_race_noise_is_exponential_with_rate_one(seed):
+    """The exponential race's q (drawn by inversion of a uniform, faster than torch's CPU exponential_): its mean, its
+    tails and its smallest values are those of Exp(1), seeded rows included, and it is never 0."""
+    states = [make_state(temperature=1.0, seed=seed) for _ in range(4)]
+    noise = _exponential_noise(torch.empty(4, 50_000), states).flatten()
+    assert noise.min() > 0 and torch.isfinite(noise).all()
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.01)
+    for x in (0.01, 1.0, 3.0):
+        assert (noise > x).float().mean().item() == pytest.approx(math.exp(-x), rel=0.05)
