@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tokenmill.workers.attention import AttentionBackend, AttentionMetadata, build_attention_metadata, token_positions
+from tokenmill.workers.lora.manager import LoRAManager
 from tokenmill.workers.request_state import CachedRequest, ScheduledRequest
 
 
@@ -30,6 +31,8 @@ class StepBatch:
     sampled_requests: list[CachedRequest]
     # speculative decoding: per sampled request its draft tokens (1 + len rows each in sample_rows); None: no drafts
     drafts: list[list[int]] | None = None
+    # multi-LoRA: each row's adapter slot (-1: the base model); None when no request of the step has an adapter
+    lora_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class InputPreparer:
     backend: AttentionBackend
     decode_chunk_tokens: int | None  # keys per decode-attention chunk on the torch path (attention.py)
     sliding_windows: tuple[int, ...] = ()  # the models' distinct windows, whose attention reads prepare precomputes
+    lora: LoRAManager | None = None  # with --enable-lora: the adapters' slots, assigned here once per step
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], drafts: dict[str, list[int]]) -> StepBatch:
         """The flat batch of `scheduled`; `drafts` (request id -> draft tokens scheduled after its known tokens, this
@@ -84,7 +88,16 @@ class InputPreparer:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long).to(device),
             sampled_requests=sampled_requests,
             drafts=sampled_drafts if drafts else None,
+            lora_slots=self._lora_slots(scheduled, query_lens),
         )
+
+    def _lora_slots(self, scheduled: Sequence[ScheduledRequest], query_lens: np.ndarray) -> torch.Tensor | None:
+        """Every row's adapter slot (the adapters not in a slot are loaded now); None when no request has one."""
+        requests = [entry.request.lora_request for entry in scheduled]
+        if self.lora is None or all(request is None for request in requests):
+            return None
+        slots = np.asarray(self.lora.assign_slots(requests), dtype=np.int64)
+        return torch.from_numpy(np.repeat(slots, query_lens)).to(self.device)
 
 
 def _check_schedulable(

@@ -27,6 +27,7 @@ from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture, grap
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.kv_cache import KVCache, PagedKVCache, kv_block_bytes
+from tokenmill.workers.lora.manager import LoRAManager
 from tokenmill.workers.memory_profile import GpuMemory, kv_blocks_in_budget, worst_case_step
 from tokenmill.workers.model_facts import read_eos_token_ids, text_config, weight_bytes
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
@@ -63,6 +64,7 @@ class Worker:
         self.kv_cache: PagedKVCache | None = None  # set by allocate_kv_cache
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
         self.draft: DraftModel | None = None  # speculative decoding's draft model (workers/draft_proposer.py)
+        self.lora: LoRAManager | None = None  # with enable_lora: the adapters' slots (workers/lora/)
         self.requests = RequestStates([], self.device)  # every request held between steps
         # the step's stages, built by allocate_kv_cache (the forward chosen again once graphs are captured)
         self.forward: StepForward | None = None
@@ -92,6 +94,8 @@ class Worker:
         model.load_weights(self.checkpoint_weights())
         self.model = model.eval()
         self.weight_bytes = weight_bytes(model)
+        if self.config.lora.enable_lora:
+            self.lora = self._build_lora(model)
         if self.device.type == "cpu":
             pack_linear_weights(model)
         self.eos_token_ids = read_eos_token_ids(model_cfg.path, self.hf_config)
@@ -115,6 +119,13 @@ class Worker:
             self.device,
             time.perf_counter() - started,
         )
+
+    def _build_lora(self, model: Any) -> LoRAManager:
+        """The LoRA slot pool on the model's layers (one decoder stage, generation only)."""
+        if self.pp.size > 1 or self.config.model.task == "embed" or not isinstance(model, PagedCausalLM):
+            raise ValueError("enable_lora needs a decoder for generation without pipeline parallelism")
+        with torch.device(self.device), default_dtype(self.dtype):
+            return LoRAManager(model, self.config.lora, int(self.text_config.num_hidden_layers), self.dtype)
 
     def build_model(self) -> Any:
         """The model (a PagedCausalLM; an encoder in embedding instances) with uninitialised weights, on the current
@@ -266,6 +277,7 @@ class Worker:
             attention_backend(self.device.type),
             self.decode_chunk_tokens(),
             self._sliding_windows(),
+            self.lora,
         )
         self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
 
@@ -276,6 +288,7 @@ class Worker:
             and not model_cfg.enforce_eager
             and model_cfg.task != "embed"
             and self.pp.size == 1
+            and not self.config.lora.enable_lora  # a step's LoRA slots are not in the captured graphs' inputs
         )
 
     def capture_cuda_graphs(self) -> None:
@@ -312,7 +325,7 @@ class Worker:
             return PipelinedStageForward(
                 self.model, self.kv_cache, self.pp, self.tp, self.dtype, int(self.text_config.hidden_size)
             )
-        return SingleStageForward(self.model, self.kv_cache, self.draft, self.decode_graphs)
+        return SingleStageForward(self.model, self.kv_cache, self.draft, self.decode_graphs, self.lora)
 
     # ---------------------------------------------------------------- steps
 
