@@ -46,3 +46,22 @@ def make_peft_model(
 def save_peft_adapter(peft_model, directory: Path) -> Path:
     peft_model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def build_smollm2_shaped_checkpoint(root: Path, num_layers: int = 4, seed: int = 0):
+    """SmolLM2-135M's real config (read from the shipped GGUF: hidden 576, 9 query / 3 KV heads, MLP 1536, its
+    vocabulary) with `num_layers` layers of random weights, saved with its tokenizer; returns (path, float32 model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
+    from tests.helpers.tiny_models import randomize_
+
+    config = AutoConfig.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+    config.num_hidden_layers = num_layers
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    path = root / "smollm2-shaped"
+    model.save_pretrained(path, safe_serialization=True)
+    smollm2_tokenizer().save_pretrained(path)
+    return path, model.eval()
