@@ -18,4 +18,5 @@ mypy --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" "$@" \
   -p tokenmill.scheduler -m tokenmill.messages -m tokenmill.stats -m tokenmill.frontend.engine_protocol \
   -m tokenmill.workers.worker -m tokenmill.workers.request_state -m tokenmill.workers.step_inputs -m tokenmill.workers.step_forward -m tokenmill.workers.sample_stage -m tokenmill.workers.kv_cache \
   -m tokenmill.workers.distributed -m tokenmill.workers.memory_profile -m tokenmill.workers.model_facts -m tokenmill.workers.attention -m tokenmill.workers.cpu_backend \
-  -m tokenmill.workers.triton_backend -m tokenmill.workers.pipeline_parallel -m tokenmill.workers.process -m tokenmill.workers.rendezvous
+  -m tokenmill.workers.triton_backend -m tokenmill.workers.pipeline_parallel -m tokenmill.workers.process -m tokenmill.workers.rendezvous \
+  -m tokenmill.lora -p tokenmill.workers.lora

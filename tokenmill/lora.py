@@ -77,7 +77,7 @@ def read_peft_config(path: str | Path, max_lora_rank: int) -> PeftAdapterConfig:
     return PeftAdapterConfig(folder, rank, float(alpha), bool(raw.get("use_rslora", False)), targets)
 
 
-def _refuse_unsupported(raw: dict, folder: Path) -> None:
+def _refuse_unsupported(raw: dict[str, object], folder: Path) -> None:
     """ValueError naming the first adapter feature tokenmill would otherwise silently get wrong."""
     where = f"LoRA adapter {str(folder)!r}"
     if raw.get("peft_type", "LORA") != "LORA":

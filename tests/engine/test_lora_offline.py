@@ -72,10 +72,10 @@ def test_one_batch_of_three_adapters_and_the_base_matches_transformers_peft(smol
         assert (ours == base_result.outputs[0].token_ids) == (name is None), f"{name}: the adapter changes tokens"
 
 
-def test_a_lora_request_without_enable_lora_is_refused_in_one_sentence(tiny_checkpoints, smollm2_loras):
-    _, _, adapters = smollm2_loras
+def test_a_lora_request_without_enable_lora_is_refused_in_one_sentence(tiny_checkpoints, tmp_path):
+    adapter = LoRARequest("some-adapter", 1, str(tmp_path))
     with LLM(str(tiny_checkpoints("llama")), max_model_len=128, kv_cache_memory_bytes=8 << 20) as llm:
         with pytest.raises(ValueError, match=r"^a lora_request was given but LoRA is disabled: .*enable_lora=True$"):
-            llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False, lora_request=adapters["qv-r8"][0])
+            llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False, lora_request=adapter)
         with pytest.raises(ValueError, match="one lora_request, or one per prompt"):
             llm.generate(["Hi", "Ho"], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=[None])

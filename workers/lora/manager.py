@@ -13,19 +13,19 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from tokenmill.config import LoRAConfig
 from tokenmill.messages import LoRARequest
 from tokenmill.workers.lora.adapter import LoRAAdapter, load_adapter
 from tokenmill.workers.lora.punica import LoRAStep
 from tokenmill.workers.lora.slots import LoRALinearSlots, attach_lora_slots
+from tokenmill.workers.models.llama import PagedCausalLM
 
 BASE_SLOT = -1  # the token slot of requests on the base model
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, num_layers: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: PagedCausalLM, config: LoRAConfig, num_layers: int, dtype: torch.dtype) -> None:
         """Attach slots to `model`'s layers; call it under the model's default device and dtype."""
         self.max_loras = config.max_loras
         self.max_lora_rank = config.max_lora_rank

@@ -12,15 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from tokenmill.workers.lora.adapter import LoRAAdapter, LoRAPair
 from tokenmill.workers.lora.punica import LoRAStep, add_lora
 from tokenmill.workers.models.layers import GateUpLinear, OutputSlice, QKVLinear, RowParallelLinear
+from tokenmill.workers.models.llama import PagedCausalLM
 from tokenmill.workers.models.pipeline import MissingLayer
 
 # the PEFT projection name of each fused layer's shard ids
 _PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj", "up": "up_proj"}
+_BASE_FORWARDS = (QKVLinear.forward, GateUpLinear.forward)
 
 
 @dataclass(frozen=True)
@@ -75,27 +76,23 @@ class LoRALinearSlots:
         self.bt[slot, first_rank : first_rank + rank, out.dest_row : out.dest_row + out.rows].copy_(b.t())
 
 
-def attach_lora_slots(model: nn.Module, num_slots: int, max_rank: int, step: LoRAStep) -> list[LoRALinearSlots]:
+def attach_lora_slots(model: PagedCausalLM, num_slots: int, max_rank: int, step: LoRAStep) -> list[LoRALinearSlots]:
     """Give every LoRA-able linear layer of `model`'s decoder layers (this stage's) its slots; returns them all.
 
     Call it under the model's default device and dtype. A layer that computes its own output differently from its
     base class (Gemma's GELU gate/up) gets none: an adapter that targets it is refused at load."""
     attached = []
-    for index, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(model.get_submodule("model.layers").children()):
         if isinstance(layer, MissingLayer):
             continue
-        attention, mlp = layer.self_attn, layer.mlp
-        for module in (attention.qkv_proj, getattr(mlp, "gate_up_proj", None)):
-            if isinstance(module, (QKVLinear, GateUpLinear)) and type(module).forward in (
-                QKVLinear.forward,
-                GateUpLinear.forward,
-            ):
+        for name, module in layer.named_modules():
+            projection = name.rpartition(".")[2]
+            if isinstance(module, (QKVLinear, GateUpLinear)) and type(module).forward in _BASE_FORWARDS:
                 slices = [_column_slice(piece, module.weight.shape[1]) for piece in module.output_slices()]
                 attached.append(_attach(module, index, slices, num_slots, max_rank, step))
-        for name, module in (("o_proj", attention.o_proj), ("down_proj", getattr(mlp, "down_proj", None))):
-            if isinstance(module, RowParallelLinear):
-                out = OutputSlice(name, 0, 0, module.weight.shape[0])
-                piece = LoRASlice(name, out, module.first_input_column, module.rank_input_size)
+            elif isinstance(module, RowParallelLinear) and projection in ("o_proj", "down_proj"):
+                out = OutputSlice(projection, 0, 0, module.weight.shape[0])
+                piece = LoRASlice(projection, out, module.first_input_column, module.rank_input_size)
                 attached.append(_attach(module, index, [piece], num_slots, max_rank, step))
     return attached
 
