@@ -27,7 +27,7 @@ from tokenmill.frontend.outputs import CompletionOutput, next_delta
 from tokenmill.frontend.prompt_logprobs import vllm_prompt_logprobs
 from tokenmill.frontend.protocol import PromptLogprobs
 from tokenmill.launcher import kv_capacity_error
-from tokenmill.lora import read_peft_config
+from tokenmill.lora import check_adapter_tensors, read_peft_config
 from tokenmill.messages import (
     EngineReady,
     EngineRequest,
@@ -338,7 +338,8 @@ class LLM:
                 raise ValueError(
                     f"LoRA adapter {lora.lora_name!r}: lora_int_id must be positive, got {lora.lora_int_id}"
                 )
-            read_peft_config(lora.lora_path, self.config.lora.max_lora_rank)
+            config = read_peft_config(lora.lora_path, self.config.lora.max_lora_rank)
+            check_adapter_tensors(config, self.config.model.hidden_size)
         return loras
 
     def embed(

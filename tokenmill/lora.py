@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.messages import LoRARequest
 
-__all__ = ["LORA_TARGET_MODULES", "LoRARequest", "PeftAdapterConfig", "read_peft_config"]
+__all__ = ["LORA_TARGET_MODULES", "LoRARequest", "PeftAdapterConfig", "check_adapter_tensors", "read_peft_config"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # the projections of a decoder layer an adapter may target (PEFT's module names)
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")
+# `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (3, "q_proj", "A")
+LORA_WEIGHT_NAME = re.compile(
+    r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(LORA_TARGET_MODULES) + r")\.lora_([AB])(?:\.default)?\.weight$"
+)
+_READS_HIDDEN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # lora_A [r, hidden]; o/down: lora_B [hidden, r]
+_MAX_HEADER_BYTES = 100 << 20
 
 
 @dataclass(frozen=True)
@@ -98,3 +106,41 @@ def _refuse_unsupported(raw: dict[str, object], folder: Path) -> None:
         if module in _UNSUPPORTED_MODULES:
             supported = ", ".join(LORA_TARGET_MODULES)
             raise ValueError(f"{where}: target module {module!r} is not supported (only {supported})")
+
+
+def check_adapter_tensors(config: PeftAdapterConfig, hidden_size: int = 0) -> None:
+    """ValueError unless every tensor of the adapter's safetensors (its header only: names and shapes, no weights)
+    is a lora_A [r, in] or lora_B [out, r] of a served projection, of the config's rank, and, given the base model's
+    `hidden_size`, of its width: an adapter made for another base model is refused here, not in the worker."""
+    where = f"LoRA adapter {str(config.path)!r}"
+    shapes = _safetensors_shapes(config.weights_file)
+    for name, shape in shapes.items():
+        match = LORA_WEIGHT_NAME.search(name)
+        if match is None:
+            what = "an embedding or LM head" if ("embed" in name or "lm_head" in name) else "an unrecognised module"
+            raise ValueError(f"{where}: tensor {name!r} targets {what}, which is not supported")
+        projection, half = match.group(2), match.group(3)
+        rank_dim = 0 if half == "A" else 1
+        if len(shape) != 2 or shape[rank_dim] != config.rank:
+            raise ValueError(f"{where}: tensor {name!r} has shape {shape}, not rank r={config.rank}")
+        hidden_dim = 1 if projection in _READS_HIDDEN else 0
+        if hidden_size and (half == "A") == (projection in _READS_HIDDEN) and shape[hidden_dim] != hidden_size:
+            raise ValueError(
+                f"{where}: tensor {name!r} has shape {shape}, which does not fit the base model's hidden size "
+                f"{hidden_size} (an adapter of another base model?)"
+            )
+    if not shapes:
+        raise ValueError(f"{where} has no lora_A/lora_B weights")
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from a safetensors file's JSON header (8 bytes of little-endian length, then JSON)."""
+    try:
+        with path.open("rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > _MAX_HEADER_BYTES:
+                raise ValueError("header too large")
+            header = json.loads(file.read(length))
+        return {name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise ValueError(f"LoRA adapter weights {str(path)!r} are not a readable safetensors file: {exc}") from None

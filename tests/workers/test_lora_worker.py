@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.helpers.lora_adapters import ALL_PROJECTIONS, QV, make_peft_model, save_peft_adapter
 from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
 from tests.helpers.runner_driver import run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig
-from tokenmill.lora import read_peft_config
+from tokenmill.lora import check_adapter_tensors, read_peft_config
 from tokenmill.messages import LoRARequest
 from tokenmill.workers.lora.adapter import load_adapter
 from tokenmill.workers.worker import Worker
@@ -152,3 +153,15 @@ def test_a_folder_without_the_weights_is_refused(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
     with pytest.raises(ValueError, match="has no adapter_model.safetensors"):
         read_peft_config(tmp_path, 64)
+
+
+def test_adapter_tensors_are_checked_from_the_header_against_the_base_width(adapters, tmp_path):
+    config = read_peft_config(adapters["all64"][0].lora_path, 64)
+    check_adapter_tensors(config, hidden_size=64)  # the tiny llama's
+    with pytest.raises(ValueError, match="does not fit the base model's hidden size 576"):
+        check_adapter_tensors(config, hidden_size=576)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    name = "base_model.model.model.embed_tokens.lora_embedding_A"
+    save_file({name: torch.zeros(4, 320)}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="targets an embedding or LM head, which is not supported"):
+        check_adapter_tensors(read_peft_config(tmp_path, 64), hidden_size=64)

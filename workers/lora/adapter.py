@@ -3,19 +3,13 @@ its B [out, r] with the adapter's scale folded in, float32 on the CPU (the LRU h
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file
 
-from tokenmill.lora import LORA_TARGET_MODULES, read_peft_config
+from tokenmill.lora import LORA_WEIGHT_NAME, read_peft_config
 from tokenmill.messages import LoRARequest
-
-# `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (3, "q_proj", "A")
-_WEIGHT_NAME = re.compile(
-    r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(LORA_TARGET_MODULES) + r")\.lora_([AB])(?:\.default)?\.weight$"
-)
 
 
 @dataclass(frozen=True)
@@ -43,7 +37,7 @@ def load_adapter(request: LoRARequest, max_lora_rank: int, num_layers: int) -> L
     config = read_peft_config(request.lora_path, max_lora_rank)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in load_file(str(config.weights_file)).items():
-        match = _WEIGHT_NAME.search(name)
+        match = LORA_WEIGHT_NAME.search(name)
         if match is None:
             what = "an embedding or LM head" if ("embed" in name or "lm_head" in name) else "an unrecognised module"
             raise ValueError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} targets {what}, not supported")
