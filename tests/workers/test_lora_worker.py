@@ -15,9 +15,10 @@ from safetensors.torch import save_file
 from tests.helpers.lora_adapters import ALL_PROJECTIONS, QV, make_peft_model, save_peft_adapter
 from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
 from tests.helpers.runner_driver import run_greedy
-from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig
+from tests.helpers.spec_decode_runs import generate
+from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from tokenmill.lora import check_adapter_tensors, read_peft_config
-from tokenmill.messages import LoRARequest
+from tokenmill.messages import EngineRequest, LoRARequest, SamplingParams
 from tokenmill.workers.lora.adapter import load_adapter
 from tokenmill.workers.worker import Worker
 
@@ -49,11 +50,13 @@ def adapters(tiny_checkpoint, tmp_path_factory):
     return made
 
 
-def _worker(path, max_loras: int, max_lora_rank: int = 64, max_cpu_loras: int | None = None) -> Worker:
+def _worker(
+    path, max_loras: int, max_lora_rank: int = 64, max_cpu_loras: int | None = None, block_size: int = 4
+) -> Worker:
     lora = LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     config = EngineConfig(
         model=ModelConfig(path=str(path)),
-        cache=CacheConfig(block_size=4, num_kv_blocks=NUM_BLOCKS),
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=NUM_BLOCKS),
         parallel=ParallelConfig(device="cpu"),
         lora=lora,
     )
@@ -165,3 +168,25 @@ def test_adapter_tensors_are_checked_from_the_header_against_the_base_width(adap
     save_file({name: torch.zeros(4, 320)}, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="targets an embedding or LM head, which is not supported"):
         check_adapter_tensors(read_peft_config(tmp_path, 64), hidden_size=64)
+
+
+def test_ngram_speculation_verifies_with_the_adapters(tiny_checkpoint, adapters):
+    """Drafts are verified by the target with each request's adapter: outputs with speculation equal those without,
+    which equal transformers + PEFT."""
+    path, _ = tiny_checkpoint("llama")
+    worker = _worker(path, max_loras=3, block_size=16)  # the block size of the helper's scheduler
+    names = ["all8", "base", "qv8"]
+    # prompts holding a third of the vocabulary: the tokens the model samples are often in them, so n-grams match
+    prompts = [(torch.randperm(317, generator=torch.Generator().manual_seed(i))[:100] + 3).tolist() for i in (0, 1, 2)]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    requests = [
+        (0, EngineRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=greedy, lora_request=adapters[name][0]))
+        for i, (name, ids) in enumerate(zip(names, prompts, strict=True))
+    ]
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    plain, _ = generate(worker, SpeculativeConfig(), requests, num_blocks=NUM_BLOCKS, budget=64, tag="plain")
+    spec, scheduler = generate(worker, ngram, requests, num_blocks=NUM_BLOCKS, budget=64, tag="spec")
+    assert scheduler.stats().spec_num_draft_tokens > 0  # drafts were verified
+    assert spec == plain
+    for i, (name, ids) in enumerate(zip(names, prompts, strict=True)):
+        assert_greedy_match(plain[f"r{i}"], hf_greedy_reference(adapters[name][1], ids, NEW_TOKENS))
