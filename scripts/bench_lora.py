@@ -103,9 +103,10 @@ def run_end_to_end(args: argparse.Namespace) -> dict:
 
 
 def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: int) -> dict[str, float]:
-    """Best-of milliseconds of each CPU path (and of the base matmul they ride on) for `tokens` rows spread evenly
-    over the slots, the paths interleaved."""
-    from tokenmill.workers.lora.punica import LoRAStep, add_lora_gathered, add_lora_masked
+    """Best-of milliseconds of each CPU path (and of the base layer's packed matmul they ride on) for `tokens` rows
+    spread evenly over the slots, the paths interleaved."""
+    from tokenmill.workers.lora.punica import LoRAStep, add_lora_gathered, add_lora_masked, add_lora_packed
+    from tokenmill.workers.models.packed_linear import linear, packed
 
     slots, _, in_features = a.shape
     weight = torch.randn(bt.shape[2], in_features) * 0.02
@@ -115,10 +116,14 @@ def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: in
     step.set(token_slots, torch.float32)
     one_hot = step.one_hot
     assert one_hot is not None
+    flat = slots * a.shape[1]
+    a_packed, b_packed = packed(a.view(flat, -1)), packed(bt.view(flat, -1).t().contiguous())
+    weight_packed = packed(weight)
     paths = {
+        "packed": lambda: add_lora_packed(x, out, a_packed, b_packed, step),
         "masked": lambda: add_lora_masked(x, out, a, bt, one_hot),
         "gathered": lambda: add_lora_gathered(x, out, a, bt, token_slots),
-        "base_matmul": lambda: torch.mm(x, weight.t()),
+        "base_matmul_packed": lambda: linear(x, weight_packed),
     }
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(repeats):
@@ -134,7 +139,8 @@ def run_kernels(args: argparse.Namespace) -> dict:
     slots, ranks = args.num_adapters, 3 * args.rank
     a, bt = torch.randn(slots, ranks, 576) * 0.02, torch.randn(slots, ranks, 960) * 0.02
     timings = {f"{tokens}_tokens_ms": time_layer_paths(tokens, a, bt, args.repeats * 10) for tokens in (32, 512)}
-    return {"layer": "576 -> 960 (qkv), 4 slots", "rank": args.rank, **timings, "load_average": os.getloadavg()}
+    layer = f"576 -> 960 (qkv), {slots} slots, {torch.get_num_threads()} threads"
+    return {"layer": layer, "rank": args.rank, **timings, "load_average": os.getloadavg()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -147,7 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
     parser.add_argument("--kernels", action="store_true", help="time the CPU LoRA paths on one layer instead")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for --kernels (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with torch.inference_mode():
         result = run_kernels(args) if args.kernels else run_end_to_end(args)
     print(json.dumps(result, indent=2))

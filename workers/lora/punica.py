@@ -7,10 +7,11 @@ base model), and the update is out[t] += (x[t] @ a[slot].T) @ bt[slot].
 
 On CPU the slots run as one dense pair of matmuls: x against all S adapters' A at once (`[T, S * R]`), the columns of
 the adapters a token does not use zeroed by a one-hot mask, then against all S adapters' B. That costs S times the
-FLOPs of one adapter, but with S * R well under the hidden size it is two small GEMMs per layer instead of a gather
-of per-token weights (a gather-bmm) or a Python loop over the step's adapters (segments), both measured slower at
-decode sizes (scripts/bench_lora.py --kernels). On CUDA the Triton kernels of `kernels/lora_sgmv.py` read only each
-token's own slot.
+FLOPs of one adapter, but with S * R well under the hidden size it is two small GEMMs per layer, and no gather of
+per-token weights (a gather-bmm: 11x slower at 32 tokens on a qkv-sized layer, `scripts/bench_lora.py --kernels`) nor a
+Python loop over the step's adapters. Where oneDNN packs the layer's dtype the two GEMMs run on packed slot weights
+(`add_lora_packed`, ~1.7x faster than `add_lora_masked` at 32 tokens, one thread). On CUDA the Triton kernels of
+`kernels/lora_sgmv.py` read only each token's own slot.
 """
 
 from __future__ import annotations
