@@ -34,6 +34,7 @@ def test_the_wheel_holds_only_the_tokenmill_package(wheel):
     for subpackage in GENERIC_NAMES:
         assert f"tokenmill/{subpackage}/__init__.py" in names
     assert "tokenmill/workers/models/llama.py" in names
+    assert "tokenmill/workers/lora/manager.py" in names  # a subpackage pyproject must list
     assert "tokenmill/frontend/tool_parsers/hermes.py" in names
     assert "tokenmill/kernels/cpu_ops.cpp" in names  # compiled on first use, so it must ship
     assert "tokenmill/frontend/static/dashboard.html" in names  # the page /dashboard serves

@@ -7,7 +7,7 @@ from tokenmill._source_tree import install_if_source_checkout as _install_if_sou
 _install_if_source_checkout(_Path(__file__).resolve().parent)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -16,7 +16,7 @@ def __getattr__(name: str):
         from tokenmill.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "StructuredOutputsParams"):
+    if name in ("SamplingParams", "StructuredOutputsParams", "LoRARequest"):
         import tokenmill.messages
 
         return getattr(tokenmill.messages, name)

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenmill.data_parallel import DataParallelEngines, EngineSockets
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.frontend.logprobs import TokenTexts
@@ -27,9 +27,11 @@ from tokenmill.frontend.outputs import CompletionOutput, next_delta
 from tokenmill.frontend.prompt_logprobs import vllm_prompt_logprobs
 from tokenmill.frontend.protocol import PromptLogprobs
 from tokenmill.launcher import kv_capacity_error
+from tokenmill.lora import check_adapter_tensors, read_peft_config
 from tokenmill.messages import (
     EngineReady,
     EngineRequest,
+    LoRARequest,
     RequestOutput,
     SamplingParams,
     SchedulerStats,
@@ -141,7 +143,13 @@ class EngineStats:
 
 def _engine_config(model: str, kwargs: dict) -> EngineConfig:
     """Spread vLLM-style keyword arguments (dtype=..., max_model_len=..., block_size=...) over the config sections."""
-    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    sections = {
+        "model": ModelConfig,
+        "cache": CacheConfig,
+        "scheduler": SchedulerConfig,
+        "parallel": ParallelConfig,
+        "lora": LoRAConfig,  # enable_lora=True, max_loras=..., max_lora_rank=..., max_cpu_loras=...
+    }
     values: dict[str, dict] = {name: {} for name in sections}
     kwargs = dict(kwargs)
     speculative = parse_speculative_config(kwargs.pop("speculative_config", None))
@@ -251,9 +259,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (text, or token ids); results come back in prompt order. Any number of prompts:
-        they are fed to the engine as earlier ones finish."""
+        they are fed to the engine as earlier ones finish. `lora_request`: the LoRA adapter of every prompt, or one
+        per prompt (None: the base model), with LLM(..., enable_lora=True)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:
@@ -263,6 +273,7 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = self._lora_requests(lora_request, len(prompts))
         results: list[GenerationResult] = []
 
         def requests_of(i: int, prompt, params: SamplingParams) -> list[tuple[EngineRequest, tuple]]:
@@ -278,6 +289,7 @@ class LLM:
                 sampling=params,
                 arrival_time=time.time(),
                 priority=priority[i] if priority else 0,
+                lora_request=loras[i],
             )
             requests = []
             for index, request in enumerate(choice_requests(group)):  # sent one by one, to fill the window evenly
@@ -312,6 +324,26 @@ class LLM:
         return results
 
     # ------------------------------------------------------------------ embeddings
+
+    def _lora_requests(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each folder checked here (ValueError) before the engine reads it."""
+        if lora_request is None:
+            return [None] * num_prompts
+        loras = [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != num_prompts:
+            raise ValueError(f"give one lora_request, or one per prompt ({num_prompts}), not {len(loras)}")
+        if any(lora is not None for lora in loras) and not self.config.lora.enable_lora:
+            raise ValueError("a lora_request was given but LoRA is disabled: create the LLM with enable_lora=True")
+        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
+            if lora.lora_int_id <= 0:
+                raise ValueError(
+                    f"LoRA adapter {lora.lora_name!r}: lora_int_id must be positive, got {lora.lora_int_id}"
+                )
+            config = read_peft_config(lora.lora_path, self.config.lora.max_lora_rank)
+            check_adapter_tensors(config, self.config.model.hidden_size)
+        return loras
 
     def embed(
         self,

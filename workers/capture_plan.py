@@ -79,4 +79,6 @@ def _why_no_graphs(config: EngineConfig, device_type: str, pp_size: int) -> str 
         return "a pooling model (embedding, scoring)"
     if pp_size > 1:
         return "pipeline parallelism: stages exchange hidden states between micro-batches"
+    if config.lora.enable_lora:
+        return "--enable-lora: a step's adapter slots are not among the captured graphs' inputs"
     return None

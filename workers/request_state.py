@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from tokenmill.messages import NewRequestData, StepPlan
+from tokenmill.messages import LoRARequest, NewRequestData, StepPlan
 from tokenmill.workers.prompt_logprobs import PromptLogprobsState, prompt_logprobs_state
 from tokenmill.workers.sampler import RequestSamplingState
 
@@ -30,6 +30,7 @@ class CachedRequest:
     task: str
     sampling: RequestSamplingState | None  # None for embedding requests
     prompt_logprobs: PromptLogprobsState | None = None  # while its prompt logprobs are being computed
+    lora_request: LoRARequest | None = None  # its LoRA adapter; None: the base model
 
 
 class ScheduledRequest(NamedTuple):
@@ -76,6 +77,7 @@ class RequestStates:
             sampling = RequestSamplingState(new.sampling, prompt, self.eos_token_ids, self.device)
             sampling.output_token_ids.extend(new.token_ids[new.num_prompt_tokens :])  # resumed after preemption
         request = CachedRequest(new.request_id, list(new.token_ids), list(new.block_ids), new.task, sampling)
+        request.lora_request = new.lora_request
         request.prompt_logprobs = prompt_logprobs_state(new)
         self.requests[new.request_id] = request
         return request

@@ -15,6 +15,7 @@ import torch
 from tokenmill.workers.cuda_graphs import DecodeGraphs
 from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.kv_cache import PagedKVCache
+from tokenmill.workers.lora.manager import LoRAManager
 from tokenmill.workers.models.layers import TensorParallel
 from tokenmill.workers.models.pipeline import PipelineStage
 from tokenmill.workers.pipeline_parallel import pipelined_forward
@@ -32,7 +33,7 @@ class StepForward(Protocol):
 
 class SingleStageForward:
     """The whole model on this rank: a captured decode graph when one fits the batch, else eagerly; a draft model
-    then fills its KV for the same tokens."""
+    then fills its KV for the same tokens (the draft ignores LoRA adapters: only the target's layers have slots)."""
 
     def __init__(
         self,
@@ -40,16 +41,20 @@ class SingleStageForward:
         kv_cache: PagedKVCache,
         draft: DraftModel | None,
         graphs: DecodeGraphs | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.draft = draft
         self.graphs = graphs
+        self.lora = lora
 
     def __call__(
         self, scheduled: Sequence[ScheduledRequest], prepare: PrepareInputs
     ) -> tuple[StepBatch, torch.Tensor | None]:
         batch = prepare(scheduled)
+        if self.lora is not None:
+            self.lora.begin_step(batch.lora_slots)
         if self.graphs is not None and self.graphs.can_run(batch.attn):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
         else:

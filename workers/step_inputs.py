@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.workers.attention import AttentionBackend, AttentionMetadata, build_attention_metadata, token_positions
 from tokenmill.workers.grammar_mask import StagedBitmask, stage_bitmask
+from tokenmill.workers.lora.manager import LoRAManager
 from tokenmill.workers.request_state import CachedRequest, ScheduledRequest
 from tokenmill.workers.sampler import SamplingInputs, sampling_inputs
 from tokenmill.workers.staging import StepStaging
@@ -35,6 +36,8 @@ class StepBatch:
     drafts: list[list[int]] | None = None
     sampling: SamplingInputs | None = None  # the sampled requests' parameters, staged with the rest; None: none
     grammar: StagedBitmask | None = None  # the grammar bitmask rows of the sampled requests, staged; None: none
+    # multi-LoRA: each row's adapter slot (-1: the base model); None when no request of the step has an adapter
+    lora_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class InputPreparer:
     sliding_windows: tuple[int, ...] = ()  # the models' distinct windows, whose attention reads prepare precomputes
     staging: StepStaging | None = None  # the step's one host-to-device copy; None: one copy per tensor
     vocab_size: int = 0  # the logits' width (the sampling inputs are staged when set)
+    lora: LoRAManager | None = None  # with --enable-lora: the adapters' slots, assigned here once per step
 
     def prepare(
         self,
@@ -89,6 +93,7 @@ class InputPreparer:
             sampled_requests,
             sampled_drafts if drafts else None,
             (grammar_request_ids, grammar_bitmask),
+            self._lora_slots(scheduled, query_lens),
         )
 
     def _staged_batch(
@@ -100,6 +105,7 @@ class InputPreparer:
         sampled_requests: list[CachedRequest],
         drafts: list[list[int]] | None,
         grammar: tuple[Sequence[str], bytes],
+        lora_slots: np.ndarray | None,
     ) -> StepBatch:
         """The batch's device tensors, every one packed into the staging buffer, then sent in its one flush."""
         staging = self.staging
@@ -118,6 +124,7 @@ class InputPreparer:
             sample_rows=self._to_device(sample_rows),
             sampled_requests=sampled_requests,
             drafts=drafts,
+            lora_slots=None if lora_slots is None else self._to_device(lora_slots),
         )
         if staging is not None:
             states = [request.sampling for request in sampled_requests if request.sampling is not None]
@@ -133,6 +140,14 @@ class InputPreparer:
         if self.staging is not None:
             return self.staging.upload(array, torch.int64)
         return torch.from_numpy(array).to(self.device)
+
+    def _lora_slots(self, scheduled: Sequence[ScheduledRequest], query_lens: np.ndarray) -> np.ndarray | None:
+        """Every row's adapter slot (the adapters not in a slot are loaded now); None when no request has one."""
+        requests = [entry.request.lora_request for entry in scheduled]
+        if self.lora is None or all(request is None for request in requests):
+            return None
+        slots = np.asarray(self.lora.assign_slots(requests), dtype=np.int64)
+        return np.repeat(slots, query_lens)
 
 
 def _check_schedulable(

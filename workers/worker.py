@@ -37,6 +37,7 @@ from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.kv_cache import KVCache, PagedKVCache, kv_block_bytes
+from tokenmill.workers.lora.manager import LoRAManager
 from tokenmill.workers.memory_profile import GpuMemory, ProfiledStep, kv_blocks_in_budget, worst_case_step
 from tokenmill.workers.model_facts import prompt_logprobs_row_cost, read_eos_token_ids, text_config, weight_bytes
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
@@ -79,6 +80,7 @@ class Worker:
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
         self.profiled_step: ProfiledStep | None = None  # set by the memory profile (CUDA)
         self.draft: DraftModel | None = None  # speculative decoding's draft model (workers/draft_proposer.py)
+        self.lora: LoRAManager | None = None  # with enable_lora: the adapters' slots (workers/lora/)
         self.requests = RequestStates([], self.device)  # every request held between steps
         # the step's stages, built by allocate_kv_cache (the forward chosen again once graphs are captured)
         self.forward: StepForward | None = None
@@ -112,6 +114,8 @@ class Worker:
         if self.vocab_size and model.lm_head is not None:  # a language model's last pipeline stage
             hidden_size = self.text_config.hidden_size
             self.prompt_logprobs_row_cost = prompt_logprobs_row_cost(model, self.vocab_size, hidden_size)
+        if self.config.lora.enable_lora:
+            self.lora = self._build_lora(model)
         if self.device.type == "cpu":
             pack_linear_weights(model)
         self.eos_token_ids = read_eos_token_ids(model_cfg.path, self.hf_config)
@@ -135,6 +139,13 @@ class Worker:
             self.device,
             time.perf_counter() - started,
         )
+
+    def _build_lora(self, model: Any) -> LoRAManager:
+        """The LoRA slot pool on the model's layers (one decoder stage, generation only)."""
+        if self.pp.size > 1 or self.config.model.task == "embed" or not isinstance(model, PagedCausalLM):
+            raise ValueError("enable_lora needs a decoder for generation without pipeline parallelism")
+        with torch.device(self.device), default_dtype(self.dtype):
+            return LoRAManager(model, self.config.lora, int(self.text_config.num_hidden_layers), self.dtype)
 
     def build_model(self) -> Any:
         """The model (a PagedCausalLM; an encoder in embedding instances) with uninitialised weights, on the current
@@ -298,6 +309,7 @@ class Worker:
             self._sliding_windows(),
             self.staging,
             self.vocab_size,
+            self.lora,
         )
         self.sampler = SampleStage(self.model.compute_logits, self.rank, self.tp, self.device, self.draft)
 
@@ -435,7 +447,7 @@ class Worker:
             return PipelinedStageForward(
                 self.model, self.kv_cache, self.pp, self.tp, self.dtype, int(self.text_config.hidden_size)
             )
-        return SingleStageForward(self.model, self.kv_cache, self.draft, self.decode_graphs)
+        return SingleStageForward(self.model, self.kv_cache, self.draft, self.decode_graphs, self.lora)
 
     # ---------------------------------------------------------------- steps
 

@@ -36,14 +36,17 @@ def hf_greedy_reference(model, prompt_ids: Sequence[int], max_new_tokens: int) -
     return reference
 
 
-def assert_greedy_match(ours: Sequence[int], reference: Sequence[tuple[int, float]]) -> int:
-    """Assert `ours` equals the reference token by token up to its first near tie; returns how many were compared.
+def assert_greedy_match(
+    ours: Sequence[int], reference: Sequence[tuple[int, float]], near_tie: float = NEAR_TIE_MARGIN
+) -> int:
+    """Assert `ours` equals the reference token by token up to its first near tie (top-2 logits within `near_tie`);
+    returns how many were compared.
 
     `ours` may run longer than the reference (which stops at EOS). It may end one token short of the reference only
     when that token is the reference's last, i.e. the EOS it stopped on (an engine may not list the stop token).
     """
     for step, (token, margin) in enumerate(reference):
-        if margin < NEAR_TIE_MARGIN:
+        if margin < near_tie:
             return step
         if step == len(ours) and step == len(reference) - 1:
             return step

@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.messages import (
+    LoRARequest,
     NewRequestData,
     RunningRequestData,
     SamplingParams,
@@ -95,11 +96,13 @@ def run_greedy(
     arrival_steps: list[int] | None = None,
     preempt: tuple[int, int] | None = None,
     seed: int = 0,
+    lora_requests: list[LoRARequest | None] | None = None,
 ) -> list[list[int]]:
     """Greedy-generate `max_new_tokens` for every prompt; returns the outputs in prompt order.
 
     `preempt=(index, step)` drops request `index` at that step (blocks freed, worker told to forget it) and
     resends it in full, prompt plus outputs so far, the next step: recompute-style preemption.
+    `lora_requests`: each prompt's LoRA adapter (None: the base model).
     """
     rng = random.Random(seed)
     block_size = runner.block_size
@@ -107,6 +110,7 @@ def run_greedy(
     rng.shuffle(free_blocks)
     arrival_steps = arrival_steps or [0] * len(prompts)
     sequences = [_Sequence(f"req-{i}", list(p), arrival_steps[i]) for i, p in enumerate(prompts)]
+    loras = dict(zip([seq.request_id for seq in sequences], lora_requests or [None] * len(prompts), strict=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     finished_ids: list[str] = []
     step = 0
@@ -140,6 +144,7 @@ def run_greedy(
                         list(seq.block_ids),
                         seq.num_computed,
                         num_tokens,
+                        lora_request=loras[seq.request_id],
                     )
                 )
                 seq.known_by_worker = True

@@ -43,6 +43,7 @@ def generate(
                             request_id=f"{tag}-{request.request_id}",
                             prompt_token_ids=request.prompt_token_ids,
                             sampling=request.sampling,
+                            lora_request=request.lora_request,
                         )
                     )
                     is None

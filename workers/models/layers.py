@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,23 @@ from tokenmill.workers.collectives import all_reduce
 from tokenmill.workers.models import rope as _rope
 from tokenmill.workers.models.packed_linear import PackableLinear, can_pack, linear, packed
 from tokenmill.workers.quantization.base import QuantizedWeight, fuse_rows
+
+
+class LoRADelta(Protocol):
+    """A linear layer's LoRA updates (`workers/lora/slots.py`): adds every token's adapter delta to the layer's
+    output, in place, before its bias and before a row-parallel all-reduce (the deltas of the ranks' input columns
+    are partial sums like the base matmul's)."""
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
+class OutputSlice(NamedTuple):
+    """One checkpoint tensor's rows inside a fused column-parallel weight (q, k, v; gate, up) on this rank."""
+
+    shard_id: str
+    dest_row: int  # first row in this rank's fused weight
+    src_row: int  # first row taken from the full checkpoint tensor
+    rows: int
 
 
 class HeadShard(NamedTuple):
@@ -229,10 +246,16 @@ class QKVLinear(FusedRowsLoad, nn.Module):
         }
         self.weight = new_parameter(self.q_size + 2 * self.kv_size, hidden_size)
         self.bias = new_parameter(self.q_size + 2 * self.kv_size) if bias else None
+        self.lora: LoRADelta | None = None
+
+    def output_slices(self) -> list[OutputSlice]:
+        return [OutputSlice(shard, *self._shards[shard]) for shard in self.SHARDS]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (views of one matmul output)."""
         qkv = linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = x.shape[0]
         return (
@@ -257,9 +280,18 @@ class GateUpLinear(FusedRowsLoad, nn.Module):
         self._first_src_row = tp.rank * self.rank_size
         self.weight = new_parameter(2 * self.rank_size, hidden_size)
         self.bias = new_parameter(2 * self.rank_size) if bias else None
+        self.lora: LoRADelta | None = None
+
+    def output_slices(self) -> list[OutputSlice]:
+        return [
+            OutputSlice("gate", 0, self._first_src_row, self.rank_size),
+            OutputSlice("up", self.rank_size, self._first_src_row, self.rank_size),
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, gate_up)
         kernel = layer_ops(x.device.type).silu_and_mul
         if kernel is not None:
             return kernel(gate_up)
@@ -294,9 +326,13 @@ class RowParallelLinear(nn.Module):
         self.first_input_column, self.rank_input_size = input_columns
         self.weight = new_parameter(output_size, self.rank_input_size)
         self.bias = new_parameter(output_size) if bias else None
+        self.lora: LoRADelta | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight))
+        partial = linear(x, self.weight)
+        if self.lora is not None:
+            self.lora.add_to(x, partial)  # this rank's input columns: summed by the all-reduce like the base
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias  # the bias is added once, after the sum
 
     def load(self, param_name: str, full: torch.Tensor, shard_id: str | None = None) -> int:

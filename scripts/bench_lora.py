@@ -1,0 +1,167 @@
+"""Multi-LoRA throughput: a batch of 32 requests spread over 4 adapters (rank 16, every projection) against the same
+batch on the base model alone, output tokens/s of each and their ratio, measured in one run on one engine (runs
+interleaved, best of `--repeats`, so a busy machine slows both alike).
+
+    python scripts/bench_lora.py [--model PATH] [--num-requests 32 --num-adapters 4 --rank 16 --max-tokens 64]
+    python scripts/bench_lora.py --kernels   # the CPU paths of workers/lora/punica.py on one layer
+
+The adapters are random (A and B), written in PEFT's layout into a temporary folder from the model's shapes. The
+default model is the shipped SmolLM2-135M (its GGUF weights, kept quantized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+PROJECTIONS = {  # PEFT name -> (module path, input size key, output size key)
+    "q_proj": ("self_attn", "hidden", "q"),
+    "k_proj": ("self_attn", "hidden", "kv"),
+    "v_proj": ("self_attn", "hidden", "kv"),
+    "o_proj": ("self_attn", "q", "hidden"),
+    "gate_proj": ("mlp", "hidden", "inter"),
+    "up_proj": ("mlp", "hidden", "inter"),
+    "down_proj": ("mlp", "inter", "hidden"),
+}
+
+
+def write_random_adapter(folder: Path, sizes: dict[str, int], num_layers: int, rank: int, seed: int) -> None:
+    """A rank-`rank` PEFT adapter on every projection, A and B random (scale 2 = alpha / r)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(num_layers):
+        for name, (parent, size_in, size_out) in PROJECTIONS.items():
+            prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, sizes[size_in], generator=generator) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(sizes[size_out], rank, generator=generator) * 0.02
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS)}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+def model_sizes(config) -> dict[str, int]:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {
+        "hidden": config.hidden_size,
+        "q": config.num_attention_heads * head_dim,
+        "kv": config.num_key_value_heads * head_dim,
+        "inter": config.intermediate_size,
+    }
+
+
+def run_end_to_end(args: argparse.Namespace) -> dict:
+    from tokenmill import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(
+        args.model or "",
+        enable_lora=True,
+        max_loras=args.num_adapters,
+        max_lora_rank=args.rank,
+        max_num_seqs=args.num_requests,
+        max_model_len=512,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    )
+    from tokenmill.workers.model_loader import load_hf_config
+
+    hf_config = load_hf_config(llm.config.model)
+    root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    adapters = []
+    for index in range(args.num_adapters):
+        folder = root / f"adapter-{index}"
+        write_random_adapter(folder, model_sizes(hf_config), hf_config.num_hidden_layers, args.rank, seed=index)
+        adapters.append(LoRARequest(f"adapter-{index}", index + 1, str(folder)))
+    prompts = [f"Request {i}: tell me a story about the number {i}." for i in range(args.num_requests)]
+    loras = [adapters[i % len(adapters)] for i in range(args.num_requests)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False, lora_request=loras)  # warm up, adapters into their slots
+    best = {"base": 0.0, "lora": 0.0}
+    for _ in range(args.repeats):
+        for mode in best:
+            started = time.perf_counter()
+            results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if mode == "lora" else None)
+            tokens = sum(len(result.outputs[0].token_ids) for result in results)
+            best[mode] = max(best[mode], tokens / (time.perf_counter() - started))
+    llm.shutdown()
+    return {
+        "num_requests": args.num_requests,
+        "num_adapters": args.num_adapters,
+        "rank": args.rank,
+        "max_tokens": args.max_tokens,
+        "base_tokens_per_s": round(best["base"], 1),
+        "lora_tokens_per_s": round(best["lora"], 1),
+        "ratio": round(best["lora"] / best["base"], 3),
+        "load_average": os.getloadavg(),
+    }
+
+
+def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Best-of milliseconds of each CPU path (and of the base layer's packed matmul they ride on) for `tokens` rows
+    spread evenly over the slots, the paths interleaved."""
+    from tokenmill.workers.lora.punica import LoRAStep, add_lora_gathered, add_lora_masked, add_lora_packed
+    from tokenmill.workers.models.packed_linear import linear, packed
+
+    slots, _, in_features = a.shape
+    weight = torch.randn(bt.shape[2], in_features) * 0.02
+    x, out = torch.randn(tokens, in_features), torch.zeros(tokens, bt.shape[2])
+    token_slots = torch.arange(tokens) % slots
+    step = LoRAStep(slots)
+    step.set(token_slots, torch.float32)
+    one_hot = step.one_hot
+    assert one_hot is not None
+    flat = slots * a.shape[1]
+    a_packed, b_packed = packed(a.view(flat, -1)), packed(bt.view(flat, -1).t().contiguous())
+    weight_packed = packed(weight)
+    paths = {
+        "packed": lambda: add_lora_packed(x, out, a_packed, b_packed, step),
+        "masked": lambda: add_lora_masked(x, out, a, bt, one_hot),
+        "gathered": lambda: add_lora_gathered(x, out, a, bt, token_slots),
+        "base_matmul_packed": lambda: linear(x, weight_packed),
+    }
+    best = dict.fromkeys(paths, float("inf"))
+    for _ in range(repeats):
+        for name, run in paths.items():
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], (time.perf_counter() - started) * 1e3)
+    return {name: round(ms, 4) for name, ms in best.items()}
+
+
+def run_kernels(args: argparse.Namespace) -> dict:
+    """One qkv-sized layer (576 -> 960, three slices) of 4 slots: the masked dense path against a gather-bmm."""
+    slots, ranks = args.num_adapters, 3 * args.rank
+    a, bt = torch.randn(slots, ranks, 576) * 0.02, torch.randn(slots, ranks, 960) * 0.02
+    timings = {f"{tokens}_tokens_ms": time_layer_paths(tokens, a, bt, args.repeats * 10) for tokens in (32, 512)}
+    layer = f"576 -> 960 (qkv), {slots} slots, {torch.get_num_threads()} threads"
+    return {"layer": layer, "rank": args.rank, **timings, "load_average": os.getloadavg()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model path (default: the shipped SmolLM2-135M)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-adapters", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
+    parser.add_argument("--kernels", action="store_true", help="time the CPU LoRA paths on one layer instead")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for --kernels (0: torch's default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        result = run_kernels(args) if args.kernels else run_end_to_end(args)
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A linear layer's LoRA slots on the device, and attaching them to a model's q/k/v/o and gate/up/down layers.
+
+Each LoRA-able layer gets `a [S, n * R, in]` and `bt [S, n * R, out]` (S = max_loras slots, R = max_lora_rank, n the
+checkpoint tensors fused in the layer: 3 for qkv, 2 for gate/up, else 1). Slice i of a fused layer owns ranks
+[i * R, i * R + r) of A and, in B, only its own output rows, so the fused layer's update is one low-rank product
+whose B is block-diagonal. Tensor parallelism shards the pair like its base layer: a column-parallel layer keeps B's
+rows of this rank's outputs (its heads, its MLP columns), a row-parallel one A's columns of this rank's inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.workers.lora.adapter import LoRAAdapter, LoRAPair
+from tokenmill.workers.lora.punica import LoRAStep, add_lora, add_lora_packed
+from tokenmill.workers.models.layers import GateUpLinear, OutputSlice, QKVLinear, RowParallelLinear
+from tokenmill.workers.models.llama import PagedCausalLM
+from tokenmill.workers.models.packed_linear import can_pack, packed
+from tokenmill.workers.models.pipeline import MissingLayer
+
+# the PEFT projection name of each fused layer's shard ids
+_PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj", "up": "up_proj"}
+_BASE_FORWARDS = (QKVLinear.forward, GateUpLinear.forward)
+
+
+@dataclass(frozen=True)
+class LoRASlice:
+    """Where one PEFT projection's A and B land in a layer's slot buffers."""
+
+    projection: str  # PEFT's name: q_proj, ..., down_proj
+    out: OutputSlice  # its output rows (B's rows): this rank's share of the full tensor
+    in_first: int  # its input columns (A's columns): this rank's share of the full tensor
+    in_count: int
+
+
+class LoRALinearSlots:
+    """One linear layer's slot buffers; `add_to` is the layer's `LoRADelta`."""
+
+    def __init__(
+        self, layer: int, slices: list[LoRASlice], out_features: int, num_slots: int, max_rank: int, step: LoRAStep
+    ) -> None:
+        self.layer = layer
+        self.slices = slices
+        self.max_rank = max_rank
+        self.step = step
+        ranks = len(slices) * max_rank
+        in_count = slices[0].in_count
+        # on the current default device and dtype (the model's)
+        self.a = torch.zeros(num_slots, ranks, in_count)
+        self.bt = torch.zeros(num_slots, ranks, out_features)
+        # on CPU: A and B as oneDNN-packed linear weights, repacked after every adapter load
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.packed is not None:
+            add_lora_packed(x, out, self.packed[0], self.packed[1], self.step)
+        else:
+            add_lora(x, out, self.a, self.bt, self.step)
+
+    def write(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter`'s updates of this layer into `slot` (zeros where it has none)."""
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        for index, piece in enumerate(self.slices):
+            pair = adapter.pairs.get((self.layer, piece.projection))
+            if pair is not None:
+                self._write_pair(slot, index * self.max_rank, piece, pair, adapter)
+        if can_pack(self.a):
+            num_slots, ranks, _ = self.a.shape
+            b_weight = self.bt.view(num_slots * ranks, -1).t().contiguous()  # [out, S * R], a linear weight
+            self.packed = (packed(self.a.view(num_slots * ranks, -1)), packed(b_weight))
+
+    def _write_pair(self, slot: int, first_rank: int, piece: LoRASlice, pair: LoRAPair, adapter: LoRAAdapter) -> None:
+        rank = pair.a.shape[0]
+        out = piece.out
+        if pair.a.shape[1] < piece.in_first + piece.in_count or pair.b.shape[0] < out.src_row + out.rows:
+            raise ValueError(
+                f"LoRA adapter {adapter.request.lora_name!r}: layer {self.layer} {piece.projection} has lora_A "
+                f"{tuple(pair.a.shape)} and lora_B {tuple(pair.b.shape)}, which do not fit the model's projection"
+            )
+        a = pair.a.narrow(1, piece.in_first, piece.in_count)
+        b = pair.b.narrow(0, out.src_row, out.rows)
+        self.a[slot, first_rank : first_rank + rank].copy_(a)
+        self.bt[slot, first_rank : first_rank + rank, out.dest_row : out.dest_row + out.rows].copy_(b.t())
+
+
+def attach_lora_slots(model: PagedCausalLM, num_slots: int, max_rank: int, step: LoRAStep) -> list[LoRALinearSlots]:
+    """Give every LoRA-able linear layer of `model`'s decoder layers (this stage's) its slots; returns them all.
+
+    Call it under the model's default device and dtype. A layer that computes its own output differently from its
+    base class (Gemma's GELU gate/up) gets none: an adapter that targets it is refused at load."""
+    attached = []
+    for index, layer in enumerate(model.get_submodule("model.layers").children()):
+        if isinstance(layer, MissingLayer):
+            continue
+        for name, module in layer.named_modules():
+            projection = name.rpartition(".")[2]
+            if isinstance(module, (QKVLinear, GateUpLinear)) and type(module).forward in _BASE_FORWARDS:
+                slices = [_column_slice(piece, module.weight.shape[1]) for piece in module.output_slices()]
+                attached.append(_attach(module, index, slices, num_slots, max_rank, step))
+            elif isinstance(module, RowParallelLinear) and projection in ("o_proj", "down_proj"):
+                out = OutputSlice(projection, 0, 0, module.weight.shape[0])
+                piece = LoRASlice(projection, out, module.first_input_column, module.rank_input_size)
+                attached.append(_attach(module, index, [piece], num_slots, max_rank, step))
+    return attached
+
+
+def _column_slice(piece: OutputSlice, in_features: int) -> LoRASlice:
+    return LoRASlice(_PEFT_NAMES[piece.shard_id], piece, 0, in_features)
+
+
+def _attach(
+    module: QKVLinear | GateUpLinear | RowParallelLinear,
+    layer: int,
+    slices: list[LoRASlice],
+    num_slots: int,
+    max_rank: int,
+    step: LoRAStep,
+) -> LoRALinearSlots:
+    slots = LoRALinearSlots(layer, slices, module.weight.shape[0], num_slots, max_rank, step)
+    module.lora = slots
+    return slots
