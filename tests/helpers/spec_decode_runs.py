@@ -31,6 +31,7 @@ def generate(
         cache=CacheConfig(block_size=16, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget),
         speculative=speculative,
+        lora=runner.config.lora,  # the scheduler admits adapter requests only where the worker serves them
     )
     scheduler = Scheduler(config, num_blocks, runner.eos_token_ids)
     outputs: dict[str, list[int]] = {}

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.triton_runner import BLOCK_SIZE, make_runner
-from tokenmill.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tokenmill.config import EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig, replace
 from tokenmill.workers import backends, collectives, worker
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.capture_plan import plan_cuda_graphs
@@ -196,8 +196,10 @@ def test_the_plan_from_the_config():
     for plan, why in [
         (plan_cuda_graphs(plan_config(), "cpu", 1, 1), "no CUDA graphs on cpu"),
         (plan_cuda_graphs(plan_config(enforce_eager=True), "cuda", 1, 2), "--enforce-eager"),
-        (plan_cuda_graphs(plan_config(task="embed"), "cuda", 1, 1), "an embedding model"),
+        (plan_cuda_graphs(plan_config(task="embed"), "cuda", 1, 1), "a pooling model"),
+        (plan_cuda_graphs(plan_config(task="score"), "cuda", 1, 1), "a pooling model"),
         (plan_cuda_graphs(plan_config(), "cuda", 2, 1), "pipeline parallelism"),
+        (plan_cuda_graphs(replace(plan_config(), lora=LoRAConfig(enable_lora=True)), "cuda", 1, 1), "--enable-lora"),
     ]:
         assert not plan.captures and not plan.split_at_collectives
         assert why in plan.describe()
