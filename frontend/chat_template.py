@@ -27,6 +27,7 @@ the renderer does not set itself: the keys `chat_template_kwargs` may give (e.g.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import sys
 import threading
@@ -442,6 +443,9 @@ TEMPLATE_CACHE_CHARS = 4 << 20
 _TEMPLATES = TemplateCache(TEMPLATE_CACHE_CHARS)
 
 
+_GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 def compile_within(source: str, timeout_s: float) -> ChatTemplate:
     """`ChatTemplate(source)`, or RenderLimitError past `timeout_s`: compiling is linear in the source but slow (tens
     of seconds for a few MB), so a request's template is compiled under the render deadline. Every Python call made
@@ -449,7 +453,10 @@ def compile_within(source: str, timeout_s: float) -> ChatTemplate:
     deadline = time.monotonic() + timeout_s
 
     def check_deadline(frame: Any, event: str, arg: Any) -> None:
-        if time.monotonic() > deadline:
+        # never from a generator's frame: an error raised while a generator is being closed (jinja's lexer
+        # generators, collected mid-compile) is only reported as unraisable, and a trace function that raised is
+        # switched off, so the compile would run to its end unchecked; the next plain call raises instead
+        if time.monotonic() > deadline and not frame.f_code.co_flags & _GENERATOR_FLAGS:
             raise RenderLimitError(f"the chat template took longer than {timeout_s:g} s to compile")
 
     previous_trace = sys.gettrace()

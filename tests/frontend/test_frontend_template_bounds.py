@@ -10,6 +10,7 @@ import jinja2
 import pytest
 
 from tests.helpers.frontend_server import MODEL, assert_error, async_test, serving
+from tokenmill.frontend import chat_template
 from tokenmill.frontend.chat_template import (
     ChatTemplate,
     RenderLimitError,
@@ -141,3 +142,31 @@ async def test_a_template_too_slow_to_compile_is_a_400(smollm2_model, tokenizer)
         assert_error(status, body, 400, "BadRequestError", "chat_template")
         assert "compile" in body["error"]["message"] and time.monotonic() - start < 5
         await h.good_completion()
+
+
+def test_a_deadline_passed_while_a_generator_closes_still_stops_the_compile(monkeypatch):
+    """The deadline falls while a generator is being closed (as jinja's lexer generators are, mid-compile): an error
+    raised there is only reported as unraisable and switches the trace function off, so the check must wait for the
+    next plain call instead of letting the rest of the compile run unchecked."""
+    calls_after_the_deadline = []
+
+    def tokens():
+        yield 1
+        yield 2
+
+    def parse_step():
+        calls_after_the_deadline.append(1)
+
+    class SlowCompile:
+        def __init__(self, source):
+            pending = tokens()
+            next(pending)
+            time.sleep(0.05)  # past the deadline, in C: no trace event
+            del pending  # closed now: the first event after the deadline is the generator's
+            for _ in range(1000):
+                parse_step()
+
+    monkeypatch.setattr(chat_template, "ChatTemplate", SlowCompile)
+    with pytest.raises(RenderLimitError, match="compile"):
+        chat_template.compile_within("{{ x }}", timeout_s=0.01)
+    assert calls_after_the_deadline == []
