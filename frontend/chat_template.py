@@ -459,11 +459,20 @@ def compile_within(source: str, timeout_s: float) -> ChatTemplate:
         if time.monotonic() > deadline and not frame.f_code.co_flags & _GENERATOR_FLAGS:
             raise RenderLimitError(f"the chat template took longer than {timeout_s:g} s to compile")
 
-    previous_trace = sys.gettrace()
+    def rearm(frame: Any, event: str, arg: Any) -> None:
+        # Python switches a trace function off once it raised; where that error was swallowed (an `except Exception`
+        # on the way up, a generator's finalizer) the compile would go on unchecked, so the profile hook, which never
+        # raises, puts the check back: the next call raises again
+        if sys.gettrace() is None:
+            sys.settrace(check_deadline)
+
+    previous_trace, previous_profile = sys.gettrace(), sys.getprofile()
     sys.settrace(check_deadline)
+    sys.setprofile(rearm)
     try:
         template = ChatTemplate(source)
     finally:
+        sys.setprofile(previous_profile)
         sys.settrace(previous_trace)
     # the trace function's error can be swallowed (raised while jinja's lexer generators are being closed, Python
     # only reports it as unraisable), so the deadline is checked once more on the way out

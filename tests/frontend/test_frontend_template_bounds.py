@@ -170,3 +170,27 @@ def test_a_deadline_passed_while_a_generator_closes_still_stops_the_compile(monk
     with pytest.raises(RenderLimitError, match="compile"):
         chat_template.compile_within("{{ x }}", timeout_s=0.01)
     assert calls_after_the_deadline == []
+
+
+def test_a_deadline_error_swallowed_by_the_compiler_is_raised_again(monkeypatch):
+    """Code inside the compile that catches every exception swallows the deadline's error once, and Python switches
+    a trace function off after it raised: the check must come back and stop the rest of the compile."""
+    calls_after_the_swallow = []
+
+    def parse_step():
+        calls_after_the_swallow.append(1)
+
+    class SwallowingCompile:
+        def __init__(self, source):
+            time.sleep(0.05)  # past the deadline, in C: no trace event
+            try:
+                parse_step()  # the deadline's error is raised here ...
+            except Exception:
+                calls_after_the_swallow.clear()  # ... and swallowed
+            for _ in range(1000):
+                parse_step()
+
+    monkeypatch.setattr(chat_template, "ChatTemplate", SwallowingCompile)
+    with pytest.raises(RenderLimitError, match="compile"):
+        chat_template.compile_within("{{ x }}", timeout_s=0.01)
+    assert len(calls_after_the_swallow) <= 1
