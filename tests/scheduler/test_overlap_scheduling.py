@@ -15,6 +15,8 @@ from tests.helpers.sched_testing import (
     make_request,
     scheduled_tokens,
 )
+from tests.helpers.spec_decode_testing import NGRAM, PROMPT, TARGET, SpecFakeWorker
+from tests.helpers.spec_decode_testing import make_scheduler as make_spec_scheduler
 from tokenmill.config import EngineConfig
 from tokenmill.messages import EngineRequest, RequestOutput, StepPlan, StepResult
 from tokenmill.scheduler.scheduler import Scheduler
@@ -126,3 +128,17 @@ def sampled(plan: StepPlan, token: int) -> StepResult:
     """The result of a step that sampled `token` for every request it scheduled."""
     request_ids = list(scheduled_tokens(plan))
     return StepResult(plan.step_id, request_ids, [token] * len(request_ids))
+
+
+def test_speculative_decoding_plans_every_step_after_its_result():
+    sched = make_spec_scheduler(NGRAM, max_model_len=128)
+    sched.add_request(make_request("r", PROMPT, max_tokens=len(TARGET), ignore_eos=True))
+    worker = SpecFakeWorker(4, lambda request_id: TARGET)
+    first = sched.schedule()
+    assert first is not None and not sched.can_plan_ahead()
+    sched.update(first, worker.execute(first))
+    outputs = drive(sched, worker, overlap=True)
+    assert [t for out in outputs["r"] for t in out.new_token_ids] == TARGET[1:]
+    assert worker.drafts_seen, "drafts were proposed"
+    assert worker.num_appended_last_sampled == 0
+    assert sched.kv.pool.num_free_blocks == 64
