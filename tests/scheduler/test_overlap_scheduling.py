@@ -59,26 +59,34 @@ def streams(outputs: dict[str, list[RequestOutput]]) -> dict[str, tuple[list[int
     }
 
 
+def prompt(seed: int, length: int) -> list[int]:
+    """Tokens that depend on nothing but the arguments, so every scenario is the same whatever ran before it."""
+    return [1000 + 97 * seed + 5 * j for j in range(length)]
+
+
 def scenario_requests(name: str) -> tuple[EngineConfig, int, list[EngineRequest], dict[str, int]]:
     """(config, KV blocks, requests, abort after this many streamed tokens) of each scenario."""
     base = make_config(block_size=4, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256)
     if name == "chunked_prefill":
-        return base, 128, [make_request(f"r{i}", 40 + 13 * i, max_tokens=12, ignore_eos=True) for i in range(4)], {}
+        requests = [make_request(f"r{i}", prompt(i, 40 + 13 * i), max_tokens=12, ignore_eos=True) for i in range(4)]
+        return base, 128, requests, {}
     if name == "preemption":
         config = make_config(block_size=4, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
-        return config, 14, [make_request(f"r{i}", 9 + i, max_tokens=16, ignore_eos=True) for i in range(4)], {}
+        requests = [make_request(f"r{i}", prompt(i, 9 + i), max_tokens=16, ignore_eos=True) for i in range(4)]
+        return config, 14, requests, {}
     if name == "prefix_caching":
         shared = list(range(500, 524))
         return base, 64, [make_request(f"r{i}", shared + [600 + i], max_tokens=9) for i in range(5)], {}
     if name == "n_choices":
-        return base, 64, [make_request("r", 10, max_tokens=8, n=3, ignore_eos=True)], {}
+        return base, 64, [make_request("r", prompt(0, 10), max_tokens=8, n=3, ignore_eos=True)], {}
     if name == "stops":
-        requests = [make_request(f"eos{i}", 5 + i, max_tokens=30) for i in range(6)]
-        requests += [make_request(f"stop{i}", 5 + i, max_tokens=30, stop_token_ids=[7, 13]) for i in range(6)]
-        requests += [make_request(f"len{i}", 5 + i, max_tokens=1 + i, ignore_eos=True) for i in range(4)]
+        requests = [make_request(f"eos{i}", prompt(i, 5 + i), max_tokens=30) for i in range(6)]
+        stop_ids = [7, 13, 19, 23, 29]
+        requests += [make_request(f"stop{i}", prompt(10 + i, 5 + i), 30, stop_token_ids=stop_ids) for i in range(6)]
+        requests += [make_request(f"len{i}", prompt(20 + i, 5 + i), 1 + i, ignore_eos=True) for i in range(4)]
         return base, 128, requests, {}
     if name == "aborts":
-        requests = [make_request(f"r{i}", 6 + i, max_tokens=20, ignore_eos=True) for i in range(4)]
+        requests = [make_request(f"r{i}", prompt(i, 6 + i), max_tokens=20, ignore_eos=True) for i in range(4)]
         return base, 64, requests, {"r0": 1, "r2": 5}
     raise ValueError(name)
 
