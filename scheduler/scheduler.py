@@ -129,8 +129,9 @@ class Scheduler:
         # deadlines: the requests that have one, soonest first (deadline, request id); 0 turns the queue limit off
         self._deadlines: list[tuple[float, str]] = []
         self.max_queue_time = config.scheduler.max_queue_time_s
-        # overlap scheduling: one rank only (other ranks never see the sampled tokens a plan would ask them to append)
-        self.async_scheduling = config.scheduler.async_scheduling and config.parallel.world_size == 1
+        # overlap scheduling: one rank only (other ranks never see the sampled tokens a plan would ask them to append);
+        # the loop resolves None (auto) from the workers' device, a Scheduler given None plans ahead
+        self.async_scheduling = config.scheduler.async_scheduling is not False and config.parallel.world_size == 1
         self._reaching_end: dict[int, list[Request]] = {}  # step id -> its requests that sample (or embed) in it
 
     # ------------------------------------------------------------------ admission and aborts

@@ -136,10 +136,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=SchedulerConfig().async_scheduling,
+        default=None,
         help="plan the next step while the workers run this one (overlap scheduling); steps with a "
         "structured-output request or speculative decoding run synchronously; off with pipeline or tensor "
-        "parallelism",
+        "parallelism (default: on with GPU workers, off on CPU)",
     )
     s.add_argument(
         "--worker-step-timeout",
