@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from tokenmill.config import EngineConfig, replace
+from tokenmill.config import EngineConfig
 from tokenmill.messages import (
     AbortRequest,
     EngineReady,
@@ -125,7 +125,8 @@ class SchedulerLoop:
         config = self.config
         if config.scheduler.async_scheduling is None:  # auto: on GPU workers only (docs/architecture.md)
             on_gpu = first.device.startswith("cuda")
-            config = replace(config, scheduler=replace(config.scheduler, async_scheduling=on_gpu))
+            scheduler_config = msgspec.structs.replace(config.scheduler, async_scheduling=on_gpu)
+            config = msgspec.structs.replace(config, scheduler=scheduler_config)
         self.scheduler = Scheduler(
             config, num_blocks, first.eos_token_ids, grammars=grammars, sliding_window=first.sliding_window
         )
