@@ -105,7 +105,13 @@ def run_end_to_end(args: argparse.Namespace) -> dict:
 def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: int) -> dict[str, float]:
     """Best-of milliseconds of each CPU path (and of the base layer's packed matmul they ride on) for `tokens` rows
     spread evenly over the slots, the paths interleaved."""
-    from tokenmill.workers.lora.punica import LoRAStep, add_lora_gathered, add_lora_masked, add_lora_packed
+    from tokenmill.workers.lora.punica import (
+        LoRAStep,
+        add_lora_gathered,
+        add_lora_grouped,
+        add_lora_masked,
+        add_lora_packed,
+    )
     from tokenmill.workers.models.packed_linear import linear, packed
 
     slots, _, in_features = a.shape
@@ -119,7 +125,10 @@ def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: in
     flat = slots * a.shape[1]
     a_packed, b_packed = packed(a.view(flat, -1)), packed(bt.view(flat, -1).t().contiguous())
     weight_packed = packed(weight)
+    groups, bt_slices = step.groups, b_slices(bt)
+    assert groups is not None
     paths = {
+        "grouped": lambda: add_lora_grouped(x, out, a, bt_slices, groups),
         "packed": lambda: add_lora_packed(x, out, a_packed, b_packed, step),
         "masked": lambda: add_lora_masked(x, out, a, bt, one_hot),
         "gathered": lambda: add_lora_gathered(x, out, a, bt, token_slots),
@@ -132,6 +141,18 @@ def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: in
             run()
             best[name] = min(best[name], (time.perf_counter() - started) * 1e3)
     return {name: round(ms, 4) for name, ms in best.items()}
+
+
+def b_slices(bt: torch.Tensor) -> list:
+    """A qkv layer's three slices of B (576 -> q 576, k 192, v 192), each its own ranks and columns."""
+    from tokenmill.workers.lora.punica import BSlice
+
+    rank = bt.shape[1] // 3
+    columns = [(0, 576), (576, 192), (768, 192)]
+    return [
+        BSlice(bt[:, i * rank : (i + 1) * rank, first : first + count].contiguous(), i * rank, first)
+        for i, (first, count) in enumerate(columns)
+    ]
 
 
 def run_kernels(args: argparse.Namespace) -> dict:
