@@ -51,7 +51,7 @@ class LoRALinearSlots:
         self.a = torch.zeros(num_slots, ranks, in_count)
         self.bt = torch.zeros(num_slots, ranks, out_features)
         # the CPU path's B: each slice's own ranks and output columns (not the block-diagonal), rebuilt at each load
-        self.bt_slices = self._b_slices()
+        self.bt_slices = [] if self.bt.is_cuda else self._b_slices()  # CUDA reads the block-diagonal bt
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.step.groups is not None:
@@ -67,7 +67,7 @@ class LoRALinearSlots:
             pair = adapter.pairs.get((self.layer, piece.projection))
             if pair is not None:
                 self._write_pair(slot, index * self.max_rank, piece, pair, adapter)
-        self.bt_slices = self._b_slices()
+        self.bt_slices = [] if self.bt.is_cuda else self._b_slices()  # CUDA reads the block-diagonal bt
 
     def _b_slices(self) -> list[BSlice]:
         if len(self.slices) == 1:
