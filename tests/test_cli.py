@@ -46,7 +46,6 @@ def other_value(action: argparse.Action) -> list[str]:
         "--max-lora-rank": "32",
         "--max-cpu-loras": "4",
         "--hf-overrides": '{"architectures": ["Qwen3ForSequenceClassification"]}',
-        "--max-num-batched-tokens": "4096",  # default None: the task's default budget (resolve_config)
     }
     if flag in special:
         return [flag, special[flag]]
