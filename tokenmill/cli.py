@@ -9,7 +9,6 @@ import sys
 
 from tokenmill.config import (
     KV_CACHE_DTYPES,
-    POOLING_ENCODER_MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -167,13 +166,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
     s = parser.add_argument_group("scheduler")
-    s.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help=f"tokens per step (default {SchedulerConfig().max_num_batched_tokens}; "
-        f"{POOLING_ENCODER_MAX_NUM_BATCHED_TOKENS} for an encoder embedding/score/classify model)",
-    )
+    s.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens)
     s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs)
     s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"])
@@ -500,7 +493,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens or SchedulerConfig().max_num_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy,
@@ -557,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging("frontend", log_format=getattr(args, "log_format", None))
     try:
-        config = resolve_config(config_from_args(args), step_budget_given=args.max_num_batched_tokens is not None)
+        config = resolve_config(config_from_args(args))
     except ModelSourceError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 1

@@ -55,15 +55,6 @@ def is_pooling_task(task: str) -> bool:
     return task in POOLING_TASKS
 
 
-# The step budget of an encoder pooling instance (embeddings, cross-encoder scores) when --max-num-batched-tokens is
-# not given, as vLLM raises it for pooling runners (to 32768 there, on GPUs). Whole prompts, no KV cache: a bigger
-# step only costs activations, and on CPU a step of 2048 tokens (19 rerank pairs) ran the 64-pair benchmark 1.5x
-# slower than one step of all of them (docs/benchmarks.md). 8192 rather than 32768: on a few CPU cores a large
-# reranker's (bge-reranker-large) 8192-token step already takes tens of seconds, near worker_step_timeout_s.
-# Decoder embedders keep the generic default: their scratch KV cache is sized by the budget.
-POOLING_ENCODER_MAX_NUM_BATCHED_TOKENS = 8192
-
-
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 

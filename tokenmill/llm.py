@@ -174,9 +174,7 @@ class LLM:
         from tokenmill.model_source import resolve_config
 
         # one engine replica, or data_parallel_size of them behind a router (tokenmill/data_parallel.py)
-        config = _engine_config(model, engine_args)
-        step_budget_given = "max_num_batched_tokens" in engine_args
-        self.processes = DataParallelEngines(resolve_config(config, step_budget_given=step_budget_given))
+        self.processes = DataParallelEngines(resolve_config(_engine_config(model, engine_args)))
         self.config = self.processes.config
         self._ctx = zmq.Context()
         self._engines = EngineSockets(self._ctx, self.processes.configs)

