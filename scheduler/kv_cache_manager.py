@@ -113,11 +113,15 @@ class KVCacheManager:
         return [b.block_id for b in added]
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Index the request's full blocks whose KV the workers have computed, so later requests can share them."""
+        """Index the request's full blocks whose KV the workers have computed, so later requests can share them.
+
+        Under overlap scheduling that may include blocks the step in flight is writing: only later plans can read a
+        hit, and the workers run plans in order."""
         if not self.enable_prefix_caching or request.request_id not in self.req_blocks:
             return
         request_id = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        # overlap scheduling counts a token still being sampled as computed: only blocks of known tokens are indexed
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self.num_indexed_blocks[request_id]
         parent_id = self.last_indexed_id[request_id]
         if num_full <= start or parent_id is None:

@@ -1,8 +1,12 @@
 """The scheduler process: a loop that admits requests, plans a step, sends it to the workers and publishes outputs.
 
-The loop is synchronous on purpose: each step waits for rank 0's result anyway (the next plan needs the sampled
-tokens), and a blocking `zmq.Poller` keeps the per-step overhead to a few syscalls. Aborts and new requests that arrive
-while a step runs are buffered and applied before the next step is planned; pings are answered at once.
+Overlap scheduling (`--async-scheduling`; by default on with GPU workers, off on CPU): the loop plans and sends step
+N+1, then waits for step N's result, so the workers start N+1 as soon as they finish N and the scheduler's Python
+(planning, applying results, publishing outputs) runs while they compute. At most one step is in flight while the
+next is planned; a step that cannot be planned ahead (`Scheduler.can_plan_ahead`) is planned once the result is in,
+as without overlap. A blocking `zmq.Poller` keeps the per-step overhead to a few syscalls. Aborts and new requests
+that arrive while the loop waits for a result are buffered and applied before the next step is planned; pings are
+answered at once.
 
 A watchdog bounds the wait for a step's result (`--worker-step-timeout`): a worker that does not answer in time is
 treated as dead. The scheduler logs why and exits non-zero, which the launcher's supervision turns into /health 503,
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -30,6 +35,7 @@ from tokenmill.messages import (
     RequestOutput,
     Shutdown,
     StepOutputs,
+    StepPlan,
     StepResult,
     WatchSteps,
     WorkerError,
@@ -57,6 +63,14 @@ class WorkerFailed(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class InFlightStep:
+    """A plan sent to the workers whose result the loop has not applied yet."""
+
+    plan: StepPlan
+    planned_at: float  # time.perf_counter() when its planning began
+
+
 class SchedulerLoop:
     def __init__(self, config: EngineConfig, log: logging.Logger) -> None:
         self.config = config
@@ -78,6 +92,8 @@ class SchedulerLoop:
         self.step_time_since_report = 0.0
         self.model_time_since_report = 0.0
         self.num_steps = 0
+        self.in_flight: InFlightStep | None = None
+        self.last_step_end = 0.0  # time.perf_counter() when the last step's result was applied
         # the dashboard's feed: every step recorded, a StepSummary sent while a WatchSteps asks for them
         self.spec_log = SpecDecodeLogger(log) if config.speculative.method is not None else None
         self.summaries = StepSummarizer(
@@ -106,8 +122,13 @@ class SchedulerLoop:
                 lambda: grammar_tokenizer(self.config.model, first.vocab_size, first.eos_token_ids),
                 cache_bytes=self.config.scheduler.structured_outputs_cache_bytes,
             )
+        config = self.config
+        if config.scheduler.async_scheduling is None:  # auto: on GPU workers only (docs/architecture.md)
+            on_gpu = first.device.startswith("cuda")
+            scheduler_config = msgspec.structs.replace(config.scheduler, async_scheduling=on_gpu)
+            config = msgspec.structs.replace(config, scheduler=scheduler_config)
         self.scheduler = Scheduler(
-            self.config,
+            config,
             num_blocks,
             first.eos_token_ids,
             grammars=grammars,
@@ -227,28 +248,45 @@ class SchedulerLoop:
                         self.pending.append(msg)
 
     def run(self) -> None:
+        while True:
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One turn of the loop: plan the next step (ahead of the one in flight when it can), then apply the result
+        of the one in flight."""
         sched = self.scheduler
         assert sched is not None
-        while True:
-            self.drain_frontend(0 if sched.has_unfinished_requests() else IDLE_POLL_MS)
-            step_start = time.perf_counter()
-            plan = sched.schedule()
-            if plan is None:
-                self.publish(sched.take_pending_outputs())  # also keeps stats flowing while idle
-                self.summaries.maybe_publish(sched)
-                if sched.has_unfinished_requests():
-                    self.drain_frontend(10)
-                continue
+        busy = sched.has_unfinished_requests() or self.in_flight is not None
+        self.drain_frontend(0 if busy else IDLE_POLL_MS)
+        planned_at = time.perf_counter()
+        plan = sched.schedule() if self.in_flight is None or sched.can_plan_ahead() else None
+        if plan is not None:
             self.to_workers.send(encode(plan))
-            result = self.wait_for_result(plan.step_id)
-            self.num_steps += 1
-            self.publish(sched.update(plan, result))
-            self.summaries.record(plan, time.perf_counter() - step_start, sched.counter_totals()[2])
+        if self.in_flight is not None:
+            self.finish_step(self.in_flight)
+        elif plan is None:
+            self.publish(sched.take_pending_outputs())  # also keeps stats flowing while idle
             self.summaries.maybe_publish(sched)
-            # counted after publishing, so the overhead figure includes encoding and sending the outputs and summaries
-            self.steps_since_report += 1
-            self.step_time_since_report += time.perf_counter() - step_start
-            self.model_time_since_report += result.model_time_s
+            if sched.has_unfinished_requests():
+                self.drain_frontend(10)
+        self.in_flight = InFlightStep(plan, planned_at) if plan is not None else None
+
+    def finish_step(self, step: InFlightStep) -> None:
+        """Wait for the step's result, apply it, publish the outputs and count its time: from its planning, or from
+        the previous step's end when it was planned during that step (overlap)."""
+        sched = self.scheduler
+        assert sched is not None
+        result = self.wait_for_result(step.plan.step_id)
+        self.num_steps += 1
+        self.publish(sched.update(step.plan, result))
+        started = max(step.planned_at, self.last_step_end)
+        self.summaries.record(step.plan, time.perf_counter() - started, sched.counter_totals()[2])
+        self.summaries.maybe_publish(sched)
+        # counted after publishing, so the overhead figure includes encoding and sending the outputs and summaries
+        self.last_step_end = time.perf_counter()
+        self.steps_since_report += 1
+        self.step_time_since_report += self.last_step_end - started
+        self.model_time_since_report += result.model_time_s
 
     def close(self) -> None:
         try:

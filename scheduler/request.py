@@ -52,6 +52,7 @@ class Request:
         "spec",
         "deadline",
         "first_scheduled_time",
+        "num_output_placeholders",
     )
 
     def __init__(self, engine_request: EngineRequest, arrival_seq: int, enqueue_time: float, max_tokens: int) -> None:
@@ -71,6 +72,9 @@ class Request:
         self.deadline = engine_request.deadline  # time.monotonic() when it ends with what it has; 0: none
         self.first_scheduled_time = 0.0  # scheduler clock when it was first scheduled (0: not yet): its queue time
         self.num_computed_tokens = 0
+        # tokens that planned steps sample for it and whose results are not applied yet (vLLM's placeholders): under
+        # overlap scheduling the next step is planned with the in-flight one's token as a placeholder
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling; -1 until then
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -12,7 +12,14 @@ freed before its next tokens get blocks, so a long generation holds about window
 keep those table entries (no plan mentions them again); no attention path reads a block before the window.
 
 This class does no I/O; `scheduler/process.py` drives it: `add_request`/`abort_requests` as messages arrive, then
-`schedule()` -> workers -> `update()` for each step. `update()` must see a plan's result before the next `schedule()`.
+`schedule()` -> workers -> `update()` for each step.
+
+Overlap scheduling (vLLM's async scheduling): when `can_plan_ahead()`, the next `schedule()` may run before the step
+in flight's `update()` (never more than one step ahead). A request that step samples is then scheduled one more token,
+a placeholder (`Request.num_output_placeholders`): its computed tokens and blocks count it, the plan tells the worker
+to append the token it sampled (`RunningRequestData.append_last_sampled`), and `update()` appends the real token and
+checks the stop rules. A request that finished on that token leaves a wasted slot in the next step, whose token is
+dropped. A request whose next token could be its last (max_tokens, the context) waits for the result instead.
 """
 
 from __future__ import annotations
@@ -124,6 +131,10 @@ class Scheduler:
         self.max_queue_time = config.scheduler.max_queue_time_s
         # distinct LoRA adapters the running batch may hold (the workers' slots); None: LoRA is off
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
+        # overlap scheduling: one rank only (other ranks never see the sampled tokens a plan would ask them to append);
+        # the loop resolves None (auto) from the workers' device, a Scheduler given None plans ahead
+        self.async_scheduling = config.scheduler.async_scheduling is not False and config.parallel.world_size == 1
+        self._reaching_end: dict[int, list[Request]] = {}  # step id -> its requests that sample (or embed) in it
 
     # ------------------------------------------------------------------ admission and aborts
 
@@ -227,6 +238,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def can_plan_ahead(self) -> bool:
+        """Overlap scheduling: whether the next step may be planned before the result of the step in flight is
+        applied. Not with speculative decoding (n-gram drafts follow the newest tokens, a draft model's come with the
+        result), nor while the step in flight samples a structured-output request (its next bitmask follows from the
+        token): such steps run synchronously."""
+        if not self.async_scheduling or self.speculator is not None:
+            return False
+        return not any(req.grammar is not None and req.num_output_placeholders for req in self.running)
+
     # ------------------------------------------------------------------ planning a step
 
     def schedule(self) -> StepPlan | None:
@@ -247,7 +267,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.is_embedding:
                 continue
-            num_new = self._chunk(req, min(req.num_tokens - req.num_computed_tokens, budget), budget)
+            num_new = self._chunk(req, min(self._num_unscheduled_tokens(req), budget), budget)
             if num_new <= 0:
                 continue
             self._free_slid_out_blocks(req)
@@ -282,6 +302,21 @@ class Scheduler:
         if not scheduled:
             return None
         return self._build_plan(scheduled)
+
+    def _num_unscheduled_tokens(self, req: Request) -> int:
+        """A running request's tokens not scheduled yet: its known tokens past the computed ones, and under overlap
+        scheduling the token the step in flight samples for it, unless that token could be its last (max_tokens,
+        the context) or must be seen before planning (a grammar's bitmask, drafts): then it waits for the result."""
+        pending = req.num_output_placeholders
+        if pending and (
+            not self.async_scheduling
+            or req.grammar is not None
+            or self.speculator is not None
+            or req.num_output_tokens + pending >= req.max_tokens
+            or req.num_tokens + pending >= self.max_seq_len
+        ):
+            return 0
+        return req.num_tokens + pending - req.num_computed_tokens
 
     def _end_expired(self, now: float) -> None:
         """Deadlines, checked once per step (a running request's tokens of the step in flight are already out):
@@ -355,6 +390,8 @@ class Scheduler:
                 break
             if req.grammar is not None and not self._grammar_ready(req, req.grammar):
                 continue  # still compiling (or failed): the others go ahead
+            if req.num_output_placeholders:
+                continue  # preempted while the step in flight samples its token: resumed once it is known
             if not loras.admits(req):
                 continue  # its adapter would be one too many: it waits, and the adapter requests after it too
             if req.is_embedding:
@@ -493,6 +530,7 @@ class Scheduler:
         """Turn this step's token counts into worker diffs, then advance each request's computed tokens."""
         new_requests: list[NewRequestData] = []
         running: list[RunningRequestData] = []
+        reaching_end: list[Request] = []
         for request_id, num_scheduled in scheduled.items():
             req = self.requests[request_id]
             blocks = self.kv.req_blocks.get(request_id, ())
@@ -522,26 +560,27 @@ class Scheduler:
                         req.num_computed_tokens,
                         num_scheduled,
                         self._step_drafts.get(request_id, []),
+                        append_last_sampled=req.num_output_placeholders > 0,
                     )
                 )
-            req.num_tokens_on_worker = req.num_tokens
+            # a placeholder scheduled here is the token the worker appends itself: no later plan sends it
+            req.num_tokens_on_worker = req.num_tokens + req.num_output_placeholders
             req.num_blocks_on_worker = num_freed + len(blocks)
             # drafts are not computed tokens until update() knows how many were accepted
             req.num_computed_tokens += num_scheduled - len(self._step_drafts.get(request_id, ()))
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:  # samples (or embeds)
+                reaching_end.append(req)
+                req.num_output_placeholders += 0 if req.is_embedding else 1
         plan = StepPlan(self._next_step_id, new_requests, running, self._finished_on_workers)
-        self._add_grammar_bitmask(plan, scheduled)
+        self._add_grammar_bitmask(plan, reaching_end)
+        self._reaching_end[plan.step_id] = reaching_end
         self._next_step_id += 1
         self._finished_on_workers = []
         return plan
 
-    def _add_grammar_bitmask(self, plan: StepPlan, scheduled: dict[str, int]) -> None:
+    def _add_grammar_bitmask(self, plan: StepPlan, sampled: list[Request]) -> None:
         """The allowed-token bitmask of every constrained request that samples this step, one row each."""
-        constrained = [self.requests[request_id] for request_id in scheduled]
-        grammars = [
-            (r.request_id, r.grammar)
-            for r in constrained
-            if r.grammar is not None and r.grammar.active and r.num_computed_tokens == r.num_tokens
-        ]
+        grammars = [(r.request_id, r.grammar) for r in sampled if r.grammar is not None and r.grammar.active]
         if grammars and self.grammars is not None:
             bitmask = self.grammars.fill_bitmask([grammar for _, grammar in grammars])
             plan.grammar_request_ids = [request_id for request_id, _ in grammars]
@@ -550,7 +589,9 @@ class Scheduler:
     # ------------------------------------------------------------------ applying a step's result
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Append sampled tokens, check stop conditions, finish requests. Results for aborted requests are dropped."""
+        """Append sampled tokens, check stop conditions, finish requests. Results for requests that finished since the
+        plan was made (aborted, or stopped by the step before it under overlap scheduling) are dropped."""
+        awaiting = self._awaiting_results(plan.step_id)
         planned = [self.requests.get(n.request_id) for n in plan.new_requests]
         planned += [self.requests.get(r.request_id) for r in plan.running]
         planned_alive = [r for r in planned if r is not None and r.status is RequestStatus.RUNNING]
@@ -558,23 +599,16 @@ class Scheduler:
             self.kv.cache_computed_blocks(alive)  # their KV is written now: shareable
 
         outputs: list[RequestOutput] = self.take_pending_outputs()
-        answered: set[str] = set()
         logprobs = result.logprobs
         prompt_logprobs = result.prompt_logprobs or {}
         accepted = result.accepted_token_ids
         drafts = {r.request_id: r.spec_token_ids for r in plan.running if r.spec_token_ids}
         for i, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
-            req = self.requests.get(request_id)
             # only a request whose scheduled tokens reached its end samples; anything else is stale
-            if (
-                req is None
-                or req.status is not RequestStatus.RUNNING
-                or req.is_embedding
-                or req.num_computed_tokens != req.num_tokens
-                or request_id in answered
-            ):
+            req = awaiting.get(request_id)
+            if req is None or req.is_embedding:
                 continue
-            answered.add(request_id)
+            del awaiting[request_id]
             # speculative decoding: the accepted drafts then the token sampled after them; stop conditions are checked
             # after each, and the tokens after a stop are dropped
             token_ids = accepted[i] if accepted is not None else [token_id]
@@ -622,7 +656,7 @@ class Scheduler:
                 self._finish(req, finish_reason)
 
         for request_id, embedding in (result.embeddings or {}).items():
-            req = self.requests.get(request_id)
+            req = awaiting.pop(request_id, None)
             if req is None or not req.is_embedding or req.status is not RequestStatus.RUNNING:
                 continue
             outputs.append(
@@ -631,8 +665,8 @@ class Scheduler:
             self._finish(req, "stop")
 
         # a request that reached its end but got nothing back would otherwise wait forever
-        for req in planned_alive:
-            if req.status is RequestStatus.RUNNING and req.num_computed_tokens >= req.num_tokens:
+        for req in awaiting.values():
+            if req.status is RequestStatus.RUNNING:
                 outputs.append(
                     RequestOutput(
                         req.request_id,
@@ -646,6 +680,17 @@ class Scheduler:
 
         self._drop_finished_from_queues()
         return outputs
+
+    def _awaiting_results(self, step_id: int) -> dict[str, Request]:
+        """The requests that step `step_id` samples or embeds and that are still unfinished (one preempted since
+        the plan still takes its token), by id; their placeholders for that step resolved."""
+        awaiting = {}
+        for req in self._reaching_end.pop(step_id, []):
+            if not req.is_embedding:
+                req.num_output_placeholders -= 1
+            if self.requests.get(req.request_id) is req:  # not finished (an id may be reused once it is)
+                awaiting[req.request_id] = req
+        return awaiting
 
     def _stop_reason(self, req: Request, token_id: int) -> tuple[FinishReason | None, int | None, int | None]:
         """(finish reason, the token that stopped it, stop_reason) after `token_id` was appended: EOS, then stop

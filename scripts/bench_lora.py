@@ -3,7 +3,7 @@ batch on the base model alone, output tokens/s of each and their ratio, measured
 interleaved, best of `--repeats`, so a busy machine slows both alike).
 
     python scripts/bench_lora.py [--model PATH] [--num-requests 32 --num-adapters 4 --rank 16 --max-tokens 64]
-    python scripts/bench_lora.py --kernels   # the CPU paths of workers/lora/punica.py on one layer
+    python scripts/bench_lora.py --kernels   # the CPU paths of workers/lora/punica.py on each LoRA layer
 
 The adapters are random (A and B), written in PEFT's layout into a temporary folder from the model's shapes. The
 default model is the shipped SmolLM2-135M (its GGUF weights, kept quantized).
@@ -102,10 +102,18 @@ def run_end_to_end(args: argparse.Namespace) -> dict:
     }
 
 
-def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: int) -> dict[str, float]:
+def time_layer_paths(
+    tokens: int, a: torch.Tensor, bt: torch.Tensor, widths: list[int], repeats: int
+) -> dict[str, float]:
     """Best-of milliseconds of each CPU path (and of the base layer's packed matmul they ride on) for `tokens` rows
     spread evenly over the slots, the paths interleaved."""
-    from tokenmill.workers.lora.punica import LoRAStep, add_lora_gathered, add_lora_masked, add_lora_packed
+    from tokenmill.workers.lora.punica import (
+        LoRAStep,
+        add_lora_gathered,
+        add_lora_grouped,
+        add_lora_masked,
+        add_lora_packed,
+    )
     from tokenmill.workers.models.packed_linear import linear, packed
 
     slots, _, in_features = a.shape
@@ -119,7 +127,10 @@ def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: in
     flat = slots * a.shape[1]
     a_packed, b_packed = packed(a.view(flat, -1)), packed(bt.view(flat, -1).t().contiguous())
     weight_packed = packed(weight)
+    groups, bt_slices = step.groups, b_slices(bt, widths)
+    assert groups is not None
     paths = {
+        "grouped": lambda: add_lora_grouped(x, out, a, bt_slices, groups),
         "packed": lambda: add_lora_packed(x, out, a_packed, b_packed, step),
         "masked": lambda: add_lora_masked(x, out, a, bt, one_hot),
         "gathered": lambda: add_lora_gathered(x, out, a, bt, token_slots),
@@ -134,13 +145,33 @@ def time_layer_paths(tokens: int, a: torch.Tensor, bt: torch.Tensor, repeats: in
     return {name: round(ms, 4) for name, ms in best.items()}
 
 
+# SmolLM2-135M's LoRA layers: input size and each fused slice's output columns
+LAYERS = {"qkv": (576, [576, 192, 192]), "o": (576, [576]), "gate_up": (576, [1536, 1536]), "down": (1536, [576])}
+
+
+def b_slices(bt: torch.Tensor, widths: list[int]) -> list:
+    """A fused layer's slices of B, each its own ranks and output columns (what the grouped path reads)."""
+    from tokenmill.workers.lora.punica import BSlice
+
+    rank, first, pieces = bt.shape[1] // len(widths), 0, []
+    for index, width in enumerate(widths):
+        block = bt[:, index * rank : (index + 1) * rank, first : first + width].contiguous()
+        pieces.append(BSlice(block, index * rank, first))
+        first += width
+    return pieces
+
+
 def run_kernels(args: argparse.Namespace) -> dict:
-    """One qkv-sized layer (576 -> 960, three slices) of 4 slots: the masked dense path against a gather-bmm."""
-    slots, ranks = args.num_adapters, 3 * args.rank
-    a, bt = torch.randn(slots, ranks, 576) * 0.02, torch.randn(slots, ranks, 960) * 0.02
-    timings = {f"{tokens}_tokens_ms": time_layer_paths(tokens, a, bt, args.repeats * 10) for tokens in (32, 512)}
-    layer = f"576 -> 960 (qkv), {slots} slots, {torch.get_num_threads()} threads"
-    return {"layer": layer, "rank": args.rank, **timings, "load_average": os.getloadavg()}
+    """Each LoRA layer of SmolLM2-135M with `--num-adapters` slots: the CPU paths side by side."""
+    timings = {}
+    for name, (in_features, widths) in LAYERS.items():
+        slots, ranks = args.num_adapters, len(widths) * args.rank
+        a, bt = torch.randn(slots, ranks, in_features) * 0.02, torch.randn(slots, ranks, sum(widths)) * 0.02
+        for tokens in (32, 512):
+            paths = time_layer_paths(tokens, a, bt, widths, args.repeats * 10)
+            timings[f"{name} {in_features} -> {sum(widths)}, {tokens} tokens, ms"] = paths
+    threads = f"{args.num_adapters} slots, rank {args.rank}, {torch.get_num_threads()} threads"
+    return {"layers": threads, **timings, "load_average": os.getloadavg()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -152,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
-    parser.add_argument("--kernels", action="store_true", help="time the CPU LoRA paths on one layer instead")
+    parser.add_argument("--kernels", action="store_true", help="time the CPU LoRA paths on each layer instead")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for --kernels (0: torch's default)")
     args = parser.parse_args(argv)
     if args.threads:

@@ -184,6 +184,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "constraint's size plus an estimate of the compiled grammar)",
     )
     s.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan the next step while the workers run this one (overlap scheduling); steps with a "
+        "structured-output request or speculative decoding run synchronously; off with pipeline or tensor "
+        "parallelism (default: on with GPU workers, off on CPU)",
+    )
+    s.add_argument(
         "--worker-step-timeout",
         type=float,
         default=SchedulerConfig().worker_step_timeout_s,
@@ -502,6 +510,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_queue_time_s=args.max_queue_time_s,
             request_timeout_s=args.request_timeout_s,
             structured_outputs_cache_bytes=args.structured_outputs_cache_bytes,
+            async_scheduling=args.async_scheduling,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

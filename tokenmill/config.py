@@ -85,6 +85,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queue_time_s: float = 0.0
     request_timeout_s: float = 0.0
     structured_outputs_cache_bytes: int = 512 << 20  # compiled grammars kept (scheduler/structured_outputs.py)
+    # overlap scheduling (vLLM's --async-scheduling): plan step N+1 while the workers run step N; the worker feeds
+    # step N's sampled tokens into N+1 itself. Steps whose requests must see their token first run synchronously.
+    # None: on when the workers run on a GPU, off on CPU (there the scheduler's work takes cores from the forward)
+    async_scheduling: bool | None = None
 
 
 class WorkerSocketKeys(msgspec.Struct, frozen=True, kw_only=True):

@@ -351,6 +351,10 @@ class RunningRequestData(msgspec.Struct, array_like=True):
     # never appends them; the accepted ones come back as next step's new_token_ids). Counted in
     # num_scheduled_tokens, which is then 1 + len(spec_token_ids).
     spec_token_ids: list[int] = []
+    # overlap scheduling: the step before this one sampled a token for this request that the scheduler had not seen
+    # when it planned this step; the worker appends the token it sampled (after new_token_ids), and a later plan
+    # never sends it
+    append_last_sampled: bool = False
 
 
 class StepPlan(msgspec.Struct, tag=True, array_like=True):

@@ -468,6 +468,8 @@ class Worker:
             return step_result(plan.step_id, [], None, None, time.perf_counter() - started)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         sampled = self.sampler.run(plan, batch, hidden)
+        if sampled is not None:  # the rank that chose them: what the next plan may ask it to append (overlap)
+            self.requests.record_sampled(batch.sampled_requests, sampled.new_token_ids)
         return step_result(
             plan.step_id, batch.sampled_requests, sampled, prompt_logprobs, time.perf_counter() - started
         )

@@ -3,7 +3,8 @@
 The fake worker keeps the per-request state a real worker keeps (tokens, block table, computed tokens) and a map of
 which token each KV slot holds. It applies each plan's diffs, asserts they are consistent and that every request
 attends only to KV of its own tokens, then "samples" a token for every request whose scheduled tokens reach its end,
-exactly when a real worker would.
+exactly when a real worker would. Under overlap scheduling it appends the token it sampled last step where a plan
+says so, as a real worker does; `drive` runs steps as the scheduler process does, with or without overlap.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class FakeWorker:
         self.forgotten: list[str] = []
         self.new_requests_seen: list[NewRequestData] = []  # every request sent in full, resends included
         self.kv_content: dict[tuple[int, int], int] = {}  # (block id, slot) -> token whose KV was written there
+        self.last_sampled: dict[str, int] = {}  # request id -> the token it sampled last step
+        self.num_appended_last_sampled = 0  # plans' placeholders filled from last_sampled
 
     def apply(self, plan: StepPlan) -> dict[str, int]:
         """Apply the plan's diffs, check them, and return request id -> tokens scheduled."""
@@ -122,6 +125,9 @@ class FakeWorker:
             state = self.state[run.request_id]
             assert run.num_computed_tokens == state.num_computed_tokens, "scheduler and worker disagree on progress"
             state.token_ids.extend(run.new_token_ids)
+            if run.append_last_sampled:
+                state.token_ids.append(self.last_sampled[run.request_id])
+                self.num_appended_last_sampled += 1
             state.block_ids.extend(run.new_block_ids)
             scheduled[run.request_id] = run.num_scheduled_tokens
         for request_id, num_scheduled in scheduled.items():
@@ -161,6 +167,7 @@ class FakeWorker:
             else:
                 request_ids.append(request_id)
                 tokens.append(self.sample(request_id, state))
+        self.last_sampled = dict(zip(request_ids, tokens))
         return StepResult(plan.step_id, request_ids, tokens, embeddings=embeddings or None)
 
 
@@ -184,6 +191,40 @@ def run_to_completion(
         assert plan is not None, "unfinished requests but nothing scheduled"
         for out in step_outputs:
             outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def drive(
+    scheduler: Scheduler,
+    worker: FakeWorker,
+    *,
+    overlap: bool,
+    before_schedule: Callable[[dict[str, list[RequestOutput]]], None] | None = None,
+    max_steps: int = 1000,
+) -> dict[str, list[RequestOutput]]:
+    """Run until nothing is unfinished as the scheduler process does (`SchedulerLoop.run_once`): with `overlap`, step
+    N+1 is planned (when the scheduler can) before step N's result is applied. `before_schedule` sees the outputs
+    so far before each planning (to abort, say). Returns every request's outputs in order."""
+    outputs: dict[str, list[RequestOutput]] = {}
+    in_flight: tuple[StepPlan, StepResult] | None = None
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests() and in_flight is None:
+            return outputs
+        if before_schedule is not None:
+            before_schedule(outputs)
+        plan = None
+        if in_flight is None or (overlap and scheduler.can_plan_ahead()):
+            plan = scheduler.schedule()
+        # the worker runs plans in order, each as soon as it arrives
+        executed = (plan, worker.execute(plan)) if plan is not None else None
+        if in_flight is not None:
+            step_outputs = scheduler.update(*in_flight)
+        else:
+            step_outputs = scheduler.take_pending_outputs()
+            assert plan is not None or not scheduler.has_unfinished_requests(), "unfinished but nothing scheduled"
+        for out in step_outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+        in_flight = executed
     raise AssertionError(f"not finished after {max_steps} steps")
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from llguidance.hf import from_tokenizer
 
-from tests.helpers.sched_testing import FakeWorker, make_config, make_request, run_to_completion, step
+from tests.helpers.sched_testing import FakeWorker, drive, make_config, make_request, run_to_completion, step
 from tokenmill.messages import StepPlan, StepResult, StructuredOutputsParams
 from tokenmill.scheduler import structured_outputs
 from tokenmill.scheduler.scheduler import Scheduler
@@ -71,6 +71,7 @@ class MaskingWorker(FakeWorker):
                 tokens.append(self.script[request_id].pop(0))
             else:
                 tokens.append(UNCONSTRAINED_TOKEN)
+        self.last_sampled = dict(zip(result.request_ids, tokens))  # what overlap scheduling's placeholders become
         return StepResult(result.step_id, result.request_ids, tokens)
 
 
@@ -258,4 +259,27 @@ def test_a_grammar_past_the_engines_limits_ends_each_request_with_the_error_neve
         assert last.finish_reason == "error", (last, texts(tokenizer, outputs))
         assert "too many expressions" in last.error
         assert not compiler._cache and compiler.cached_bytes == 0
+
+
+def test_overlap_scheduling_plans_a_constrained_requests_steps_after_their_results(tokenizer, ll_tokenizer):
+    scheduler = make_scheduler(tokenizer, GrammarCompiler(lambda: ll_tokenizer))
+    scheduler.add_request(constrained("json", 8))
+    scheduler.add_request(make_request("plain", 8, max_tokens=150, ignore_eos=True))
+    worker = MaskingWorker(4, tokenizer.eos_token_id, seed=3)
+    placeholders: list[str] = []
+    json_steps: list[int] = []
+    execute = worker.execute
+
+    def execute_noting_placeholders(plan: StepPlan) -> StepResult:
+        placeholders.extend(r.request_id for r in plan.running if r.append_last_sampled)
+        json_steps.extend(plan.step_id for r in [*plan.new_requests, *plan.running] if r.request_id == "json")
+        return execute(plan)
+
+    worker.execute = execute_noting_placeholders  # type: ignore[method-assign]
+    outputs = drive(compiled(scheduler), worker, overlap=True)
+    jsonschema.validate(json.loads(texts(tokenizer, outputs)["json"]), SCHEMA)
+    assert "json" not in placeholders, "a constrained request's step was planned before its token was known"
+    assert json_steps == list(range(json_steps[0], json_steps[-1] + 1)), "its steps ran synchronously, none skipped"
+    assert "plain" in placeholders, "the plain request overlaps once the constrained one is done"
+    assert [t for o in outputs["plain"] for t in o.new_token_ids] == [UNCONSTRAINED_TOKEN] * 150
     assert scheduler.kv.usage == 0 and not scheduler.requests

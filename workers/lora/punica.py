@@ -5,20 +5,47 @@ A layer's slots hold A stacked as `a [S, R, in]` and B, transposed and scaled, a
 R ranks; a fused layer's slices stacked along R). Each step gives every token a slot (`token_slots [T]`, -1 for the
 base model), and the update is out[t] += (x[t] @ a[slot].T) @ bt[slot].
 
-On CPU the slots run as one dense pair of matmuls: x against all S adapters' A at once (`[T, S * R]`), the columns of
-the adapters a token does not use zeroed by a one-hot mask, then against all S adapters' B. That costs S times the
-FLOPs of one adapter, but with S * R well under the hidden size it is two small GEMMs per layer, and no gather of
-per-token weights (a gather-bmm: 11x slower at 32 tokens on a qkv-sized layer, `scripts/bench_lora.py --kernels`) nor a
-Python loop over the step's adapters. Where oneDNN packs the layer's dtype the two GEMMs run on packed slot weights
-(`add_lora_packed`, ~1.7x faster than `add_lora_masked` at 32 tokens, one thread). On CUDA the Triton kernels of
-`kernels/lora_sgmv.py` read only each token's own slot.
+On CPU (`add_lora_grouped`) the step's adapter tokens are grouped by slot once per step (`SlotGroups`, reused by
+every layer), each group padded to the largest, and every used slot's A and B multiply only its own tokens in one
+batched matmul: one adapter's FLOPs instead of all slots', base tokens and unused slots skipped, a fused layer's
+slices expanded into their own columns (not through the block-diagonal B). Measured against the earlier paths (kept
+here for `scripts/bench_lora.py --kernels` and as references in the tests): the dense masked pair of GEMMs over all
+slots (`add_lora_masked`, and `add_lora_packed` on oneDNN-packed weights), and a per-token gather-bmm (11x slower at
+32 tokens). Uneven groups pad toward the masked path's cost (all tokens on one slot but one: S x the rows). On CUDA
+the Triton kernels of `kernels/lora_sgmv.py` read only each token's own slot.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenmill.workers.models.packed_linear import linear
+
+
+class SlotGroups:
+    """A step's adapter tokens grouped by slot, computed once per step and reused by every LoRA layer: the slots
+    some token uses (`used`, None: all), each group padded to the largest group's `rows` so that all groups run as
+    one batched matmul. Grouped row i is token `gather[i]` (a padding row repeats some token); token t's result is
+    grouped row `scatter[t]`, kept where `lora_tokens` (None: every token has an adapter) is 1, the base's tokens 0."""
+
+    def __init__(self, token_slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> None:
+        counts = torch.bincount(token_slots + 1, minlength=num_slots + 1)[1:]
+        used = torch.nonzero(counts).flatten()
+        self.used: torch.Tensor | None = None if len(used) == num_slots else used
+        self.rows = int(counts.max())
+        tokens = torch.nonzero(token_slots >= 0).flatten()
+        tokens = tokens[torch.argsort(token_slots[tokens], stable=True)]  # by slot, then by position
+        group_of_slot = torch.zeros(num_slots, dtype=torch.int64).index_put_((used,), torch.arange(len(used)))
+        group = group_of_slot[token_slots[tokens]]
+        group_start = (torch.cumsum(counts[used], 0) - counts[used])[group]  # each token's group's first in `tokens`
+        grouped_row = group * self.rows + torch.arange(len(tokens)) - group_start
+        self.gather = torch.full((len(used) * self.rows,), int(tokens[0]), dtype=torch.int64)
+        self.gather[grouped_row] = tokens
+        self.scatter = torch.zeros(len(token_slots), dtype=torch.int64).index_put_((tokens,), grouped_row)
+        every_token = len(tokens) == len(token_slots)
+        self.lora_tokens = None if every_token else (token_slots >= 0).to(dtype)[:, None]
 
 
 class LoRAStep:
@@ -28,17 +55,19 @@ class LoRAStep:
         self.num_slots = num_slots
         self.token_slots: torch.Tensor | None = None  # [T] int64, -1: base; None: no token of the step uses LoRA
         self.one_hot: torch.Tensor | None = None  # [T, S, 1] in the activations' dtype (the CPU path's mask)
+        self.groups: SlotGroups | None = None  # the CPU path's tokens grouped by slot
 
     def set(self, token_slots: torch.Tensor | None, dtype: torch.dtype) -> None:
         """Use `token_slots` for the coming forward; None (no request of the step has an adapter) skips LoRA."""
-        if token_slots is None:
-            self.token_slots = self.one_hot = None
+        self.one_hot = self.groups = None
+        if token_slots is None or not bool((token_slots >= 0).any()):
+            self.token_slots = None
             return
         self.token_slots = token_slots
-        self.one_hot = None
         if token_slots.device.type != "cuda":
             slots = torch.arange(self.num_slots, device=token_slots.device)
             self.one_hot = (token_slots[:, None] == slots[None, :]).to(dtype)[:, :, None]
+            self.groups = SlotGroups(token_slots, self.num_slots, dtype)
 
 
 def add_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, step: LoRAStep) -> None:
@@ -77,6 +106,38 @@ def add_lora_masked(
     shrunk = torch.mm(x, a.view(num_slots * rank, in_features).t()).view(num_tokens, num_slots, rank)
     shrunk.mul_(one_hot)
     out.addmm_(shrunk.view(num_tokens, num_slots * rank), bt.view(num_slots * rank, -1))
+
+
+def add_lora_grouped(
+    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt_slices: list[BSlice], groups: SlotGroups
+) -> None:
+    """The CPU path on tokens grouped by slot: each used slot's A and B multiply only its own tokens (one batched
+    matmul over the groups), so the FLOPs are one adapter's, not all slots'. A fused layer shrinks once against its
+    slices' concatenated A (q/k/v share x) and expands each slice into its own output columns, not through a
+    block-diagonal B. The results return to token order by a gather (`scatter`): an index_add_ is 10x slower."""
+    if groups.used is not None:
+        a = a.index_select(0, groups.used)
+    grouped_x = x.index_select(0, groups.gather).view(a.shape[0], groups.rows, -1)
+    shrunk = torch.bmm(grouped_x, a.transpose(1, 2))  # [G, rows, n * R]
+    for piece in bt_slices:
+        bt = piece.bt if groups.used is None else piece.bt.index_select(0, groups.used)
+        delta = torch.bmm(shrunk[:, :, piece.first_rank : piece.first_rank + bt.shape[1]], bt)
+        delta = delta.view(-1, bt.shape[2]).index_select(0, groups.scatter)  # [T, columns], in token order
+        columns = out.narrow(1, piece.first_column, bt.shape[2])
+        if groups.lora_tokens is None:
+            columns.add_(delta)
+        else:
+            columns.addcmul_(delta, groups.lora_tokens)
+
+
+@dataclass(frozen=True)
+class BSlice:
+    """One slice of a (fused) layer's B for the grouped path: `bt [S, R, columns]` maps ranks
+    [first_rank, first_rank + R) of the shrunk activations to output columns [first_column, first_column + columns)."""
+
+    bt: torch.Tensor
+    first_rank: int
+    first_column: int
 
 
 def add_lora_gathered(

@@ -3,8 +3,9 @@
 Each LoRA-able layer gets `a [S, n * R, in]` and `bt [S, n * R, out]` (S = max_loras slots, R = max_lora_rank, n the
 checkpoint tensors fused in the layer: 3 for qkv, 2 for gate/up, else 1). Slice i of a fused layer owns ranks
 [i * R, i * R + r) of A and, in B, only its own output rows, so the fused layer's update is one low-rank product
-whose B is block-diagonal. Tensor parallelism shards the pair like its base layer: a column-parallel layer keeps B's
-rows of this rank's outputs (its heads, its MLP columns), a row-parallel one A's columns of this rank's inputs.
+whose B is block-diagonal (the CUDA path's layout; the CPU path expands each slice's own block, `bt_slices`).
+Tensor parallelism shards the pair like its base layer: a column-parallel layer keeps B's rows of this rank's
+outputs (its heads, its MLP columns), a row-parallel one A's columns of this rank's inputs.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.workers.lora.adapter import LoRAAdapter, LoRAPair
-from tokenmill.workers.lora.punica import LoRAStep, add_lora, add_lora_packed
+from tokenmill.workers.lora.punica import BSlice, LoRAStep, add_lora, add_lora_grouped
 from tokenmill.workers.models.layers import GateUpLinear, OutputSlice, QKVLinear, RowParallelLinear
 from tokenmill.workers.models.llama import PagedCausalLM
-from tokenmill.workers.models.packed_linear import can_pack, packed
 from tokenmill.workers.models.pipeline import MissingLayer
 
 # the PEFT projection name of each fused layer's shard ids
@@ -50,12 +50,12 @@ class LoRALinearSlots:
         # on the current default device and dtype (the model's)
         self.a = torch.zeros(num_slots, ranks, in_count)
         self.bt = torch.zeros(num_slots, ranks, out_features)
-        # on CPU: A and B as oneDNN-packed linear weights, repacked after every adapter load
-        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the CPU path's B: each slice's own ranks and output columns (not the block-diagonal), rebuilt at each load
+        self.bt_slices = [] if self.bt.is_cuda else self._b_slices()  # CUDA reads the block-diagonal bt
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        if self.packed is not None:
-            add_lora_packed(x, out, self.packed[0], self.packed[1], self.step)
+        if self.step.groups is not None:
+            add_lora_grouped(x, out, self.a, self.bt_slices, self.step.groups)
         else:
             add_lora(x, out, self.a, self.bt, self.step)
 
@@ -67,10 +67,17 @@ class LoRALinearSlots:
             pair = adapter.pairs.get((self.layer, piece.projection))
             if pair is not None:
                 self._write_pair(slot, index * self.max_rank, piece, pair, adapter)
-        if can_pack(self.a):
-            num_slots, ranks, _ = self.a.shape
-            b_weight = self.bt.view(num_slots * ranks, -1).t().contiguous()  # [out, S * R], a linear weight
-            self.packed = (packed(self.a.view(num_slots * ranks, -1)), packed(b_weight))
+        self.bt_slices = [] if self.bt.is_cuda else self._b_slices()  # CUDA reads the block-diagonal bt
+
+    def _b_slices(self) -> list[BSlice]:
+        if len(self.slices) == 1:
+            return [BSlice(self.bt, 0, 0)]
+        pieces = []
+        for index, piece in enumerate(self.slices):
+            ranks = self.bt[:, index * self.max_rank : (index + 1) * self.max_rank]
+            bt = ranks.narrow(2, piece.out.dest_row, piece.out.rows).contiguous()
+            pieces.append(BSlice(bt, index * self.max_rank, piece.out.dest_row))
+        return pieces
 
     def _write_pair(self, slot: int, first_rank: int, piece: LoRASlice, pair: LoRAPair, adapter: LoRAAdapter) -> None:
         rank = pair.a.shape[0]
