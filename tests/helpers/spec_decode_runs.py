@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.messages import EngineRequest, SamplingParams, StepPlan, WorkerCommand, decoder, encode
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.workers.worker import Worker
@@ -25,13 +25,14 @@ def generate(
     num_blocks: int,
     budget: int,
     tag: str,
+    lora: LoRAConfig | None = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
     """Run the requests (each added at its step) to completion; request ids get `tag` so runs never share state."""
     config = EngineConfig(
         cache=CacheConfig(block_size=16, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget),
         speculative=speculative,
-        lora=runner.config.lora,  # the scheduler admits adapter requests only where the worker serves them
+        lora=lora or LoRAConfig(),  # the scheduler admits adapter requests only where the worker serves them
     )
     scheduler = Scheduler(config, num_blocks, runner.eos_token_ids)
     outputs: dict[str, list[int]] = {}

@@ -115,6 +115,7 @@ def test_the_worker_reports_ready_only_after_warm_up(monkeypatch):
     class Worker:  # the start-up calls serve_worker makes, recorded
         weight_bytes, device, dtype, architecture, eos_token_ids, vocab_size = 0, "cpu", "float32", "x", [], 8
         kv_sliding_window = None
+        prompt_logprobs_row_cost = 0.0
 
         def load_model(self) -> None:
             events.append("load")

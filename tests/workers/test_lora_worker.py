@@ -184,8 +184,9 @@ def test_ngram_speculation_verifies_with_the_adapters(tiny_checkpoint, adapters)
         for i, (name, ids) in enumerate(zip(names, prompts, strict=True))
     ]
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
-    plain, _ = generate(worker, SpeculativeConfig(), requests, num_blocks=NUM_BLOCKS, budget=64, tag="plain")
-    spec, scheduler = generate(worker, ngram, requests, num_blocks=NUM_BLOCKS, budget=64, tag="spec")
+    lora = worker.config.lora
+    plain, _ = generate(worker, SpeculativeConfig(), requests, num_blocks=NUM_BLOCKS, budget=64, tag="plain", lora=lora)
+    spec, scheduler = generate(worker, ngram, requests, num_blocks=NUM_BLOCKS, budget=64, tag="spec", lora=lora)
     assert scheduler.stats().spec_num_draft_tokens > 0  # drafts were verified
     assert spec == plain
     for i, (name, ids) in enumerate(zip(names, prompts, strict=True)):
