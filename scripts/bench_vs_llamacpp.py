@@ -109,11 +109,12 @@ def running_server(engine: str, command: list[str], threads: int, log_path: Path
 
 
 def run_workload(url: str, gguf: Path, workload: str, folder: Path, name: str) -> dict:
-    """One bench_serving.py run; its summary."""
+    """One bench_serving.py run; its summary (failed requests are counted in it: bench_serving.py then exits 1, as
+    llama-server does drop some at concurrency 16)."""
     command = [sys.executable, str(SCRIPTS / "bench_serving.py"), "--base-url", url, "--endpoint", "/v1/completions"]
     command += ["--tokenizer", str(gguf), "--prompt-format", "ids", "--ignore-eos", "--num-warmup", "1"]
     command += [*WORKLOADS[workload], "--result-dir", str(folder), "--name", name]
-    subprocess.run(command, check=True)
+    subprocess.run(command)
     (result,) = sorted(folder.glob(f"*-{name}/results.json"))
     return json.loads(result.read_text())["runs"][0]["summary"]
 
