@@ -1,10 +1,11 @@
 """Benchmark an OpenAI-compatible server (tokenmill or any other engine) the way vLLM's benchmark_serving.py does.
 
-Requests stream (`stream: true`, `stream_options.include_usage`); the client times the first chunk carrying text
-(TTFT), the gaps between later text chunks (ITL) and the whole request (E2E), and counts tokens from the final
-`usage` chunk. TPOT is (E2E - TTFT) / (output tokens - 1) per request. Arrivals are Poisson at `--request-rate`
-(gamma-distributed with `--burstiness` != 1), capped by `--max-concurrency`; `--sweep` repeats the run at several
-concurrencies and plots throughput and latency against concurrency. Results land in
+Requests stream (`stream: true`, `stream_options.include_usage`); the client times the first token's chunk
+(TTFT; a completion's first chunk counts even when its text is empty), the gaps between later text chunks (ITL) and
+the whole request (E2E), and counts tokens from the final `usage` chunk. TPOT is (E2E - TTFT) / (output tokens - 1)
+per request. Arrivals are Poisson at `--request-rate` (gamma-distributed with `--burstiness` != 1), capped by
+`--max-concurrency`; `--sweep` repeats the run at several concurrencies and plots throughput and latency against
+concurrency. Results land in
 `bench_results/<UTC timestamp>-<name>/`: results.json, the PNG plots, and command.txt.
 
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 128 \\
@@ -117,12 +118,17 @@ async def send_request(session: aiohttp.ClientSession, target: Target, request: 
                 if "error" in chunk:
                     result.error = f"error event: {json.dumps(chunk['error'])[:300]}"
                     return result
-                if chunk_text(chunk, target.chat):
-                    now = time.perf_counter()
-                    if result.ttft_s == 0.0:
-                        result.ttft_s = now - started
-                    else:
-                        result.itl_s.append(now - last_chunk)
+                now = time.perf_counter()
+                text = chunk_text(chunk, target.chat)
+                # a completion's first chunk is its first token even when the text is empty (a token ending inside
+                # a UTF-8 character, or one a random-weight model decodes to nothing); a chat stream's first chunk
+                # may carry only the role, before any token
+                first_token = text or (not target.chat and chunk.get("choices"))
+                if result.ttft_s == 0.0 and first_token:
+                    result.ttft_s = now - started
+                    last_chunk = now
+                elif text:
+                    result.itl_s.append(now - last_chunk)
                     last_chunk = now
                 usage = chunk.get("usage")
                 if usage:

@@ -69,9 +69,10 @@ def server_command(engine: str, gguf: Path, port: int, args: argparse.Namespace,
         serve = [sys.executable, "-m", "tokenmill.cli", "serve", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
         return [*serve, "--max-num-seqs", "16", *args.tokenmill_args.split()]
     threads = str(args.threads)
-    # 16 slots of 2,048 tokens: room for every workload's prompt + output in each slot
+    # 16 slots of 2,048 tokens: room for every workload's prompt + output in each slot; an HTTP thread per slot
+    # (the default is one per core: at concurrency 16 on 2 cores llama-server dropped connections)
     llama = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
-    return [*llama, "-t", threads, "-tb", threads, "-np", "16", "-c", str(16 * 2048)]
+    return [*llama, "-t", threads, "-tb", threads, "-np", "16", "-c", str(16 * 2048), "--threads-http", "20"]
 
 
 def _answers_200(url: str) -> bool:
