@@ -32,6 +32,8 @@ SETTINGS: dict[str, dict[str, str]] = {
     "2 threads, libgomp default spin": {"OMP_NUM_THREADS": "2"},
     "2 threads, OMP_WAIT_POLICY=PASSIVE": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
     "2 threads, GOMP_SPINCOUNT=10000": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"},
+    "2 threads, GOMP_SPINCOUNT=1000": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "1000"},
+    "2 threads, GOMP_SPINCOUNT=100000": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "100000"},
 }
 BATCH_SIZES = (1, 8)
 
@@ -61,17 +63,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--context-len", type=int, default=200)
+    parser.add_argument("--settings", nargs="*", default=list(SETTINGS), help="which settings to run (default: all)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.context_len, args.steps)
         return
     print(f"load average before: {os.getloadavg()}, {os.cpu_count()} CPUs")
-    results: dict[str, dict[int, list[float]]] = {name: {b: [] for b in BATCH_SIZES} for name in SETTINGS}
+    chosen = {name: SETTINGS[name] for name in args.settings}
+    if "1 thread" not in chosen:
+        raise SystemExit('--settings must include "1 thread" (the baseline)')
+    results: dict[str, dict[int, list[float]]] = {name: {b: [] for b in BATCH_SIZES} for name in chosen}
     command = [sys.executable, str(Path(__file__)), "--child", f"--steps={args.steps}"]
     command.append(f"--context-len={args.context_len}")
     for _ in range(args.rounds):
-        for name, settings in SETTINGS.items():
+        for name, settings in chosen.items():
             env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))} | settings
             started = time.perf_counter()
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)

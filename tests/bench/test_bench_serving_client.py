@@ -41,6 +41,11 @@ class FakeServer:
                 await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
             await asyncio.sleep(FIRST_TOKEN_DELAY_S)
+            if body["max_tokens"] == 1:  # one token whose text is empty (llama-server on a random-weight model)
+                await send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+                await send({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+                await response.write(b"data: [DONE]\n\n")
+                return response
             for i in range(TOKENS):
                 if i:
                     await asyncio.sleep(TOKEN_GAP_S)
@@ -120,3 +125,9 @@ def test_chunk_text_reads_completions_and_chat_chunks():
     assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}, chat=True) == ""
     assert chunk_text({"choices": [{"delta": {"content": "yo"}}]}, chat=True) == "yo"
     assert chunk_text({"choices": [], "usage": {}}, chat=False) == ""
+
+
+def test_a_first_token_with_empty_text_still_times_the_ttft():
+    _, results, _ = asyncio.run(serve_and_run([BenchRequest([1], 1)], max_concurrency=None))
+    assert results[0].success and results[0].output_tokens == 1
+    assert FIRST_TOKEN_DELAY_S <= results[0].ttft_s < FIRST_TOKEN_DELAY_S + 1.0

@@ -76,3 +76,16 @@ def test_only_a_200_counts_as_ready() -> None:
 def test_an_unknown_model_name_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown model"):
         bench.gguf_file("mystery", tmp_path, tmp_path)
+
+
+def test_a_subset_of_workloads_leaves_the_others_out_of_the_table() -> None:
+    assert bench.parse_args(["--workloads", "batch1"]).workloads == "batch1"
+    figures = bench.figures({"batch1": _summary(10, 700, 90)})
+    assert figures["batch1_tpot_ms"] == 10 and figures["failed"] == 0
+    assert figures["conc16_tok_s"] != figures["conc16_tok_s"]  # nan: not run
+    assert figures["prefill1024_ttft_ms"] != figures["prefill1024_ttft_ms"]
+
+
+def test_llama_server_gets_an_http_thread_per_slot(tmp_path: Path) -> None:
+    llama = bench.server_command("llama.cpp", tmp_path / "m.gguf", 9001, _args(), tmp_path)
+    assert int(llama[llama.index("--threads-http") + 1]) >= int(llama[llama.index("-np") + 1])
