@@ -38,9 +38,9 @@ inline int call(const ReplayCall& c) {
                                                       f[4], f[5], f[6], f[7]);
 }
 
-inline int64_t now_ns() {
+inline int64_t now_ns(clockid_t clock) {
   timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
+  clock_gettime(clock, &t);
   return t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
@@ -56,12 +56,15 @@ int tm_replay_layout(int64_t* max_ints, int64_t* max_floats, int64_t* call_bytes
 }
 
 // Runs calls[0..n) in order and returns n, or the index of the first call that returned nonzero (the calls after it
-// are not run). With `nanos` given, nanos[k] gets call k's wall time in nanoseconds (for scripts/profile_token.py).
-int64_t tm_replay_calls(const ReplayCall* calls, int64_t n, int64_t* nanos) {
+// are not run). With `nanos` given, nanos[k] gets call k's time in nanoseconds on clock `clock_id` (a clockid_t:
+// CLOCK_MONOTONIC, or CLOCK_THREAD_CPUTIME_ID, which leaves out time spent waiting for a core; for
+// scripts/profile_token.py).
+int64_t tm_replay_calls(const ReplayCall* calls, int64_t n, int64_t* nanos, int clock_id) {
+  const clockid_t clock = static_cast<clockid_t>(clock_id);
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t started = nanos != nullptr ? now_ns() : 0;
+    const int64_t started = nanos != nullptr ? now_ns(clock) : 0;
     const int status = call(calls[k]);
-    if (nanos != nullptr) nanos[k] = now_ns() - started;
+    if (nanos != nullptr) nanos[k] = now_ns(clock) - started;
     if (status != 0) return k;
   }
   return n;

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import logging
 import platform
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.tm_replay_layout.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 3
     lib.tm_replay_layout.restype = ctypes.c_int
-    lib.tm_replay_calls.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.tm_replay_calls.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.tm_replay_calls.restype = ctypes.c_int64
     return lib
 
@@ -115,10 +116,10 @@ class NativeCalls:
             entry.floats[: len(split[1])] = split[1]
         return cls(table, [function.__name__ for function, _ in calls])
 
-    def run(self, nanos: np.ndarray | None = None) -> None:
-        """Run every call in order (with `nanos`, an int64 array of len(names), each call's wall time in ns); raises
-        RuntimeError naming the first kernel that refused its arguments."""
+    def run(self, nanos: np.ndarray | None = None, clock: int = time.CLOCK_MONOTONIC) -> None:
+        """Run every call in order (with `nanos`, an int64 array of len(names), each call's time in ns on `clock`, a
+        `time.CLOCK_*` id); raises RuntimeError naming the first kernel that refused its arguments."""
         pointer = None if nanos is None else nanos.ctypes.data
-        done = self._run(self.table, len(self.names), pointer)
+        done = self._run(self.table, len(self.names), pointer, clock)
         if done != len(self.names):
             raise RuntimeError(f"{self.names[done]} refused its recorded arguments on replay")
