@@ -1,7 +1,8 @@
 """Where one batch-1 token's wall time goes, split across the engine's processes, in ms/token and percent.
 
 Three measurements, each mode (`eager`: every kernel called from the model's Python, as before recorded steps;
-`recorded`: the decoder's kernel calls replayed, `workers/cpu_graphs.py`) alternating round by round so that both
+`recorded`: the decoder's kernel calls replayed, `workers/cpu_graphs.py`; in one native loop where the platform allows,
+which times each call itself) alternating round by round so that both
 see the same machine:
 
 1. The worker in this process (`Worker.execute` at batch 1, one request at --context-len): the step's wall time, the
@@ -44,6 +45,7 @@ MODES = ("eager", "recorded")
 # machine leaves out the time the process waited for a core (with one compute thread all the work is on this one).
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = time.thread_time
+NATIVE_CLOCKS = {time.perf_counter: time.CLOCK_MONOTONIC, time.thread_time: time.CLOCK_THREAD_CPUTIME_ID}
 
 
 @dataclass
@@ -76,8 +78,14 @@ def timed_kernels(times: KernelTimes) -> Iterator[None]:
 
         return call
 
-    def timed_replay(calls) -> None:  # the replay's own loop, timing each call
-        for function, args in calls:
+    def timed_replay(recorded: cpu_graphs.RecordedCalls) -> None:  # the replay's own loop, timing each call
+        if recorded.native is not None:  # the native loop times its calls itself, on the same clock
+            nanos = np.zeros(len(recorded.native.names), dtype=np.int64)
+            recorded.native.run(nanos, NATIVE_CLOCKS[clock])
+            for name, spent in zip(recorded.native.names, nanos.tolist(), strict=True):
+                times.add(name, spent * 1e-9)
+            return
+        for function, args in recorded.calls:
             started = clock()
             if function(*args) != 0:
                 raise RuntimeError(f"{function.__name__} refused its recorded arguments")

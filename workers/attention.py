@@ -172,10 +172,18 @@ def _decode_chunk_bounds(padded_lens: np.ndarray, max_tokens: int | None) -> lis
     return bounds
 
 
+def _one_token_each(query_lens: np.ndarray) -> bool:
+    """Whether every sequence has exactly one query token (a decode-only step; an empty step counts as one)."""
+    return bool((query_lens == 1).all())
+
+
 def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     """Positions `[T]` of a flat batch: sequence b's query i sits at seq_lens[b] - query_lens[b] + i."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    if _one_token_each(query_lens):  # decoding: each sequence's last position (the common case, cheaply)
+        last: np.ndarray = seq_lens - 1
+        return last
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     first_token = np.cumsum(query_lens) - query_lens
     positions: np.ndarray = (
@@ -224,9 +232,14 @@ def common_metadata(
     """What every backend reads: slots, block tables, query starts, lengths; with a backend's own extras."""
     query_lens, seq_lens, block_size = step.query_lens, step.seq_lens, step.block_size
     num_seqs = len(query_lens)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    decode_only = _one_token_each(query_lens)
+    if decode_only:  # token i is sequence i's one query (no cumsum, repeat or second positions pass)
+        query_start_loc = np.arange(num_seqs + 1, dtype=np.int64)
+        seq_of_token = query_start_loc[:-1]
+    else:
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     positions = token_positions(query_lens, seq_lens)
     slot_mapping = step.block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     return AttentionMetadata(
@@ -234,7 +247,7 @@ def common_metadata(
         block_tables=step.to_device(step.block_tables, torch.int32),
         query_start_loc=step.to_device(query_start_loc, torch.int32),
         seq_lens=step.to_device(seq_lens, torch.int32),
-        is_decode_only=bool((query_lens == 1).all()),
+        is_decode_only=decode_only,
         max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
         block_size=block_size,
@@ -285,6 +298,8 @@ def decode_group(step: StepShape) -> DecodeGroup | None:
 def prefill_sequences(step: StepShape, max_kernel_query_len: int) -> list[PrefillSequence]:
     """One SDPA group per sequence of more than `max_kernel_query_len` query tokens, its sliding-window reads
     precomputed for the step's windows."""
+    if not step.query_lens.size or int(step.query_lens.max()) <= max_kernel_query_len:
+        return []  # every sequence is the kernel's (a decode step): nothing to compute
     query_start_loc = np.concatenate([[0], np.cumsum(step.query_lens)])
     prefills = []
     for seq in np.flatnonzero(step.query_lens > max_kernel_query_len):

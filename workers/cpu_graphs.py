@@ -7,6 +7,8 @@ CUDA graph, `cpu_call_capture` runs the forward once over static buffers while r
 compiled kernel libraries (`kernels/cpu_ops.py`, `kernels/gguf_ops.py`) with its arguments converted to ctypes
 values, keeps every tensor the forward allocated alive (the recorded pointers point into them), and replays the
 recorded calls: the same kernels on the same memory with the same arguments, so the same bits as the eager forward.
+The replay is one native loop over the calls (`kernels/call_replay.py`) where the platform allows, so a step pays no
+per-call Python or ctypes conversion; elsewhere it is a Python loop over the ctypes calls.
 
 A forward can be recorded only when everything it computes is one of those kernel calls: a `TorchDispatchMode`
 watches the capture and refuses it (`NotCapturable`) on any torch operation other than allocations and views (a
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenmill.kernels import cpu_ops, gguf_ops
+from tokenmill.kernels import call_replay, cpu_ops, gguf_ops
 from tokenmill.workers.attention import AttentionMetadata
 from tokenmill.workers.cuda_graphs import Capture, DecodeGraphs, KVCache
 
@@ -98,9 +100,21 @@ def recording_kernel_calls(calls: list[RecordedCall]) -> Iterator[None]:
             setattr(lib, name, function)
 
 
-def replay_calls(calls: Sequence[RecordedCall]) -> None:
+class RecordedCalls:
+    """A recorded forward's kernel calls, and the same calls laid out for the native replay loop (None where the
+    platform or a call's argument types do not allow it)."""
+
+    def __init__(self, calls: list[RecordedCall]) -> None:
+        self.calls = calls
+        self.native = call_replay.NativeCalls.build(calls)
+
+
+def replay_calls(recorded: RecordedCalls) -> None:
     """Run the recorded kernel calls in order; a kernel refusing its arguments (nonzero status) raises."""
-    for function, args in calls:
+    if recorded.native is not None:
+        recorded.native.run()
+        return
+    for function, args in recorded.calls:
         if function(*args) != 0:
             raise RuntimeError(f"{function.__name__} refused its recorded arguments on replay")
 
@@ -122,13 +136,14 @@ def cpu_call_capture() -> Capture:
         if not calls:
             raise NotCapturable("the forward called no compiled kernel")
         expected = output.clone()
-        replay_calls(calls)
+        recorded = RecordedCalls(calls)
+        replay_calls(recorded)
         if not _same_bits(output, expected):
             raise NotCapturable("replaying the recorded kernel calls did not reproduce the forward")
         keep.append(output)
 
         def replay() -> None:
-            replay_calls(calls)
+            replay_calls(recorded)
             _ = keep  # holds the recorded run's tensors for as long as this replay exists
 
         return replay, output

@@ -128,7 +128,7 @@ class InputPreparer:
         )
         if staging is not None:
             states = [request.sampling for request in sampled_requests if request.sampling is not None]
-            if states and self.vocab_size:
+            if self.vocab_size and any(not state.params.greedy for state in states):  # greedy reads none
                 batch.sampling = sampling_inputs(states, self.vocab_size, lambda host: staging.upload(host, host.dtype))
             if grammar[0]:
                 row_request_ids = [request.request_id for request in sampled_requests]

@@ -12,6 +12,7 @@ from tokenmill.workers.attention import (
     _decode_chunk_bounds,
     build_attention_metadata,
     paged_attention,
+    token_positions,
     write_kv_torch,
 )
 from tokenmill.workers.backends import attention_backend
@@ -223,3 +224,20 @@ def test_write_kv_fills_exactly_the_slots():
     torch.testing.assert_close(v_cache[0, 2], value[1])
     torch.testing.assert_close(k_cache[1, 3], key[2])
     assert int((k_cache.abs().sum(-1).sum(-1) > 0).sum()) == 3
+
+
+@pytest.mark.parametrize("backend_name", ["kernels", "torch"])
+def test_decode_only_metadata_takes_each_sequences_last_position(use_cpu_backend, backend_name):
+    """A decode step (one query token per sequence, the shortcut's case) gets what the general formula gives."""
+    backend = use_cpu_backend(backend_name)
+    block_tables = np.array([[7, 2, 0], [5, 0, 0], [9, 3, 4], [1, 6, 8]])
+    seq_lens = np.array([5, 3, 9, 8])
+    meta = build_attention_metadata(np.ones(4, dtype=np.int64), seq_lens, block_tables, BLOCK_SIZE, CPU, backend)
+    # positions 4, 2, 8, 7 -> blocks 2, 5, 4, 6
+    assert meta.slot_mapping.tolist() == [2 * BLOCK_SIZE, 5 * BLOCK_SIZE + 2, 4 * BLOCK_SIZE, 6 * BLOCK_SIZE + 3]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4] and meta.seq_lens.tolist() == seq_lens.tolist()
+    assert meta.is_decode_only and meta.max_query_len == 1 and meta.prefills == []
+    assert token_positions(np.ones(4), seq_lens).tolist() == [4, 2, 8, 7]
+    assert token_positions(np.array([1, 2, 1]), np.array([5, 4, 9])).tolist() == [4, 2, 3, 8]
+    empty = build_attention_metadata(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1)), 4, CPU, backend)
+    assert empty.is_decode_only and empty.slot_mapping.numel() == 0 and empty.query_start_loc.tolist() == [0]
