@@ -568,12 +568,15 @@ inline U8 nibbles16(const uint8_t* p) {  // 16 bytes -> their 16 low nibbles the
 }
 inline U8 low4(U8 v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline U8 high4(U8 v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-// ((v >> S) & M) << L per byte (M << L stays within the byte).
+// ((v >> S) & M) << L per byte (M << L stays within the byte), as one 16-bit shift by S - L and one mask: the bits a
+// 16-bit shift brings in from the neighbouring byte land outside M << L, since the field lies within its byte.
 template <int S, int M, int L>
 inline U8 field(U8 v) {
-  __m256i r = S ? _mm256_srli_epi16(v, S) : v;
-  r = _mm256_and_si256(r, _mm256_set1_epi8(static_cast<char>(M)));
-  return L ? _mm256_slli_epi16(r, L) : r;
+  static_assert((M << L) < 256, "the field must stay within its byte");
+  __m256i r = v;
+  if constexpr (S > L) r = _mm256_srli_epi16(v, S - L);
+  if constexpr (S < L) r = _mm256_slli_epi16(v, L - S);
+  return _mm256_and_si256(r, _mm256_set1_epi8(static_cast<char>(M << L)));
 }
 inline U8 or8(U8 a, U8 b) { return _mm256_or_si256(a, b); }
 // byte i = V where bit i of the 32-bit little-endian word at p is set, else 0 (Q5_0 / Q5_1's fifth bits)
@@ -684,6 +687,35 @@ inline float hsum(F32 v) {
   r = _mm_add_ss(r, _mm_movehdup_ps(r));
   return _mm_cvtss_f32(r);
 }
+inline I32 isub(I32 a, I32 b) { return _mm256_sub_epi32(a, b); }
+template <int SHIFT>
+inline I32 ishl(I32 v) { return _mm256_slli_epi32(v, SHIFT); }
+// dot16 and dot_bytes with the sum left in the lanes: the k-quants fold it into their block sums (one horizontal sum
+// per row, not one per block)
+inline I32 dot16_lanes(const int8_t* m, const int16_t* s) {
+  return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m))),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+template <int COUNT>
+inline I32 dot_bytes_lanes(Bytes16 v, const int16_t* s) {
+  if constexpr (COUNT == 16)
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(v), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  else
+    return _mm256_zextsi128_si256(
+        _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(v, 8)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
+}
+// u + V in the bytes whose bit BIT of `bits` is set (BIT < 8; u + V < 256): a k-quant's high bit merged into its low
+// ones (one mask test and one masked add on AVX-512, a shift and a mask and an or on AVX2)
+template <int BIT, int V>
+inline U8 add_bit(U8 u, U8 bits) {
+#if TM_VNNI
+  return _mm256_mask_add_epi8(u, _mm256_test_epi8_mask(bits, _mm256_set1_epi8(static_cast<char>(1 << BIT))), u,
+                              _mm256_set1_epi8(static_cast<char>(V)));
+#else
+  constexpr int kShift = __builtin_ctz(V);
+  return _mm256_or_si256(u, field<BIT, 1, kShift>(bits));
+#endif
+}
 
 #elif TM_ISA_NEON
 struct U8 {
@@ -775,6 +807,10 @@ inline int32_t dot16(const int8_t* m, const int16_t* s) {
 }
 inline F32 fma_i32(F32 acc, I32 v, float s) { return vfmaq_n_f32(acc, vcvtq_f32_s32(v), s); }
 inline float hsum(F32 v) { return vaddvq_f32(v); }
+inline I32 isub(I32 a, I32 b) { return vsubq_s32(a, b); }
+template <int SHIFT>
+inline I32 ishl(I32 v) { return vshlq_n_s32(v, SHIFT); }
+inline I32 from_int(int32_t v) { return vsetq_lane_s32(v, vdupq_n_s32(0), 0); }
 
 #else  // portable scalar
 struct U8 {
@@ -862,6 +898,10 @@ inline int32_t dot16(const int8_t* m, const int16_t* s) {
 }
 inline F32 fma_i32(F32 acc, I32 v, float s) { return acc + static_cast<float>(v) * s; }
 inline float hsum(F32 v) { return v; }
+inline I32 isub(I32 a, I32 b) { return a - b; }
+template <int SHIFT>
+inline I32 ishl(I32 v) { return static_cast<int32_t>(static_cast<uint32_t>(v) << SHIFT); }
+inline I32 from_int(int32_t v) { return v; }
 #endif
 
 #if !TM_ISA_X86
@@ -897,6 +937,12 @@ inline int32_t dot_bytes(const Bytes16& v, const int16_t* s) {
   for (int i = 0; i < COUNT; ++i) r += v.v[16 - COUNT + i] * s[i];
   return r;
 }
+// the x86 version's lane-sum ops, as one lane
+inline I32 dot16_lanes(const int8_t* m, const int16_t* s) { return from_int(dot16(m, s)); }
+template <int COUNT>
+inline I32 dot_bytes_lanes(const Bytes16& v, const int16_t* s) { return from_int(dot_bytes<COUNT>(v, s)); }
+template <int BIT, int V>
+inline U8 add_bit(U8 u, U8 bits) { return or8(u, field<BIT, 1, __builtin_ctz(V)>(bits)); }
 #endif
 
 // ---------------------------------------------------------------- activation quantization
@@ -1213,9 +1259,8 @@ void row_32wide(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0
 template <int NT, bool FIVE_BITS>
 void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
   constexpr int kBytes = FIVE_BITS ? 176 : 144;
-  F32 acc[NT];
-  float offset[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  F32 acc[NT], offset[NT];  // offset: the mins' part
+  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
@@ -1232,8 +1277,8 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
       const U8 q = load32(qs + 32 * c);
       U8 lo = low4(q), hi = high4(q);
       if constexpr (FIVE_BITS) {
-        lo = or8(lo, field<2 * c, 1, 4>(high_bits));
-        hi = or8(hi, field<2 * c + 1, 1, 4>(high_bits));
+        lo = add_bit<2 * c, 16>(lo, high_bits);
+        hi = add_bit<2 * c + 1, 16>(hi, high_bits);
       }
       const Scales16 s_lo = pick<2 * c, 2 * c>(scales), s_hi = pick<2 * c + 1, 2 * c + 1>(scales);
       for (int t = 0; t < NT; ++t) {
@@ -1247,13 +1292,12 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
     chunk(std::integral_constant<int, 2>{});
     chunk(std::integral_constant<int, 3>{});
     for (int t = 0; t < NT; ++t) {
-      const int32_t mins = dot_bytes<8>(scales_mins, a.sums32_row(t0 + t) + b * 8);
       const float dx = a.scale_row(t0 + t)[b];
       acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), d * dx);
-      offset[t] += dmin * dx * static_cast<float>(mins);
+      offset[t] = fma_i32(offset[t], dot_bytes_lanes<8>(scales_mins, a.sums32_row(t0 + t) + b * 8), dmin * dx);
     }
   }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - hsum(offset[t]);
 }
 
 // Q6_K: 16 groups of 16 with int8 scales; q = 4 low bits (ql) | 2 high bits (qh) << 4; the weight is
@@ -1261,8 +1305,7 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
 template <int NT>
 void row_q6_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
   F32 acc[NT];
-  float offset[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  for (int t = 0; t < NT; ++t) acc[t] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 210;
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
@@ -1283,14 +1326,12 @@ void row_q6_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
       }
     }
     for (int t = 0; t < NT; ++t) {
-      // the -32 offset: sum_g scale_g * sum of group g's activations
-      const int32_t scaled_sum = dot16(scales, a.sums16_row(t0 + t) + b * 16);
-      const float ddx = d * a.scale_row(t0 + t)[b];
-      acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), ddx);
-      offset[t] += ddx * static_cast<float>(scaled_sum);
+      // the -32 offset, 32 sum_g scale_g * sum of group g's activations, taken off in integers (exact: |sum| < 2^29)
+      const I32 offset = ishl<5>(dot16_lanes(scales, a.sums16_row(t0 + t) + b * 16));
+      acc[t] = fma_i32(acc[t], isub(iadd(sum[t][0], sum[t][1]), offset), d * a.scale_row(t0 + t)[b]);
     }
   }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - 32.0f * offset[t];
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
 }
 
 // ---------------------------------------------------------------- Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K
@@ -1341,9 +1382,8 @@ void row_iq4_nl(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0
 // 2j, 2j + 1 of byte 32 n + l. The weight is d * scale_g * q - dmin * min_g.
 template <int NT>
 void row_q2_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
-  F32 acc[NT];
-  float offset[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  F32 acc[NT], offset[NT];  // offset: the mins' part
+  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 84;
     const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
@@ -1367,10 +1407,10 @@ void row_q2_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
     for (int t = 0; t < NT; ++t) {
       const float dx = a.scale_row(t0 + t)[b];
       acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), d * dx);
-      offset[t] += dmin * dx * static_cast<float>(dot_bytes<16>(mins, a.sums16_row(t0 + t) + b * 16));
+      offset[t] = fma_i32(offset[t], dot_bytes_lanes<16>(mins, a.sums16_row(t0 + t) + b * 16), dmin * dx);
     }
   }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - hsum(offset[t]);
 }
 
 // Q3_K: 16 groups of 16 with signed 6-bit scales; 3-bit quants: Q2_K's two low bits, and bit 4 n + j of hmask[l]
@@ -1378,8 +1418,7 @@ void row_q2_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
 template <int NT>
 void row_q3_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* out) {
   F32 acc[NT];
-  float offset[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = 0.0f;
+  for (int t = 0; t < NT; ++t) acc[t] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 110;
     const float d = half_to_float(blk + 108);
@@ -1390,7 +1429,7 @@ void row_q3_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
     for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = izero();
     auto chunk = [&](auto n_constant, auto j_constant) {
       constexpr int n = decltype(n_constant)::value, j = decltype(j_constant)::value;
-      const U8 u = or8(field<2 * j, 3, 0>(load32(blk + 32 + 32 * n)), field<4 * n + j, 1, 2>(hmask));  // [0, 8)
+      const U8 u = add_bit<4 * n + j, 4>(field<2 * j, 3, 0>(load32(blk + 32 + 32 * n)), hmask);  // [0, 8)
       const Scales16 s = pick<2 * j, 2 * j + 1>(sv[n]);
       for (int t = 0; t < NT; ++t)
         sum[t][j & 1] = dot_scaled(sum[t][j & 1], u, a.qrow(t0 + t) + b * 256 + 128 * n + 32 * j, s);
@@ -1404,13 +1443,12 @@ void row_q3_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
     half(std::integral_constant<int, 0>{});
     half(std::integral_constant<int, 1>{});
     for (int t = 0; t < NT; ++t) {
-      // the -4 offset: 4 * sum_g scale_g * sum of group g's activations
-      const float ddx = d * a.scale_row(t0 + t)[b];
-      acc[t] = fma_i32(acc[t], iadd(sum[t][0], sum[t][1]), ddx);
-      offset[t] += ddx * static_cast<float>(4 * dot_bytes<16>(scales, a.sums16_row(t0 + t) + b * 16));
+      // the -4 offset, 4 sum_g scale_g * sum of group g's activations, taken off in integers (exact)
+      const I32 offset = ishl<2>(dot_bytes_lanes<16>(scales, a.sums16_row(t0 + t) + b * 16));
+      acc[t] = fma_i32(acc[t], isub(iadd(sum[t][0], sum[t][1]), offset), d * a.scale_row(t0 + t)[b]);
     }
   }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - offset[t];
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
 }
 
 // ---------------------------------------------------------------- a tile of output rows
