@@ -82,12 +82,14 @@ constexpr int block_bytes(int qtype) {
   }
 }
 
-// The 32-wide types with the repacked layout (tm_gguf_matmul_repacked), and the bytes of fp16 scale (and min) before
-// each block's 4-byte groups (Q5_0 / Q5_1: the 32-bit word of fifth bits is their first group).
+// The types with the repacked layout (tm_gguf_matmul_repacked: the 32-wide ones and Q4_K), and the bytes before each
+// block's 4-byte groups, moved in 2-byte pieces: the fp16 scale (and min); Q4_K's d, dmin and 12 bytes of 6-bit
+// scales and mins (Q5_0 / Q5_1: the 32-bit word of fifth bits is their first group).
 constexpr bool has_packed_layout(int qtype) {
-  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == IQ4_NL;
+  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == IQ4_NL ||
+         qtype == Q4_K;
 }
-constexpr int packed_scale_bytes(int qtype) { return qtype == Q4_1 || qtype == Q5_1 ? 4 : 2; }
+constexpr int packed_scale_bytes(int qtype) { return qtype == Q4_K ? 16 : qtype == Q4_1 || qtype == Q5_1 ? 4 : 2; }
 
 // IQ4_NL's 16 weights (times its block scale), indexed by the 4-bit quant (ggml's kvalues_iq4nl).
 alignas(16) constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -445,8 +447,8 @@ int tm_gguf_matmul_repacked(int qtype, int dtype, const void* x, int64_t ldx, co
 // first N / 8 * 8 rows reordered within their groups of 8, the rest copied. Returns 0, or -1 / -2 as tm_gguf_matmul.
 int tm_gguf_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
   if (!has_packed_layout(qtype)) return -1;
-  if (K % 32 != 0 || K <= 0) return -2;
-  const int64_t row_bytes = K / 32 * block_bytes(qtype), groups = N / 8;
+  if (K % block_elems(qtype) != 0 || K <= 0) return -2;
+  const int64_t row_bytes = K / block_elems(qtype) * block_bytes(qtype), groups = N / 8;
   for (int64_t g = 0; g < groups; ++g)
     for (int r = 0; r < 8; ++r)
       move_row<true>(qtype, dst + g * 8 * row_bytes, row_bytes, r, const_cast<uint8_t*>(src) + (g * 8 + r) * row_bytes);
@@ -460,8 +462,8 @@ int tm_gguf_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t*
 int tm_gguf_unpack_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids, int64_t count,
                         uint8_t* dst) {
   if (!has_packed_layout(qtype)) return -1;
-  if (K % 32 != 0 || K <= 0) return -2;
-  const int64_t row_bytes = K / 32 * block_bytes(qtype), whole = N / 8 * 8;
+  if (K % block_elems(qtype) != 0 || K <= 0) return -2;
+  const int64_t row_bytes = K / block_elems(qtype) * block_bytes(qtype), whole = N / 8 * 8;
   for (int64_t i = 0; i < count; ++i)
     if (ids[i] < 0 || ids[i] >= N) return -3;
   for (int64_t i = 0; i < count; ++i) {
@@ -1829,10 +1831,163 @@ void packed_tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g
 }
 #endif
 
+// ---------------------------------------------------------------- Q4_K repacked: 8 rows interleaved
+// A group's block b (8 * 144 bytes, moved as the 32-wide types' by `move_row`): the 8 rows' fp16 d (16 bytes), their
+// fp16 dmin (16 bytes), then their 12 bytes of 6-bit scales and mins in 2-byte pieces (piece p: bytes 2p, 2p + 1 of
+// row 0, of row 1, ..., 16 bytes a piece), then the 128 quant bytes in 4-byte groups (group j of row 0, ..., of
+// row 7: 32 bytes). Group j holds elements 64c + 4i .. 64c + 4i + 3 (low nibbles) and 64c + 32 + 4i .. (high
+// nibbles) for j = 8c + i, so one vpdpbusd (AVX2: maddubs) of a group's 32 bytes with a broadcast 4-byte group of
+// activations adds 8 rows' partial dot products, and a sub-block's scale is applied once per 32 values and 8 rows
+// (one vpmulld; AVX2 sums 8 maddubs in int16 first, at most 8 * 2 * 15 * 127 < 32768, then one vpmaddwd).
+constexpr int kQ4kGroupBytes = 8 * 144;
+
+// Row r's byte i (< 12) of its packed scales and mins in a packed block.
+inline uint8_t q4k_scale_byte(const uint8_t* blk, int r, int i) { return blk[32 + 16 * (i / 2) + 2 * r + i % 2]; }
+
+#if TM_ISA_X86
+// The 8 rows' 8 sub-block scales and mins of one packed block as 16-bit lanes (lane r: row r), decoded as
+// unpack_scales_mins_k4 does: byte i < 4 of a row's 12 is scale i's low 6 bits (then min i's at 4 + i); bytes 8..11
+// hold the low 4 bits of scales 4..7 and (high nibbles) mins 4..7, whose top 2 bits are those of bytes 0..7.
+struct Q4kScales {
+  __m128i scale[8], min[8];
+};
+inline Q4kScales q4k_scales(const uint8_t* blk) {
+  const __m128i low8 = _mm_set1_epi16(0xFF), low6 = _mm_set1_epi16(63), low4 = _mm_set1_epi16(15);
+  __m128i bytes[12];
+  for (int p = 0; p < 6; ++p) {
+    const __m128i piece = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * p));
+    bytes[2 * p] = _mm_and_si128(piece, low8);
+    bytes[2 * p + 1] = _mm_srli_epi16(piece, 8);
+  }
+  Q4kScales s;
+  for (int i = 0; i < 4; ++i) {
+    s.scale[i] = _mm_and_si128(bytes[i], low6);
+    s.min[i] = _mm_and_si128(bytes[4 + i], low6);
+    s.scale[4 + i] = _mm_or_si128(_mm_and_si128(bytes[8 + i], low4), _mm_slli_epi16(_mm_srli_epi16(bytes[i], 6), 4));
+    s.min[4 + i] = _mm_or_si128(_mm_srli_epi16(bytes[8 + i], 4), _mm_slli_epi16(_mm_srli_epi16(bytes[4 + i], 6), 4));
+  }
+  return s;
+}
+
+#if TM_VNNI
+constexpr int kQ4kTokens = 4;  // activation rows per pass over a group's blocks
+using Q4kPart = __m256i;       // int32 per row: a sub-block's integer dot products, unscaled
+inline Q4kPart q4k_part(Q4kPart p, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(p, w, x); }
+inline __m256i q4k_scale_lanes(__m128i s) { return _mm256_cvtepu16_epi32(s); }
+inline __m256i q4k_scaled(Q4kPart p, __m256i s) { return _mm256_mullo_epi32(p, s); }
+#else
+constexpr int kQ4kTokens = 2;  // 16 vector registers
+using Q4kPart = __m256i;       // int16 pairs per row, summed over a sub-block's 8 groups (no overflow: see above)
+inline Q4kPart q4k_part(Q4kPart p, __m256i w, __m256i x) { return _mm256_add_epi16(p, _mm256_maddubs_epi16(w, x)); }
+inline __m256i q4k_scale_lanes(__m128i s) {  // (scale, scale) as int16 in row r's 32-bit lane
+  const __m256i v = _mm256_cvtepu16_epi32(s);
+  return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+}
+inline __m256i q4k_scaled(Q4kPart p, __m256i s) { return _mm256_madd_epi16(p, s); }
+#endif
+
+// y[t * ldy + r] = <row r of the group, activation row t0 + t> for r < 8, t < NT; batch-invariant (each activation
+// row's operations are the same whatever NT: one float accumulator per row, blocks in order).
+template <int NT>
+void packed_q4_k_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  __m256 acc[NT];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * kQ4kGroupBytes;
+    const Q4kScales s = q4k_scales(blk);
+    __m256i sum[NT];
+    for (auto& v : sum) v = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      Q4kPart lo[NT], hi[NT];
+      for (int t = 0; t < NT; ++t) lo[t] = hi[t] = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        const __m256i v = load32(blk + 128 + 32 * (8 * c + i));
+        const __m256i wl = _mm256_and_si256(v, low_nibbles), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = a.qrow(t0 + t) + b * 256 + 64 * c + 4 * i;
+          lo[t] = q4k_part(lo[t], wl, _mm256_set1_epi32(load_i32(x)));
+          hi[t] = q4k_part(hi[t], wh, _mm256_set1_epi32(load_i32(x + 32)));
+        }
+      }
+      const __m256i s_lo = q4k_scale_lanes(s.scale[2 * c]), s_hi = q4k_scale_lanes(s.scale[2 * c + 1]);
+      for (int t = 0; t < NT; ++t)
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(q4k_scaled(lo[t], s_lo), q4k_scaled(hi[t], s_hi)));
+    }
+    // the mins: row r's sum_j min_j * (sum of sub-block j's activations), two sub-blocks per vpmaddwd
+    __m256i min_pairs[4];
+    for (int j = 0; j < 4; ++j)
+      min_pairs[j] = _mm256_setr_m128i(_mm_unpacklo_epi16(s.min[2 * j], s.min[2 * j + 1]),
+                                       _mm_unpackhi_epi16(s.min[2 * j], s.min[2 * j + 1]));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    for (int t = 0; t < NT; ++t) {
+      const int16_t* sums = a.sums32_row(t0 + t) + b * 8;
+      __m256i mins = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j)
+        mins = _mm256_add_epi32(mins, _mm256_madd_epi16(min_pairs[j], _mm256_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(sums + 2 * j)))));
+      const __m256 dx = _mm256_set1_ps(a.scale_row(t0 + t)[b]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, dx), acc[t]);
+      acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
+}
+
+void packed_q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
+                      const Activations& a, int64_t T, float* y) {
+  for (int64_t t0 = 0; t0 < T; t0 += kQ4kTokens) {
+    const int64_t nt = std::min<int64_t>(kQ4kTokens, T - t0);
+    for (int64_t g = group_begin; g < group_end; ++g) {
+      const uint8_t* group = w + g * 8 * row_bytes;
+      float* out = y + t0 * a.ldy + g * 8;
+      switch (nt) {
+#if TM_VNNI
+        case 4: packed_q4_k_rows<4>(group, nb, a, t0, out); break;
+        case 3: packed_q4_k_rows<3>(group, nb, a, t0, out); break;
+#endif
+        case 2: packed_q4_k_rows<2>(group, nb, a, t0, out); break;
+        default: packed_q4_k_rows<1>(group, nb, a, t0, out); break;
+      }
+    }
+  }
+}
+
+#else  // the portable version: the same integer sums, a row and an activation row at a time
+
+void packed_q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
+                      const Activations& a, int64_t T, float* y) {
+  for (int64_t g = group_begin; g < group_end; ++g)
+    for (int r = 0; r < 8; ++r)
+      for (int64_t t = 0; t < T; ++t) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = w + g * 8 * row_bytes + b * kQ4kGroupBytes;
+          uint8_t packed[12], scales_mins[16];
+          for (int i = 0; i < 12; ++i) packed[i] = q4k_scale_byte(blk, r, i);
+          unpack_scales_mins_k4(packed, scales_mins);
+          const int8_t* x = a.qrow(t) + b * 256;
+          int32_t sum = 0, mins = 0;
+          for (int l = 0; l < 128; ++l) {
+            const uint8_t q = blk[128 + 32 * (l / 4) + 4 * r + l % 4];
+            const int c = l / 32, e = 64 * c + l % 32;  // element of the low nibble; the high one is e + 32
+            sum += scales_mins[2 * c] * (q & 15) * x[e] + scales_mins[2 * c + 1] * (q >> 4) * x[e + 32];
+          }
+          for (int j = 0; j < 8; ++j) mins += scales_mins[8 + j] * a.sums32_row(t)[b * 8 + j];
+          const float dx = a.scale_row(t)[b];
+          acc += static_cast<float>(sum) * (half_to_float(blk + 2 * r) * dx);
+          acc -= static_cast<float>(mins) * (half_to_float(blk + 16 + 2 * r) * dx);
+        }
+        y[t * a.ldy + g * 8 + r] = acc;
+      }
+}
+#endif
+
 void run_packed_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t group_begin, int64_t group_end,
                      const Activations& a, int64_t T, float* y) {
   const int64_t nb = a.K / 32;
   switch (qtype) {
+    case Q4_K: packed_q4_k_tile(w, row_bytes, a.K / 256, group_begin, group_end, a, T, y); break;
     case Q4_0: packed_tile_rows<0>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     case Q4_1: packed_tile_rows<1>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     case Q8_0: packed_tile_rows<2>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;

@@ -86,7 +86,7 @@ _SIGNATURES = {
 _U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64]}
 
 # The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
-# come first).
+# come first; Q4_K: d, dmin and its 12 bytes of packed scales and mins).
 REPACK_TYPES: frozenset[int] = frozenset(
     int(t)
     for t in (
@@ -96,6 +96,7 @@ REPACK_TYPES: frozenset[int] = frozenset(
         GGMLQuantizationType.Q5_1,
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.IQ4_NL,
+        GGMLQuantizationType.Q4_K,
     )
 )
 _QUANTS_OFFSET = {
@@ -105,6 +106,7 @@ _QUANTS_OFFSET = {
     int(GGMLQuantizationType.Q5_1): 4,  # their qh is a 4-byte group
     int(GGMLQuantizationType.Q8_0): 2,
     int(GGMLQuantizationType.IQ4_NL): 2,
+    int(GGMLQuantizationType.Q4_K): 16,
 }
 REPACK_ROWS = 8  # output rows per repacked group
 
