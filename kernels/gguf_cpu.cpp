@@ -18,6 +18,7 @@
 // (block, activation row, 8 rows) by one 8-lane FMA, straight into the 8 outputs: no horizontal sums. Each weight
 // block is unpacked once for up to 8 activation rows (4 on AVX2). Same integer products as tm_gguf_matmul; only the
 // float summation order differs. Rows past the last whole group of 8 stay in the plain layout (the plain kernels).
+// Q4_K has the same kind of layout (see `packed_q4_k_rows`): a sub-block's scale is applied once per 8 rows.
 //
 // tm_gguf_matmul_float is the float-activation alternative: no int8 rounding; each weight block is dequantized in
 // registers exactly as gguf.quants does and multiplied with the float32 activations by FMA, summed in float32, with
