@@ -9,9 +9,10 @@ summation order; slower at batch 1). The default is `TOKENMILL_GGUF_ACTIVATIONS`
 The library is built for the baseline of the architecture and picks its instruction set when loaded (AVX-512 VNNI,
 AVX2, NEON or portable C++); `TOKENMILL_CPU_ISA=scalar|avx2|avx512|neon` or `set_isa` forces a lower one.
 
-Repacking (the 32-wide types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): `repack_rows` reorders a weight's blocks so that
-each group of 8 output rows stores block b of its 8 rows together, scales side by side and quants interleaved in 4-byte
-groups (the layout is spelled out in gguf_cpu.cpp at `packed_rows`; the last `out_features % 8` rows stay plain), and
+Repacking (the 32-wide types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; and Q4_K): `repack_rows` reorders a weight's blocks
+so that each group of 8 output rows stores block b of its 8 rows together, scales side by side and quants interleaved in
+4-byte groups (the layout is spelled out in gguf_cpu.cpp at `packed_rows` and `packed_q4_k_rows`; the last
+`out_features % 8` rows stay plain), and
 `gguf_matmul(..., repacked=True)` runs the kernel for that layout: one vpdpbusd (AVX2: maddubs) yields 8 rows' partial
 dot products and the scales are applied once per 8 rows, several times faster than the plain kernel at 2-8 activation
 rows and faster at 1 (scripts/bench_gguf_kernels.py; batch-1 GEMV against the read bandwidth:
@@ -86,7 +87,7 @@ _SIGNATURES = {
 _U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64]}
 
 # The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
-# come first).
+# come first; Q4_K: d, dmin and its 12 bytes of packed scales and mins).
 REPACK_TYPES: frozenset[int] = frozenset(
     int(t)
     for t in (
@@ -96,6 +97,7 @@ REPACK_TYPES: frozenset[int] = frozenset(
         GGMLQuantizationType.Q5_1,
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.IQ4_NL,
+        GGMLQuantizationType.Q4_K,
     )
 )
 _QUANTS_OFFSET = {
@@ -105,6 +107,7 @@ _QUANTS_OFFSET = {
     int(GGMLQuantizationType.Q5_1): 4,  # their qh is a 4-byte group
     int(GGMLQuantizationType.Q8_0): 2,
     int(GGMLQuantizationType.IQ4_NL): 2,
+    int(GGMLQuantizationType.Q4_K): 16,
 }
 REPACK_ROWS = 8  # output rows per repacked group
 

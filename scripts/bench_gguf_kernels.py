@@ -13,13 +13,14 @@ table also gives rates per CPU-second of this thread (time.thread_time), for the
 Each mode of `--activations` gets a row; with both, a `float/int8` line gives the float path's time over the int8
 path's at batch 1 and at the batch size (CPU time at one thread, wall time otherwise), measured back to back.
 
-`--repack` instead compares the plain int8 kernel with the repacked one (gguf_ops.repack_rows; Q4_0, Q4_1, Q8_0) at
+`--repack` instead compares the plain int8 kernel with the repacked one (gguf_ops.repack_rows; gguf_ops.REPACK_TYPES) at
 each `--tokens` count of activation rows, back to back: both times, plain/repacked, and each layout's time over its
 own 1-row time (the cost of verifying T speculative tokens against decoding one):
 
     python scripts/bench_gguf_kernels.py --repack --threads 1 --types Q4_1 --shapes "qkv 960x576" "o_proj 576x576" \
         "gate_up 3072x576" "mlp_down 576x1536"
     python scripts/bench_gguf_kernels.py --repack --threads 1 --types Q8_0 --shapes "lm_head 49152x576"
+    python scripts/bench_gguf_kernels.py --repack --threads 1 --types Q4_K --shapes "qwen_down 896x4864" --tokens 1 16
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ SHAPES = {
     "qkv 960x576": (960, 576),
     "o_proj 576x576": (576, 576),
     "gate_up 3072x576": (3072, 576),
+}
+# Qwen2.5-0.5B's (hidden 896, MLP 4864; its Q4_K_M file holds Q5_0, Q8_0, Q4_K and Q6_K): by name only, not by default
+QWEN_SHAPES = {
+    "qwen_qkv 1152x896": (1152, 896),
+    "qwen_o_proj 896x896": (896, 896),
+    "qwen_gate_up 9728x896": (9728, 896),
+    "qwen_down 896x4864": (896, 4864),
 }
 
 
@@ -104,7 +112,7 @@ def compare_repacked(args: argparse.Namespace, threads: int, rng: np.random.Gene
             print(f"{type_name:6} (no repacked layout)")
             continue
         for shape_name in args.shapes:
-            n, k = SHAPES[shape_name]
+            n, k = {**SHAPES, **QWEN_SHAPES}[shape_name]
             one = torch.from_numpy(random_blocks(qtype, n, k, rng))
             copies = max(1, int(args.pool_mb * 1e6 // one.numel()))
             plain = [one] + [one.clone() for _ in range(copies - 1)]
@@ -135,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=[*SHAPES, *QWEN_SHAPES])
     parser.add_argument("--isa", default=None, help="force a version (scalar, avx2, avx512, neon)")
     parser.add_argument("--pool-mb", type=float, default=96.0, help="weight bytes cycled through per matrix")
     parser.add_argument("--batch", type=int, default=32, help="the batch compared with that many batch-1 calls")
@@ -178,7 +186,7 @@ def main() -> None:
         for type_name in args.types:
             qtype = GGMLQuantizationType[type_name]
             for shape_name in args.shapes:
-                n, k = SHAPES[shape_name]
+                n, k = {**SHAPES, **QWEN_SHAPES}[shape_name]
                 if k % GGML_QUANT_SIZES[qtype][0]:
                     print(f"{type_name:6} {shape_name:20} (K={k} is not a whole number of {type_name} blocks)")
                     continue

@@ -1,4 +1,4 @@
-"""The repacked GGUF layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL with 8 rows interleaved: kernels/gguf_ops.py
+"""The repacked GGUF layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K with 8 rows interleaved: kernels/gguf_ops.py
 matmul kernel, on every instruction-set version this machine can run.
 
 The layout is a byte permutation within each group of 8 rows, so it must round-trip exactly and dequantize to the
@@ -19,7 +19,12 @@ from tests.helpers.gguf_kernels import check, check_float, needs_kernels, random
 from tokenmill.kernels import gguf_ops
 
 Q = GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K]
+
+
+def blocks_of(qtype: GGMLQuantizationType, count: int) -> int:
+    """The width of `count` blocks of this type."""
+    return count * GGML_QUANT_SIZES[qtype][0]
 
 
 @pytest.fixture(params=gguf_ops.available_isas() or ["none"])
@@ -33,7 +38,7 @@ def isa(request):
 @pytest.mark.parametrize("rows", [8, 13, 37])
 def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
     rng = np.random.default_rng(rows)
-    k = 96  # three blocks
+    k = blocks_of(qtype, 3)
     plain = torch.from_numpy(random_blocks(qtype, rows, k, rng))
     packed = gguf_ops.repack_rows(plain, int(qtype), rows, k)
     # the numpy reference (a byte permutation per group) and the compiled byte moves agree
@@ -67,7 +72,8 @@ def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
 def test_repacked_matmul_matches_the_plain_kernel_and_the_references(qtype, isa):
     rng = np.random.default_rng(20 + int(qtype))
     assert gguf_ops.isa() == isa
-    for rows, k in ((37, 96), (16, 576)):  # a 5-row plain tail; two whole groups of the model's width
+    # a 5-row plain tail; two whole groups of the model's width (Q4_K: of the MLP down projection's)
+    for rows, k in ((37, blocks_of(qtype, 3)), (16, 576 if qtype != Q.Q4_K else 1536)):
         blocks = random_blocks(qtype, rows, k, rng)
         plain = torch.from_numpy(blocks)
         packed = gguf_ops.repack_rows(plain, int(qtype), rows, k)
@@ -115,11 +121,11 @@ def test_repacked_matmul_over_threads_and_a_prefill_batch():
 
 
 def test_repacking_choice_and_bad_input(monkeypatch):
-    blocks = torch.from_numpy(random_blocks(Q.Q4_K, 8, 256, np.random.default_rng(0)))
-    with pytest.raises(ValueError, match="qtype 12 has no repacked layout"):
-        gguf_ops.repack_rows(blocks, int(Q.Q4_K), 8, 256)
-    with pytest.raises(ValueError, match="qtype 12 has no repacked layout"):
-        gguf_ops.gguf_matmul(torch.zeros((1, 256)), blocks, int(Q.Q4_K), 8, 256, repacked=True)
+    blocks = torch.from_numpy(random_blocks(Q.Q6_K, 8, 256, np.random.default_rng(0)))
+    with pytest.raises(ValueError, match="qtype 14 has no repacked layout"):
+        gguf_ops.repack_rows(blocks, int(Q.Q6_K), 8, 256)
+    with pytest.raises(ValueError, match="qtype 14 has no repacked layout"):
+        gguf_ops.gguf_matmul(torch.zeros((1, 256)), blocks, int(Q.Q6_K), 8, 256, repacked=True)
     monkeypatch.setenv("TOKENMILL_GGUF_REPACK", "0")
     assert not gguf_ops.repack_enabled() and not gguf_ops.repack_wanted(int(Q.Q4_1), 64)
     monkeypatch.setenv("TOKENMILL_GGUF_REPACK", "yes")
@@ -140,7 +146,7 @@ def test_repacking_choice_and_bad_input(monkeypatch):
 
 def test_every_repacked_type_has_the_block_size_the_kernel_assumes():
     for qtype in gguf_ops.REPACK_TYPES:
-        assert GGML_QUANT_SIZES[Q(qtype)][0] == 32
+        assert GGML_QUANT_SIZES[Q(qtype)][0] == (256 if qtype == Q.Q4_K else 32)
         assert sorted(gguf_ops._group_permutation(qtype)) == list(range(8 * GGML_QUANT_SIZES[Q(qtype)][1]))
 
 
@@ -150,7 +156,7 @@ def test_repacked_rows_are_batch_invariant(qtype, isa):
     """A token's outputs are the same bits whichever batch it is multiplied in (whole groups of 8 rows: the plain
     tail rows' kernel is not batch-invariant), so a verified speculative token matches its one-token decode."""
     rng = np.random.default_rng(40 + int(qtype))
-    rows, k = 24, 576
+    rows, k = 24, 576 if qtype != Q.Q4_K else 1536
     packed = gguf_ops.repack_rows(torch.from_numpy(random_blocks(qtype, rows, k, rng)), int(qtype), rows, k)
     x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
     batch = gguf_ops.gguf_matmul(x, packed, int(qtype), rows, k, activations="int8", repacked=True)
