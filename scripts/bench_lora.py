@@ -3,7 +3,8 @@ batch on the base model alone, output tokens/s of each and their ratio, measured
 interleaved, best of `--repeats`, so a busy machine slows both alike).
 
     python scripts/bench_lora.py [--model PATH] [--num-requests 32 --num-adapters 4 --rank 16 --max-tokens 64]
-    python scripts/bench_lora.py --kernels   # the CPU paths of workers/lora/punica.py on each LoRA layer
+    python scripts/bench_lora.py --kernels   # the CPU paths on each LoRA layer: the native kernel (kernels/lora_cpu.py)
+                                             # and the torch paths of workers/lora/punica.py
 
 The adapters are random (A and B), written in PEFT's layout into a temporary folder from the model's shapes. The
 default model is the shipped SmolLM2-135M (its GGUF weights, kept quantized).
@@ -107,6 +108,7 @@ def time_layer_paths(
 ) -> dict[str, float]:
     """Best-of milliseconds of each CPU path (and of the base layer's packed matmul they ride on) for `tokens` rows
     spread evenly over the slots, the paths interleaved."""
+    from tokenmill.kernels import lora_cpu
     from tokenmill.workers.lora.punica import (
         LoRAStep,
         add_lora_gathered,
@@ -127,9 +129,13 @@ def time_layer_paths(
     flat = slots * a.shape[1]
     a_packed, b_packed = packed(a.view(flat, -1)), packed(bt.view(flat, -1).t().contiguous())
     weight_packed = packed(weight)
-    groups, bt_slices = step.groups, b_slices(bt, widths)
-    assert groups is not None
+    groups, bt_slices, rows = step.groups, b_slices(bt, widths), step.rows
+    assert groups is not None and rows is not None, "the native LoRA kernel did not build"
+    kernel_b = torch.cat([piece.bt.flatten(1) for piece in bt_slices], dim=1)
+    columns = [piece.first_column for piece in bt_slices] + [bt.shape[2]]
+    kernel_weights = lora_cpu.LoRAWeights.of(a, kernel_b, columns, a.shape[1] // len(widths))
     paths = {
+        "native": lambda: lora_cpu.lora_add(x, out, kernel_weights, rows),
         "grouped": lambda: add_lora_grouped(x, out, a, bt_slices, groups),
         "packed": lambda: add_lora_packed(x, out, a_packed, b_packed, step),
         "masked": lambda: add_lora_masked(x, out, a, bt, one_hot),
