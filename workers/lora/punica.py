@@ -5,10 +5,12 @@ A layer's slots hold A stacked as `a [S, R, in]` and B, transposed and scaled, a
 R ranks; a fused layer's slices stacked along R). Each step gives every token a slot (`token_slots [T]`, -1 for the
 base model), and the update is out[t] += (x[t] @ a[slot].T) @ bt[slot].
 
-On CPU (`add_lora_grouped`) the step's adapter tokens are grouped by slot once per step (`SlotGroups`, reused by
-every layer), each group padded to the largest, and every used slot's A and B multiply only its own tokens in one
-batched matmul: one adapter's FLOPs instead of all slots', base tokens and unused slots skipped, a fused layer's
-slices expanded into their own columns (not through the block-diagonal B). Measured against the earlier paths (kept
+On CPU the native kernel of `kernels/lora_cpu.py` runs each layer's update in one call (the step's tokens grouped
+by slot once, `LoRAStep.rows`). Where it is not built or turned off, `add_lora_grouped` runs in torch: the step's
+adapter tokens are grouped by slot once per step (`SlotGroups`, reused by every layer), each group padded to the
+largest, and every used slot's A and B multiply only its own tokens in one batched matmul: one adapter's FLOPs
+instead of all slots', base tokens and unused slots skipped, a fused layer's slices expanded into their own columns
+(not through the block-diagonal B). Measured against the earlier paths (kept
 here for `scripts/bench_lora.py --kernels` and as references in the tests): the dense masked pair of GEMMs over all
 slots (`add_lora_masked`, and `add_lora_packed` on oneDNN-packed weights), and a per-token gather-bmm (11x slower at
 32 tokens). Uneven groups pad toward the masked path's cost (all tokens on one slot but one: S x the rows). On CUDA
