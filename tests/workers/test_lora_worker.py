@@ -17,6 +17,7 @@ from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
 from tests.helpers.runner_driver import run_greedy
 from tests.helpers.spec_decode_runs import generate
 from tokenmill.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SpeculativeConfig
+from tokenmill.kernels import lora_cpu
 from tokenmill.lora import check_adapter_tensors, read_peft_config
 from tokenmill.messages import EngineRequest, LoRARequest, SamplingParams
 from tokenmill.workers.lora.adapter import load_adapter
@@ -72,7 +73,12 @@ def _check_against_peft(adapters, names: list[str], outputs: list[list[int]]) ->
         assert assert_greedy_match(ours, reference) >= NEW_TOKENS // 2, f"{name}: near tie too early to tell"
 
 
-def test_one_step_mixing_three_adapters_and_the_base_matches_peft(tiny_checkpoint, adapters):
+@pytest.mark.parametrize("cpu_backend", ["kernels", "torch"])  # the native LoRA kernel, and the torch grouped path
+def test_one_step_mixing_three_adapters_and_the_base_matches_peft(
+    tiny_checkpoint, adapters, use_cpu_backend, cpu_backend
+):
+    use_cpu_backend(cpu_backend)
+    assert lora_cpu.enabled() == (cpu_backend == "kernels")
     path, _ = tiny_checkpoint("llama")
     worker = _worker(path, max_loras=3)
     names = ["qv8", "base", "all8", "all64", "qv8"]

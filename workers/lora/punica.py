@@ -5,10 +5,12 @@ A layer's slots hold A stacked as `a [S, R, in]` and B, transposed and scaled, a
 R ranks; a fused layer's slices stacked along R). Each step gives every token a slot (`token_slots [T]`, -1 for the
 base model), and the update is out[t] += (x[t] @ a[slot].T) @ bt[slot].
 
-On CPU (`add_lora_grouped`) the step's adapter tokens are grouped by slot once per step (`SlotGroups`, reused by
-every layer), each group padded to the largest, and every used slot's A and B multiply only its own tokens in one
-batched matmul: one adapter's FLOPs instead of all slots', base tokens and unused slots skipped, a fused layer's
-slices expanded into their own columns (not through the block-diagonal B). Measured against the earlier paths (kept
+On CPU the native kernel of `kernels/lora_cpu.py` runs each layer's update in one call (the step's tokens grouped
+by slot once, `LoRAStep.rows`). Where it is not built or turned off, `add_lora_grouped` runs in torch: the step's
+adapter tokens are grouped by slot once per step (`SlotGroups`, reused by every layer), each group padded to the
+largest, and every used slot's A and B multiply only its own tokens in one batched matmul: one adapter's FLOPs
+instead of all slots', base tokens and unused slots skipped, a fused layer's slices expanded into their own columns
+(not through the block-diagonal B). Measured against the earlier paths (kept
 here for `scripts/bench_lora.py --kernels` and as references in the tests): the dense masked pair of GEMMs over all
 slots (`add_lora_masked`, and `add_lora_packed` on oneDNN-packed weights), and a per-token gather-bmm (11x slower at
 32 tokens). Uneven groups pad toward the masked path's cost (all tokens on one slot but one: S x the rows). On CUDA
@@ -18,9 +20,12 @@ the Triton kernels of `kernels/lora_sgmv.py` read only each token's own slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 
+from tokenmill.kernels import lora_cpu
+from tokenmill.kernels.lora_cpu import SlotRows
 from tokenmill.workers.models.packed_linear import linear
 
 
@@ -49,25 +54,54 @@ class SlotGroups:
 
 
 class LoRAStep:
-    """One step's slot per token, shared by every LoRA layer of the model; set once per step by the worker."""
+    """One step's slot per token, shared by every LoRA layer of the model; set once per step by the worker. The CPU
+    paths' groupings of the tokens (`rows` for the native kernel, `groups` for the torch path, `one_hot` for the
+    masked path the benchmark and tests compare) are built on first use within the step, so a step builds only the
+    one its layers read."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.token_slots: torch.Tensor | None = None  # [T] int64, -1: base; None: no token of the step uses LoRA
-        self.one_hot: torch.Tensor | None = None  # [T, S, 1] in the activations' dtype (the CPU path's mask)
-        self.groups: SlotGroups | None = None  # the CPU path's tokens grouped by slot
+        self.dtype = torch.float32  # the activations'
+        self._rows: SlotRows | None = None
+        self._groups: SlotGroups | None = None
+        self._one_hot: torch.Tensor | None = None
 
     def set(self, token_slots: torch.Tensor | None, dtype: torch.dtype) -> None:
         """Use `token_slots` for the coming forward; None (no request of the step has an adapter) skips LoRA."""
-        self.one_hot = self.groups = None
+        self._rows = self._groups = self._one_hot = None
+        self.dtype = dtype
         if token_slots is None or not bool((token_slots >= 0).any()):
             self.token_slots = None
             return
         self.token_slots = token_slots
-        if token_slots.device.type != "cuda":
-            slots = torch.arange(self.num_slots, device=token_slots.device)
-            self.one_hot = (token_slots[:, None] == slots[None, :]).to(dtype)[:, :, None]
-            self.groups = SlotGroups(token_slots, self.num_slots, dtype)
+
+    @property
+    def rows(self) -> SlotRows | None:
+        """The native CPU kernel's grouping (`kernels/lora_cpu.py`); None on CUDA, without adapter tokens, or where
+        the kernel is not built or turned off (`TOKENMILL_CPU_KERNELS=0`: the torch path runs)."""
+        if self._rows is None and self._on_cpu(self.token_slots) and lora_cpu.enabled():
+            self._rows = SlotRows.of(self.token_slots, self.num_slots)
+        return self._rows
+
+    @property
+    def groups(self) -> SlotGroups | None:
+        """The torch CPU path's tokens grouped by slot; None on CUDA or without adapter tokens."""
+        if self._groups is None and self._on_cpu(self.token_slots):
+            self._groups = SlotGroups(self.token_slots, self.num_slots, self.dtype)
+        return self._groups
+
+    @property
+    def one_hot(self) -> torch.Tensor | None:
+        """[T, S, 1] in the activations' dtype: the masked path's mask; None on CUDA or without adapter tokens."""
+        if self._one_hot is None and self._on_cpu(self.token_slots):
+            slots = torch.arange(self.num_slots, device=self.token_slots.device)
+            self._one_hot = (self.token_slots[:, None] == slots[None, :]).to(self.dtype)[:, :, None]
+        return self._one_hot
+
+    @staticmethod
+    def _on_cpu(token_slots: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
+        return token_slots is not None and token_slots.device.type != "cuda"
 
 
 def add_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, step: LoRAStep) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kernels import lora_cpu
+from tokenmill.kernels.lora_cpu import LoRAWeights
 from tokenmill.workers.lora.adapter import LoRAAdapter, LoRAPair
 from tokenmill.workers.lora.punica import BSlice, LoRAStep, add_lora, add_lora_grouped
 from tokenmill.workers.models.layers import GateUpLinear, OutputSlice, QKVLinear, RowParallelLinear
@@ -50,14 +52,24 @@ class LoRALinearSlots:
         # on the current default device and dtype (the model's)
         self.a = torch.zeros(num_slots, ranks, in_count)
         self.bt = torch.zeros(num_slots, ranks, out_features)
-        # the CPU path's B: each slice's own ranks and output columns (not the block-diagonal), rebuilt at each load
-        self.bt_slices = [] if self.bt.is_cuda else self._b_slices()  # CUDA reads the block-diagonal bt
+        # The CPU paths' B: each slice's own ranks and output columns (not the block-diagonal), slot s's slices side
+        # by side in `b_packed [S, R * out]` (the native kernel's layout; `bt_slices` are views of it for the torch
+        # path), rewritten at each load. CUDA reads the block-diagonal bt.
+        self.b_packed = torch.zeros(0 if self.bt.is_cuda else num_slots, max_rank * out_features)
+        self.bt_slices = [] if self.bt.is_cuda else self._b_slices()
+        self.kernel_weights = None if self.bt.is_cuda else self._kernel_weights()
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        if self.step.groups is not None:
-            add_lora_grouped(x, out, self.a, self.bt_slices, self.step.groups)
+        step = self.step
+        if step.token_slots is None:
+            return
+        rows = step.rows
+        if rows is not None and self.kernel_weights is not None and lora_cpu.supports(x, out, self.kernel_weights):
+            lora_cpu.lora_add(x, out, self.kernel_weights, rows)
+        elif step.groups is not None:
+            add_lora_grouped(x, out, self.a, self.bt_slices, step.groups)
         else:
-            add_lora(x, out, self.a, self.bt, self.step)
+            add_lora(x, out, self.a, self.bt, step)
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter`'s updates of this layer into `slot` (zeros where it has none)."""
@@ -67,17 +79,31 @@ class LoRALinearSlots:
             pair = adapter.pairs.get((self.layer, piece.projection))
             if pair is not None:
                 self._write_pair(slot, index * self.max_rank, piece, pair, adapter)
-        self.bt_slices = [] if self.bt.is_cuda else self._b_slices()  # CUDA reads the block-diagonal bt
+        if not self.bt.is_cuda:
+            self.bt_slices = self._b_slices()
 
     def _b_slices(self) -> list[BSlice]:
-        if len(self.slices) == 1:
-            return [BSlice(self.bt, 0, 0)]
+        """Copy each slice's block of the block-diagonal bt into `b_packed`; returns the slices as views of it."""
         pieces = []
         for index, piece in enumerate(self.slices):
-            ranks = self.bt[:, index * self.max_rank : (index + 1) * self.max_rank]
-            bt = ranks.narrow(2, piece.out.dest_row, piece.out.rows).contiguous()
-            pieces.append(BSlice(bt, index * self.max_rank, piece.out.dest_row))
+            first_rank, columns = index * self.max_rank, piece.out.rows
+            block = self.bt[:, first_rank : first_rank + self.max_rank].narrow(2, piece.out.dest_row, columns)
+            packed = self.b_packed[:, self.max_rank * piece.out.dest_row :][:, : self.max_rank * columns]
+            bt = packed.view(-1, self.max_rank, columns)
+            bt.copy_(block)
+            pieces.append(BSlice(bt, first_rank, piece.out.dest_row))
         return pieces
+
+    def _kernel_weights(self) -> LoRAWeights | None:
+        """The native kernel's view of the slots, or None where the slices do not tile the output in order."""
+        columns = [0]
+        for piece in self.slices:
+            if piece.out.dest_row != columns[-1]:
+                return None
+            columns.append(columns[-1] + piece.out.rows)
+        if columns[-1] != self.bt.shape[2]:
+            return None
+        return LoRAWeights.of(self.a, self.b_packed, columns, self.max_rank)
 
     def _write_pair(self, slot: int, first_rank: int, piece: LoRASlice, pair: LoRAPair, adapter: LoRAAdapter) -> None:
         rank = pair.a.shape[0]

@@ -1,0 +1,251 @@
+// The mixed-adapter LoRA update of one (fused) linear layer on the CPU, in one call: every token's
+// out[t] += (x[t] @ A[slot]^T) @ B[slot]^T, tokens grouped by slot, all slices of a fused qkv / gate-up at once.
+//
+// Built and loaded by kernels/lora_cpu.py through cpu_ops.build (g++ -O3 -march=native -fopenmp, a plain C ABI on raw
+// pointers). It replaces the torch code of workers/lora/punica.py's grouped path (a dozen small ops per layer, each
+// with its own dispatch and intermediate tensor) and keeps its FLOPs: each slot's A and B multiply only that slot's
+// tokens, base-model tokens are never touched.
+//
+// Layouts (float32, bfloat16 or float16: dtype code 0, 1, 2 for x, out, A and B alike; accumulation in float32):
+//   x [T, in] rows `x_stride` apart; out [T, out_features] rows `out_stride` apart, added to in place.
+//   a [S, n * R, in] contiguous: slice i of slot s owns rows [i * R, (i + 1) * R) (zero past the adapter's rank).
+//   b [S, R * out_features]: slot s's slice i is a contiguous [R, width_i] block (B transposed, the scale folded in)
+//     at offset R * first_i, where the slice's output columns are [first_i, first_i + width_i) and
+//     slice_columns = {first_0, first_1, ..., first_n = out_features}.
+//   order [L]: the adapter tokens sorted by slot; slot_offsets [S + 1]: slot s's tokens are order[offsets[s]:
+//     offsets[s + 1]] (L = offsets[S]; tokens of the base model appear nowhere).
+// Work is split over (slot, two rank rows) for the shrink and (slot, slice, 32 columns) for the expand, so a step of few
+// tokens still spreads over the threads; the shrunk activations h [L, n * R] stay in float32 between the phases.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(_Float16* p, float x) { *p = static_cast<_Float16>(x); }
+inline void store(bf16* p, float x) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    p->bits = static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  p->bits = static_cast<uint16_t>(bits >> 16);
+}
+
+// Eight float32 lanes (one AVX register; two SSE/NEON ones): the micro-kernels below keep their accumulators in these.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename T>
+inline v8 load8(const T* p) {
+  v8 v;
+  for (int lane = 0; lane < 8; ++lane) v[lane] = to_float(p[lane]);
+  return v;
+}
+
+inline float sum8(v8 v) {
+  float sum = 0.0f;
+  for (int lane = 0; lane < 8; ++lane) sum += v[lane];
+  return sum;
+}
+
+constexpr int64_t kTokenBlock = 4;          // tokens sharing each load of the A rows in the shrink
+constexpr int64_t kColumnBlock = 32;        // output columns of one expand work item (four v8 per token)
+constexpr int64_t kParallelMacs = 1 << 18;  // below this a layer's update runs on one thread: a fork costs more
+
+struct Problem {
+  int64_t in_features, out_features, rank, num_slices, num_slots;
+  const int64_t* slice_columns;  // [num_slices + 1]
+  const int64_t* order;          // [L]
+  const int64_t* offsets;        // [num_slots + 1]
+  int64_t ranks() const { return num_slices * rank; }
+};
+
+// sums[r][q] = x_r . a_q over n inputs, for kTokenBlock rows x_r and two A rows a_q: eight accumulators, each load of
+// an A or x vector used two or four times.
+template <typename T>
+void dot_block(const T* const* x, const T* a0, const T* a1, int64_t n, float sums[kTokenBlock][2]) {
+  v8 acc[kTokenBlock][2] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 w0 = load8(a0 + i), w1 = load8(a1 + i);
+    for (int64_t r = 0; r < kTokenBlock; ++r) {
+      const v8 v = load8(x[r] + i);
+      acc[r][0] += v * w0;
+      acc[r][1] += v * w1;
+    }
+  }
+  for (int64_t r = 0; r < kTokenBlock; ++r) {
+    sums[r][0] = sum8(acc[r][0]);
+    sums[r][1] = sum8(acc[r][1]);
+    for (int64_t k = i; k < n; ++k) {
+      sums[r][0] += to_float(x[r][k]) * to_float(a0[k]);
+      sums[r][1] += to_float(x[r][k]) * to_float(a1[k]);
+    }
+  }
+}
+
+// h[k, j] and h[k, j + 1] = x[order[k]] . a[s, j or j + 1] for the tokens k of slot s (j + 1 capped at the last row).
+template <typename T>
+void shrink_rows(const Problem& p, const T* x, int64_t x_stride, const T* a, float* h, int64_t s, int64_t j) {
+  const int64_t n = p.in_features, ranks = p.ranks();
+  const bool pair = j + 1 < ranks;
+  const T* a0 = a + (s * ranks + j) * n;
+  const T* a1 = pair ? a0 + n : a0;
+  for (int64_t k = p.offsets[s]; k < p.offsets[s + 1]; k += kTokenBlock) {
+    const int64_t count = std::min(kTokenBlock, p.offsets[s + 1] - k);
+    const T* rows[kTokenBlock];
+    for (int64_t r = 0; r < kTokenBlock; ++r) rows[r] = x + p.order[k + std::min(r, count - 1)] * x_stride;
+    float sums[kTokenBlock][2];
+    dot_block(rows, a0, a1, n, sums);
+    for (int64_t r = 0; r < count; ++r) {
+      h[(k + r) * ranks + j] = sums[r][0];
+      if (pair) h[(k + r) * ranks + j + 1] = sums[r][1];
+    }
+  }
+}
+
+// acc[t][c] = sum_j h_t[j] * b[j * width + c] over the block's 32 columns, for two tokens' h rows: eight v8
+// accumulators, each load of a B vector used twice.
+template <typename T>
+void expand_pair(const float* h0, const float* h1, const T* b, int64_t width, int64_t rank, v8 acc[2][4]) {
+  for (int64_t j = 0; j < rank; ++j) {
+    const T* b_row = b + j * width;
+    const v8 w[4] = {load8(b_row), load8(b_row + 8), load8(b_row + 16), load8(b_row + 24)};
+    for (int q = 0; q < 4; ++q) {
+      acc[0][q] += h0[j] * w[q];
+      acc[1][q] += h1[j] * w[q];
+    }
+  }
+}
+
+template <typename T>
+void add_row(T* out, const float* acc, int64_t columns) {
+  for (int64_t c = 0; c < columns; ++c) store(out + c, to_float(out[c]) + acc[c]);
+}
+
+// out[order[k], first + c0 + c] += sum_j h[k, i * R + j] * b_slice[j, c0 + c] for the tokens k of slot s: full
+// 32-column blocks two tokens at a time in registers, a slice's last partial block column by column.
+template <typename T>
+void expand_block(const Problem& p, const float* h, const T* b, T* out, int64_t out_stride, int64_t s, int64_t i,
+                  int64_t c0) {
+  const int64_t first = p.slice_columns[i], width = p.slice_columns[i + 1] - first;
+  const int64_t columns = std::min(kColumnBlock, width - c0), ranks = p.ranks();
+  const T* block = b + s * p.rank * p.out_features + p.rank * first + c0;  // row j at block + j * width
+  const int64_t begin = p.offsets[s], end = p.offsets[s + 1];
+  for (int64_t k = begin; k < end; k += 2) {
+    const int64_t k1 = std::min(k + 1, end - 1);
+    const float* h0 = h + k * ranks + i * p.rank;
+    const float* h1 = h + k1 * ranks + i * p.rank;
+    alignas(32) float acc[2][kColumnBlock] = {};
+    if (columns == kColumnBlock) {
+      v8 vacc[2][4] = {};
+      expand_pair(h0, h1, block, width, p.rank, vacc);
+      std::memcpy(acc, vacc, sizeof acc);
+    } else {
+      for (int64_t j = 0; j < p.rank; ++j)
+        for (int64_t c = 0; c < columns; ++c) {
+          acc[0][c] += h0[j] * to_float(block[j * width + c]);
+          acc[1][c] += h1[j] * to_float(block[j * width + c]);
+        }
+    }
+    add_row(out + p.order[k] * out_stride + first + c0, acc[0], columns);
+    if (k1 != k) add_row(out + p.order[k1] * out_stride + first + c0, acc[1], columns);
+  }
+}
+
+// The expand work items: (slot, slice, column block) for every slot with tokens.
+struct ExpandItem {
+  int64_t slot, slice, c0;
+};
+
+std::vector<ExpandItem> expand_items(const Problem& p) {
+  std::vector<ExpandItem> items;
+  for (int64_t s = 0; s < p.num_slots; ++s) {
+    if (p.offsets[s + 1] == p.offsets[s]) continue;
+    for (int64_t i = 0; i < p.num_slices; ++i) {
+      const int64_t width = p.slice_columns[i + 1] - p.slice_columns[i];
+      for (int64_t c0 = 0; c0 < width; c0 += kColumnBlock) items.push_back({s, i, c0});
+    }
+  }
+  return items;
+}
+
+template <typename T>
+void lora_add(const Problem& p, const T* x, int64_t x_stride, T* out, int64_t out_stride, const T* a, const T* b) {
+  const int64_t num_tokens = p.offsets[p.num_slots], ranks = p.ranks();
+  if (num_tokens == 0) return;
+  std::vector<float> h(num_tokens * ranks);
+  std::vector<int64_t> used;  // the slots with tokens
+  for (int64_t s = 0; s < p.num_slots; ++s)
+    if (p.offsets[s + 1] > p.offsets[s]) used.push_back(s);
+  const std::vector<ExpandItem> items = expand_items(p);
+  const int64_t pairs = (ranks + 1) / 2;  // shrink work items per slot: two A rows each
+  const int64_t shrink_items = static_cast<int64_t>(used.size()) * pairs;
+  const int64_t expand_count = static_cast<int64_t>(items.size());
+  const int64_t macs = num_tokens * (ranks * p.in_features + p.rank * p.out_features);
+#pragma omp parallel if (macs > kParallelMacs)
+  {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < shrink_items; ++item)
+      shrink_rows(p, x, x_stride, a, h.data(), used[item / pairs], 2 * (item % pairs));
+    // the implicit barrier: every h row is whole before any expand reads it
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < expand_count; ++item) {
+      const ExpandItem& e = items[item];
+      expand_block(p, h.data(), b, out, out_stride, e.slot, e.slice, e.c0);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int tm_lora_add(int dtype, const void* x, int64_t x_stride, void* out, int64_t out_stride, const void* a,
+                const void* b, int64_t in_features, int64_t out_features, int64_t rank, const int64_t* slice_columns,
+                int64_t num_slices, const int64_t* order, const int64_t* slot_offsets, int64_t num_slots) {
+  const Problem p{in_features, out_features, rank, num_slices, num_slots, slice_columns, order, slot_offsets};
+  switch (dtype) {
+    case 0:
+      lora_add(p, static_cast<const float*>(x), x_stride, static_cast<float*>(out), out_stride,
+               static_cast<const float*>(a), static_cast<const float*>(b));
+      return 0;
+    case 1:
+      lora_add(p, static_cast<const bf16*>(x), x_stride, static_cast<bf16*>(out), out_stride,
+               static_cast<const bf16*>(a), static_cast<const bf16*>(b));
+      return 0;
+    case 2:
+      lora_add(p, static_cast<const _Float16*>(x), x_stride, static_cast<_Float16*>(out), out_stride,
+               static_cast<const _Float16*>(a), static_cast<const _Float16*>(b));
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+}  // extern "C"

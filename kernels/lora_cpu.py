@@ -1,0 +1,133 @@
+"""The mixed-adapter LoRA update of a linear layer on the CPU in one native call (`lora_cpu.cpp`): built and loaded as
+the other CPU kernels (`cpu_ops.build`: cached, private, compiled once per machine), wrapped for torch tensors.
+
+`lora_add` adds each adapter token's (x @ A[slot].T) @ B[slot].T to the layer's output in place, for all slices of a
+fused qkv / gate-up layer at once, with the tokens grouped by slot once per step (`SlotRows`). It computes what
+`workers/lora/punica.py`'s grouped torch path does (the tests hold both to a float64 reference), without that path's
+dozen small torch ops and intermediate tensors per layer. Where the kernel cannot be built (no compiler) or
+`TOKENMILL_CPU_KERNELS=0`, `library()` is None and the worker keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels import cpu_ops
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("lora_cpu.cpp")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "tm_lora_add": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded LoRA kernel, or None (logged once) where it cannot be built."""
+    try:
+        path = cpu_ops.build(source=SOURCE)
+        cpu_ops.require_private(path)  # again right before loading: this is the file whose code runs
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as exc:
+        log.warning("the CPU LoRA kernel is unavailable, using the slower torch code instead: %s", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+    return lib
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """A step's adapter tokens grouped by slot, once per step for every layer: slot s's tokens are
+    `order[offsets[s]:offsets[s + 1]]` (int64, in token order within a slot); base-model tokens appear nowhere."""
+
+    order: torch.Tensor  # [L] token indices, L = the step's adapter tokens
+    offsets: torch.Tensor  # [S + 1]
+
+    @staticmethod
+    def of(token_slots: torch.Tensor, num_slots: int) -> SlotRows:
+        """Group `token_slots [T]` (slot per token, -1: the base model) by slot."""
+        counts = torch.bincount(token_slots + 1, minlength=num_slots + 1)[1:]
+        offsets = torch.zeros(num_slots + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        tokens = torch.nonzero(token_slots >= 0).flatten()
+        order = tokens[torch.argsort(token_slots[tokens], stable=True)]
+        return SlotRows(order.contiguous(), offsets)
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One layer's slot weights in the kernel's layout: `a [S, n * R, in]`, and `b [S, R * out]` holding slot s's
+    slice i as a contiguous `[R, width_i]` block (B transposed, scaled) at column offset R * `slice_columns[i]`
+    (`slice_columns [n + 1]` int64: each slice's first output column, then the layer's output size)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    slice_columns: torch.Tensor
+    rank: int
+    out_features: int
+
+    @staticmethod
+    def of(a: torch.Tensor, b: torch.Tensor, slice_columns: list[int], rank: int) -> LoRAWeights:
+        num_slots, ranks, _ = a.shape
+        out_features = slice_columns[-1]
+        assert a.is_contiguous() and b.is_contiguous() and ranks == (len(slice_columns) - 1) * rank
+        assert b.shape == (num_slots, rank * out_features) and a.dtype == b.dtype
+        return LoRAWeights(a, b, torch.tensor(slice_columns, dtype=torch.int64), rank, out_features)
+
+
+def enabled() -> bool:
+    """Whether the worker runs the kernel: built, and the CPU kernels not turned off (`TOKENMILL_CPU_KERNELS=0`)."""
+    return os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0" and library() is not None
+
+
+def supports(x: torch.Tensor, out: torch.Tensor, weights: LoRAWeights) -> bool:
+    """Whether `lora_add` runs these tensors (CPU, one dtype it knows, output rows with unit stride)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == out.dtype == weights.a.dtype == weights.b.dtype
+        and x.dtype in DTYPE_CODES
+        and out.stride(-1) == 1
+    )
+
+
+def lora_add(x: torch.Tensor, out: torch.Tensor, weights: LoRAWeights, rows: SlotRows) -> None:
+    """out [T, out] += (x [T, in] @ a[slot].T) @ B[slot].T for each adapter token of `rows`, in place; the base
+    model's tokens are left as they are. Call only where `enabled()` and `supports(x, out, weights)`."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_slots, _, in_features = weights.a.shape
+    assert x.shape[1] == in_features and out.shape[0] == x.shape[0] and out.stride(-1) == 1
+    assert out.shape[1] == weights.out_features and rows.offsets.shape[0] == num_slots + 1
+    status = library().tm_lora_add(  # type: ignore[union-attr]
+        DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        weights.a.data_ptr(),
+        weights.b.data_ptr(),
+        in_features,
+        weights.out_features,
+        weights.rank,
+        weights.slice_columns.data_ptr(),
+        weights.slice_columns.shape[0] - 1,
+        rows.order.data_ptr(),
+        rows.offsets.data_ptr(),
+        num_slots,
+    )
+    if status != 0:
+        raise ValueError(f"lora_add: unsupported dtype {x.dtype}")

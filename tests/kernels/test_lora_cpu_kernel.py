@@ -1,0 +1,118 @@
+"""The native CPU LoRA kernel (`kernels/lora_cpu.cpp`) against a float64 reference: ranks 8, 16 and 64, several slot
+groups of uneven sizes, fused slices expanded into their own columns, empty slots, base-model rows left untouched,
+strided rows, one thread and several, and bfloat16 / float16 within their rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.kernels import lora_cpu
+from tokenmill.kernels.lora_cpu import LoRAWeights, SlotRows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built():
+    assert lora_cpu.library() is not None, "the CPU LoRA kernel did not build (see the warning in the log)"
+
+
+@pytest.fixture
+def threads():
+    """`threads(n)` sets torch's (and so the kernel's) OpenMP thread count until the test ends."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _weights(num_slots: int, rank: int, in_features: int, widths: list[int], dtype: torch.dtype):
+    """Random A and per-slice B blocks `[S, R, width_i]`, and the same in the kernel's layout."""
+    a = torch.randn(num_slots, len(widths) * rank, in_features) / in_features**0.5
+    blocks = [torch.randn(num_slots, rank, width) / rank**0.5 for width in widths]
+    b = torch.cat([block.flatten(1) for block in blocks], dim=1)  # slot s: slice 0's [R, w0], then slice 1's, ...
+    columns = [0]
+    for width in widths:
+        columns.append(columns[-1] + width)
+    return a, blocks, LoRAWeights.of(a.to(dtype), b.to(dtype).contiguous(), columns, rank)
+
+
+def _reference(x: torch.Tensor, a: torch.Tensor, blocks: list[torch.Tensor], token_slots: list[int]) -> torch.Tensor:
+    """float64 `[T, out]`: token by token, each slice's (x @ A_i[slot].T) @ B_i[slot] in its own columns."""
+    rank = blocks[0].shape[1]
+    delta = torch.zeros(x.shape[0], sum(block.shape[2] for block in blocks), dtype=torch.float64)
+    for row, slot in enumerate(token_slots):
+        if slot < 0:
+            continue
+        first = 0
+        for index, block in enumerate(blocks):
+            a_slice = a[slot, index * rank : (index + 1) * rank].double()
+            delta[row, first : first + block.shape[2]] = (x[row].double() @ a_slice.t()) @ block[slot].double()
+            first += block.shape[2]
+    return delta
+
+
+TOKEN_SLOTS = {
+    "uneven groups, slots unused, base rows between": [2, 2, -1, 2, -1, 0, 2, 2, 2, 2, -1],
+    "one adapter": [3] * 5,
+    "every slot, every row an adapter's": [1, 0, 3, 2, 0, 1, 2, 3] * 4,
+    "a long prefill of two adapters and the base": [0] * 37 + [-1] * 9 + [3] * 24,
+}
+
+
+@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("widths", [[40, 16, 16], [130, 130], [72]], ids=["qkv", "gate_up", "single"])
+@pytest.mark.parametrize("case", list(TOKEN_SLOTS))
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_kernel_matches_the_float64_reference(rank, widths, case, num_threads, threads):
+    threads(num_threads)
+    torch.manual_seed(rank + len(widths))
+    token_slots = TOKEN_SLOTS[case]
+    a, blocks, weights = _weights(4, rank, 96, widths, torch.float32)
+    x = torch.randn(len(token_slots), 96)
+    out = torch.randn(len(token_slots), sum(widths))
+    before = out.clone()
+    slots = torch.tensor(token_slots)
+    lora_cpu.lora_add(x, out, weights, SlotRows.of(slots, 4))
+    torch.testing.assert_close((out - before).double(), _reference(x, a, blocks, token_slots), atol=1e-5, rtol=1e-4)
+    assert out[slots < 0].equal(before[slots < 0]), "a base-model row changed"
+
+
+def test_a_step_of_base_rows_only_changes_nothing():
+    _, _, weights = _weights(2, 8, 32, [24], torch.float32)
+    out = torch.randn(3, 24)
+    before = out.clone()
+    lora_cpu.lora_add(torch.randn(3, 32), out, weights, SlotRows.of(torch.tensor([-1, -1, -1]), 2))
+    assert out.equal(before)
+
+
+def test_strided_rows_read_and_write_only_their_columns():
+    """x and out as column slices of wider tensors (a fused layer's output view): the other columns stay as they
+    were."""
+    torch.manual_seed(0)
+    token_slots = [1, -1, 0, 1, 1]
+    a, blocks, weights = _weights(2, 16, 48, [32, 8, 8], torch.float32)
+    x_wide, out_wide = torch.randn(5, 64), torch.randn(5, 100)
+    x, out = x_wide[:, 8:56], out_wide[:, 20:68]
+    before = out_wide.clone()
+    lora_cpu.lora_add(x, out, weights, SlotRows.of(torch.tensor(token_slots), 2))
+    expected = _reference(x, a, blocks, token_slots)
+    torch.testing.assert_close((out - before[:, 20:68]).double(), expected, atol=1e-5, rtol=1e-4)
+    assert out_wide[:, :20].equal(before[:, :20]) and out_wide[:, 68:].equal(before[:, 68:])
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+def test_half_precision_tensors_accumulate_in_float32(dtype, tolerance):
+    torch.manual_seed(1)
+    token_slots = [0, 1, -1, 2, 0, 1]
+    a, blocks, weights = _weights(3, 16, 64, [48, 48], dtype)
+    x = torch.randn(len(token_slots), 64)
+    out = torch.zeros(len(token_slots), 96, dtype=dtype)
+    lora_cpu.lora_add(x.to(dtype), out, weights, SlotRows.of(torch.tensor(token_slots), 3))
+    rounded = [block.to(dtype) for block in blocks]
+    expected = _reference(x.to(dtype), a.to(dtype), rounded, token_slots)
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_slot_rows_group_tokens_by_slot_in_token_order():
+    rows = SlotRows.of(torch.tensor([2, -1, 0, 2, 0, -1]), 4)
+    assert rows.order.tolist() == [2, 4, 0, 3]
+    assert rows.offsets.tolist() == [0, 2, 2, 4, 4]
