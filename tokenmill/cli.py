@@ -192,6 +192,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "parallelism (default: on with GPU workers, off on CPU)",
     )
     s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=SchedulerConfig().long_prefill_token_threshold,
+        help="while some request decodes, a step's prefill chunks take at most this many tokens of the budget, "
+        "so the decoders' inter-token gap stays short; 0 (default): learnt from the workers' step times so that "
+        "such a step takes about two decode steps",
+    )
+    s.add_argument(
         "--worker-step-timeout",
         type=float,
         default=SchedulerConfig().worker_step_timeout_s,
@@ -511,6 +519,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             request_timeout_s=args.request_timeout_s,
             structured_outputs_cache_bytes=args.structured_outputs_cache_bytes,
             async_scheduling=args.async_scheduling,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

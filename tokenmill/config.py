@@ -89,6 +89,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # step N's sampled tokens into N+1 itself. Steps whose requests must see their token first run synchronously.
     # None: on when the workers run on a GPU, off on CPU (there the scheduler's work takes cores from the forward)
     async_scheduling: bool | None = None
+    # while some request decodes, a step's prefill chunks take at most this many tokens of the budget, so the
+    # decoders' steps stay short (vLLM's --long-prefill-token-threshold); 0: learnt from the step times so that such
+    # a step takes about two decode steps (scheduler/prefill_limit.py)
+    long_prefill_token_threshold: int = 0
 
 
 class WorkerSocketKeys(msgspec.Struct, frozen=True, kw_only=True):
