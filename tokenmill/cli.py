@@ -365,6 +365,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_prompt_logprobs_elements,
         help="prompt tokens x (`prompt_logprobs` + 1) x `n`, summed over a request's prompts",
     )
+    r.add_argument(
+        "--max-structured-outputs-bytes",
+        type=parse_bytes,
+        default=defaults.max_structured_outputs_bytes,
+        help="bytes of a structured-output constraint (a JSON schema's without descriptions, titles and examples)",
+    )
 
     tools = parser.add_argument_group("tool calling and reasoning")
     tools.add_argument(
@@ -471,6 +477,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_json_depth=args.max_json_depth,
             max_cache_salt_bytes=args.max_cache_salt_bytes,
             max_prompt_logprobs_elements=args.max_prompt_logprobs_elements,
+            max_structured_outputs_bytes=args.max_structured_outputs_bytes,
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,

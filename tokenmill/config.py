@@ -156,6 +156,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_cache_salt_bytes: int = 256  # `cache_salt`, UTF-8 (vLLM has no limit; a salt is a tenant id or a secret)
     # prompt tokens x (prompt_logprobs + 1) x n over a request's prompts: the values its prompt logprobs carry
     max_prompt_logprobs_elements: int = 1 << 23
+    # a structured-output constraint's bytes (a JSON schema's without descriptions, titles and examples): building
+    # its grammar takes time in proportion (issue 28); OpenAI's structured outputs cap a schema's names and values
+    # at 120,000 characters
+    max_structured_outputs_bytes: int = 64 << 10
     # tool calling and reasoning (vLLM's flags): which parser reads tool calls from the output, whether
     # tool_choice "auto" is served, and which parser splits reasoning from the answer (frontend/tool_choice.py)
     tool_call_parser: str | None = None
