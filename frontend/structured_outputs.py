@@ -6,16 +6,19 @@ Chat and completions take one of: OpenAI's `response_format` (`json_object`, `js
 `guided_grammar`. More than one is a 400. The constraint is compiled once here, on a template thread
 (`tokenmill.grammars.validate`, bounded by llguidance's parser limits), so an invalid schema, regex or grammar is a
 400 naming the field rather than a failed generation; the scheduler compiles it again for the model's tokenizer.
+A JSON schema travels without its annotations (descriptions, titles, examples), and what is left is bounded in bytes
+(--max-structured-outputs-bytes): building a grammar costs time in proportion to it, in two processes (issue 28).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
 from tokenmill.frontend.errors import APIError
-from tokenmill.grammars import GrammarError, validate
+from tokenmill.grammars import GrammarError, validate, without_annotations
 from tokenmill.messages import StructuredOutputsParams, encode
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -122,18 +125,41 @@ def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
     return params
 
 
-def check_structured_outputs(params: StructuredOutputsParams, param: str) -> None:
-    """400 naming `param` when the constraint does not compile, or cannot travel to the engine (msgpack holds
-    integers from -2**63 to 2**64 - 1; a schema may hold any). Run it on a worker thread: compiling takes up to
-    milliseconds for large schemas."""
+def check_structured_outputs(params: StructuredOutputsParams, param: str, max_bytes: int) -> StructuredOutputsParams:
+    """The constraint as the engine gets it: a JSON schema without its annotations (descriptions, titles, examples:
+    no grammar reads them). 400 naming `param` when it is larger than `max_bytes` (--max-structured-outputs-bytes),
+    does not compile, or cannot travel to the engine (msgpack holds integers from -2**63 to 2**64 - 1; a schema may
+    hold any). Run it on a worker thread: compiling takes up to milliseconds for large schemas."""
+    params = _without_annotations(params, param)
     try:
-        encode(params)
+        size = len(encode(params))
     except (OverflowError, TypeError, ValueError) as exc:
         raise APIError(400, f"Invalid {param}: {exc}", param) from None
+    if size > max_bytes:
+        raise APIError(
+            400,
+            f"The {param} constraint is {size} bytes (descriptions and titles aside), more than this server's limit "
+            f"of {max_bytes} bytes (--max-structured-outputs-bytes).",
+            param,
+        )
     try:
         validate(params)
     except GrammarError as exc:
         raise APIError(400, f"Invalid {param}: {exc}", param) from None
+    return params
+
+
+def _without_annotations(params: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+    """`params` with its JSON schema stripped of annotations, in the form it came (an object, or JSON text)."""
+    if params.json is None:
+        return params
+    if isinstance(params.json, dict):
+        return msgspec.structs.replace(params, json=without_annotations(params.json))
+    try:
+        schema = json.loads(params.json)
+    except ValueError as exc:
+        raise APIError(400, f"Invalid {param}: the JSON schema is not JSON: {exc}", param) from None
+    return msgspec.structs.replace(params, json=json.dumps(without_annotations(schema)))
 
 
 async def structured_outputs_params(ctx: Any, request: Any) -> StructuredOutputsParams | None:
@@ -148,5 +174,7 @@ async def checked_constraint(
     if found is None:
         return None
     params, source = found
-    await ctx.offload.render(check_structured_outputs, params, source)
-    return params
+    checked: StructuredOutputsParams = await ctx.offload.render(
+        check_structured_outputs, params, source, ctx.config.server.max_structured_outputs_bytes
+    )
+    return checked

@@ -197,8 +197,9 @@ async def apply_tool_plan(ctx: Any, plan: ToolPlan, params: SamplingParams, prom
             plan = replace(plan, thinking=False)
     if plan.schema is not None:
         constraint = StructuredOutputsParams(json=json.dumps(plan.schema))
-        await ctx.offload.render(check_structured_outputs, constraint, "tools")
-        params.structured_outputs = constraint
+        params.structured_outputs = await ctx.offload.render(
+            check_structured_outputs, constraint, "tools", ctx.config.server.max_structured_outputs_bytes
+        )
     if params.structured_outputs is not None and plan.reasoning_parser is not None and plan.thinking:
         params.structured_outputs.begin_after_token_ids = end_marker_ids(plan.reasoning_parser, ctx.tokenizer)
     if plan.tool_parser is not None and plan.tool_parser.keeps_special_tokens:

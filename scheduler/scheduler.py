@@ -49,6 +49,7 @@ from tokenmill.scheduler.draft_speculator import DraftModelSpeculator
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.lora_admission import LoRAAdmission, adapter_names
 from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
+from tokenmill.scheduler.prefill_limit import PrefillLimit
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.spec_decode import NgramSpeculator, Speculator
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, RequestGrammar
@@ -128,6 +129,11 @@ class Scheduler:
         self._step_drafts: dict[str, list[int]] = {}
         # deadlines: the requests that have one, soonest first (deadline, request id); 0 turns the queue limit off
         self._deadlines: list[tuple[float, str]] = []
+        # while some request decodes, a step's prefill chunks take at most this many budget tokens (learnt from
+        # the workers' step times unless --long-prefill-token-threshold fixes it): the decoders' steps stay short
+        self.prefill_limit = PrefillLimit(config.scheduler.long_prefill_token_threshold)
+        self._prefill_room: int | None = None  # what the step being planned may still give prefills (None: all)
+        self._step_shapes: dict[int, tuple[int, int]] = {}  # step id -> (decoding requests, prefill budget tokens)
         self.max_queue_time = config.scheduler.max_queue_time_s
         # distinct LoRA adapters the running batch may hold (the workers' slots); None: LoRA is off
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
@@ -256,6 +262,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
         self._step_drafts = {}
+        self._prefill_room = self.prefill_limit.tokens() if any(map(self._decodes, self.running)) else None
         if self.speculator is not None:
             self.speculator.begin_step(len(self.running))
         preempted_any = False
@@ -293,7 +300,7 @@ class Scheduler:
                 self._step_drafts[req.request_id] = drafts
                 num_new += len(drafts)
             scheduled[req.request_id] = num_new
-            budget -= self._budget_cost(req, num_new)
+            budget -= self._charge(req, num_new)
 
         # then waiting requests, unless this step had to preempt (they would only take the freed blocks back)
         if not preempted_any:
@@ -301,7 +308,36 @@ class Scheduler:
 
         if not scheduled:
             return None
-        return self._build_plan(scheduled)
+        shape = self._step_shape(scheduled)  # before the plan advances the requests' computed tokens
+        plan = self._build_plan(scheduled)
+        self._step_shapes[plan.step_id] = shape
+        return plan
+
+    def _decodes(self, req: Request) -> bool:
+        """Whether a running request is generating: its prompt (and any output it resumes with) computed, one token
+        a step."""
+        return (
+            req.status is RequestStatus.RUNNING
+            and req.num_output_tokens + req.num_output_placeholders > 0
+            and req.num_tokens + req.num_output_placeholders - req.num_computed_tokens <= 1
+        )
+
+    def _charge(self, req: Request, num_new: int) -> int:
+        """The budget tokens `num_new` of the request's tokens take; a prefill's also spend the step's prefill room."""
+        cost = self._budget_cost(req, num_new)
+        if self._prefill_room is not None and not self._decodes(req):
+            self._prefill_room -= cost
+        return cost
+
+    def _step_shape(self, scheduled: dict[str, int]) -> tuple[int, int]:
+        """(requests decoding, budget tokens of prefill) in a planned step: what its time is learnt against."""
+        decoding = [self._decodes(self.requests[request_id]) for request_id in scheduled]
+        prefill_cost = sum(
+            self._budget_cost(self.requests[request_id], num_new)
+            for (request_id, num_new), decodes in zip(scheduled.items(), decoding)
+            if not decodes
+        )
+        return sum(decoding), prefill_cost
 
     def _num_unscheduled_tokens(self, req: Request) -> int:
         """A running request's tokens not scheduled yet: its known tokens past the computed ones, and under overlap
@@ -408,6 +444,8 @@ class Scheduler:
                         break
                     num_new = budget
                 num_new = self._chunk(req, num_new, budget)
+                if num_new <= 0:
+                    break  # the step's prefill room is spent: it starts next step, in policy order
                 lookahead = self._lookahead_slots(req, num_cached + num_new)  # it has computed none yet
                 while (new_block_ids := self.kv.allocate_slots(req, num_new, hits, lookahead)) is None:
                     if lookahead:  # best effort, as for running requests
@@ -429,7 +467,7 @@ class Scheduler:
             self.running.append(req)
             loras.add(req)
             scheduled[req.request_id] = num_new
-            budget -= self._budget_cost(req, num_new)
+            budget -= self._charge(req, num_new)
             admitted_any = True
         if admitted_any:
             self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
@@ -452,10 +490,18 @@ class Scheduler:
         return math.ceil(num_new * (1.0 + self.prompt_logprobs_row_cost))
 
     def _chunk(self, req: Request, num_new: int, budget: int) -> int:
-        """`num_new`, cut (with chunked prefill on) to the prompt positions whose cost (`_budget_cost`) fits in
-        `budget`; never below one, so such a prompt always advances (a step can then exceed its budget by at most
-        one position's LM head: the budget is spent and nothing is scheduled after it)."""
-        if not self.chunked_prefill or not self._scores_prompt(req):
+        """`num_new`, cut (with chunked prefill on) to what fits in `budget` and, for a prefill while others decode,
+        in the step's prefill room (0 once a prefill spent it); prompt positions that ask for logprobs cost more
+        (`_budget_cost`), but never fewer than one is scheduled, so such a prompt always advances (a step can then
+        exceed its budget by at most one position's LM head: the budget is spent and nothing is scheduled after it)."""
+        if not self.chunked_prefill or self._decodes(req):
+            return num_new
+        if self._prefill_room is not None:
+            if self._prefill_room <= 0:
+                return 0
+            budget = min(budget, self._prefill_room)
+            num_new = min(num_new, budget)
+        if not self._scores_prompt(req):
             return num_new
         return min(num_new, max(1, int(budget / (1.0 + self.prompt_logprobs_row_cost))))
 
@@ -592,6 +638,9 @@ class Scheduler:
         """Append sampled tokens, check stop conditions, finish requests. Results for requests that finished since the
         plan was made (aborted, or stopped by the step before it under overlap scheduling) are dropped."""
         awaiting = self._awaiting_results(plan.step_id)
+        shape = self._step_shapes.pop(plan.step_id, None)
+        if shape is not None:
+            self.prefill_limit.observe(*shape, result.model_time_s)
         planned = [self.requests.get(n.request_id) for n in plan.new_requests]
         planned += [self.requests.get(r.request_id) for r in plan.running]
         planned_alive = [r for r in planned if r is not None and r.status is RequestStatus.RUNNING]

@@ -102,13 +102,24 @@ class GrammarCompiler:
         try:
             grammar = grammar_text(params)
             matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0, limits=parser_limits())
+            if matcher.is_error():
+                raise GrammarError(matcher.get_error())
+            self._first_mask(matcher)
         except GrammarError:
             raise
         except Exception as exc:  # whatever the engine raises is this constraint's failure, not the scheduler's
             raise GrammarError(f"the grammar engine failed: {exc}") from None
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
         return matcher
+
+    def _first_mask(self, matcher: llguidance.LLMatcher) -> None:
+        """The compiled grammar's first mask, computed here on the compile thread: the lexer states it builds are
+        shared by every copy, so the requests' first masks on the scheduler's loop become cheap (a schema of 200
+        properties: ~35 ms here, ~0.1 ms there), and a grammar the engine fails on at once is refused before it
+        runs (a GrammarError for the request, not an error after it started)."""
+        scratch = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(matcher, scratch, 0)
+        if matcher.is_error():
+            raise GrammarError(engine_error(matcher))
 
     def fill_bitmask(self, grammars: Sequence[RequestGrammar]) -> np.ndarray:
         """[len(grammars), ceil(vocab / 32)] int32: bit t of row i set when grammar i allows token t next."""

@@ -192,6 +192,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "parallelism (default: on with GPU workers, off on CPU)",
     )
     s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=SchedulerConfig().long_prefill_token_threshold,
+        help="while some request decodes, a step's prefill chunks take at most this many tokens of the budget, "
+        "so the decoders' inter-token gap stays short; 0 (default): learnt from the workers' step times so that "
+        "such a step takes about two decode steps",
+    )
+    s.add_argument(
         "--worker-step-timeout",
         type=float,
         default=SchedulerConfig().worker_step_timeout_s,
@@ -357,6 +365,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_prompt_logprobs_elements,
         help="prompt tokens x (`prompt_logprobs` + 1) x `n`, summed over a request's prompts",
     )
+    r.add_argument(
+        "--max-structured-outputs-bytes",
+        type=parse_bytes,
+        default=defaults.max_structured_outputs_bytes,
+        help="bytes of a structured-output constraint (a JSON schema's without descriptions, titles and examples)",
+    )
 
     tools = parser.add_argument_group("tool calling and reasoning")
     tools.add_argument(
@@ -463,6 +477,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_json_depth=args.max_json_depth,
             max_cache_salt_bytes=args.max_cache_salt_bytes,
             max_prompt_logprobs_elements=args.max_prompt_logprobs_elements,
+            max_structured_outputs_bytes=args.max_structured_outputs_bytes,
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,
@@ -511,6 +526,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             request_timeout_s=args.request_timeout_s,
             structured_outputs_cache_bytes=args.structured_outputs_cache_bytes,
             async_scheduling=args.async_scheduling,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

@@ -89,6 +89,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # step N's sampled tokens into N+1 itself. Steps whose requests must see their token first run synchronously.
     # None: on when the workers run on a GPU, off on CPU (there the scheduler's work takes cores from the forward)
     async_scheduling: bool | None = None
+    # while some request decodes, a step's prefill chunks take at most this many tokens of the budget, so the
+    # decoders' steps stay short (vLLM's --long-prefill-token-threshold); 0: learnt from the step times so that such
+    # a step takes about two decode steps (scheduler/prefill_limit.py)
+    long_prefill_token_threshold: int = 0
 
 
 class WorkerSocketKeys(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,6 +156,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_cache_salt_bytes: int = 256  # `cache_salt`, UTF-8 (vLLM has no limit; a salt is a tenant id or a secret)
     # prompt tokens x (prompt_logprobs + 1) x n over a request's prompts: the values its prompt logprobs carry
     max_prompt_logprobs_elements: int = 1 << 23
+    # a structured-output constraint's bytes (a JSON schema's without descriptions, titles and examples): building
+    # its grammar takes time in proportion (issue 28); OpenAI's structured outputs cap a schema's names and values
+    # at 120,000 characters
+    max_structured_outputs_bytes: int = 64 << 10
     # tool calling and reasoning (vLLM's flags): which parser reads tool calls from the output, whether
     # tool_choice "auto" is served, and which parser splits reasoning from the answer (frontend/tool_choice.py)
     tool_call_parser: str | None = None

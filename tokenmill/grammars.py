@@ -15,6 +15,7 @@ sampled model pad its output until it runs out of tokens, and compact JSON is va
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
@@ -115,6 +116,34 @@ def _structural_tag_grammar(spec: str | dict) -> str:
             llguidance.StructTag(trigger=trigger, begin=begin, grammar=structure["schema"], end=structure["end"])
         )
     return llguidance.StructTag.to_grammar(tags)
+
+
+# JSON-schema keywords that describe a value without constraining it: no grammar reads them, and a client can pad
+# them to megabytes (a 2 MB schema of descriptions took 20-30 ms of GIL in each process that built its grammar)
+ANNOTATION_KEYWORDS = frozenset({"description", "title", "examples", "$comment", "deprecated", "readOnly", "writeOnly"})
+# keywords whose value maps names (property names, definition names) to subschemas: a name is never a keyword
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def without_annotations(schema: Any) -> Any:
+    """A JSON schema without its annotations (`ANNOTATION_KEYWORDS`), wherever a subschema sits; property and
+    definition names stay, whatever they are called (a property named `description` is kept). Other values (enum,
+    const, default) are kept as they are."""
+    if isinstance(schema, list):
+        return [without_annotations(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    kept: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ANNOTATION_KEYWORDS:
+            continue
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            kept[key] = {name: without_annotations(sub) for name, sub in value.items()}
+        elif key in ("enum", "const", "default", "required"):
+            kept[key] = value
+        else:
+            kept[key] = without_annotations(value)
+    return kept
 
 
 def validate(params: StructuredOutputsParams) -> str:

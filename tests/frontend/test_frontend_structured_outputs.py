@@ -116,3 +116,61 @@ async def test_malformed_constraints_are_400s_naming_the_field(smollm2_model, to
             status, body, _ = await h.post(path, body_for(path, fields))
             assert_error(status, body, 400, "BadRequestError", param)
         assert h.engine.requests == []
+
+
+def padded_schema(num_properties: int, description_chars: int) -> dict:
+    """A schema whose properties (one of them named `description`) carry long descriptions and titles."""
+    names = ["description", *(f"field_{i}" for i in range(num_properties - 1))]
+    properties = {
+        name: {"type": "string", "maxLength": 8, "description": "d" * description_chars, "title": name}
+        for name in names
+    }
+    return {"type": "object", "title": "t", "properties": properties, "required": names[:2]}
+
+
+@async_test
+async def test_a_schema_reaches_the_engine_without_its_annotations(smollm2_model, tokenizer):
+    """2 MB of descriptions are admitted, but never travel to the scheduler nor into a grammar: neither reads them."""
+    schema = padded_schema(200, 10_000)
+    async with serving(smollm2_model, tokenizer) as h:
+        fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
+        assert status == 200, body
+        [sent] = [r.sampling.structured_outputs for r in h.engine.requests]
+        assert sent is not None and isinstance(sent.json, dict)
+        assert set(sent.json) == {"type", "properties", "required"}
+        assert sent.json["properties"]["description"] == {"type": "string", "maxLength": 8}  # a name, kept
+        assert len(json.dumps(sent.json)) < 10_000
+
+        h.engine.requests.clear()
+        fields = {"structured_outputs": {"json": json.dumps(padded_schema(3, 100))}}  # JSON text stays text
+        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
+        assert status == 200, body
+        [sent] = [r.sampling.structured_outputs for r in h.engine.requests]
+        assert sent is not None and isinstance(sent.json, str) and "ddd" not in sent.json
+
+
+@async_test
+async def test_a_constraint_larger_than_the_limit_is_a_400_naming_its_field(smollm2_model, tokenizer):
+    """Property names, enums and patterns are what a grammar is built from: past --max-structured-outputs-bytes, a
+    400 naming the field, before anything compiles or reaches the engine."""
+    many_names = {"type": "object", "properties": {f"name_{i:05d}_{'x' * 20}": {"type": "string"} for i in range(100)}}
+    cases = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": many_names}}},
+            "response_format",
+        ),
+        ({"guided_json": many_names}, "guided_json"),
+        ({"structured_outputs": {"regex": "(a|b)" * 1000}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": ["c" * 100] * 60}}, "structured_outputs"),
+    ]
+    async with serving(smollm2_model, tokenizer, max_structured_outputs_bytes=4096) as h:
+        for fields, param in cases:
+            status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
+            assert_error(status, body, 400, "BadRequestError", param)
+            assert "--max-structured-outputs-bytes" in body["error"]["message"]
+        # annotations do not count: the padded schema is far larger than the limit, its constraint is not
+        fields = {"guided_json": padded_schema(20, 1_000)}
+        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
+        assert status == 200, body
+        assert len(h.engine.requests) == 1

@@ -283,3 +283,37 @@ def test_overlap_scheduling_plans_a_constrained_requests_steps_after_their_resul
     assert "plain" in placeholders, "the plain request overlaps once the constrained one is done"
     assert [t for o in outputs["plain"] for t in o.new_token_ids] == [UNCONSTRAINED_TOKEN] * 150
     assert scheduler.kv.usage == 0 and not scheduler.requests
+
+
+def test_the_first_mask_is_computed_on_the_compile_thread_and_its_failure_refuses_the_request_before_it_runs(
+    tokenizer, ll_tokenizer, monkeypatch
+):
+    """The compiled grammar's first mask builds the lexer states every copy shares (tens of ms for a schema of many
+    properties): on a compile thread, not on the scheduler's loop; an engine failure there refuses the request
+    before it runs a step."""
+    real_fill_row = llguidance.numpy.fill_next_token_bitmask
+    threads: list[str] = []
+    failing = threading.Event()
+
+    def recording_fill(matcher, bitmask, row):
+        threads.append(threading.current_thread().name)
+        if failing.is_set():
+            raise RuntimeError("first mask bug")
+        real_fill_row(matcher, bitmask, row)
+
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask", recording_fill)
+    compiler = GrammarCompiler(lambda: ll_tokenizer)
+    compiler.compile(StructuredOutputsParams(json=json.dumps(SCHEMA))).result(timeout=60)
+    assert threads and all(name.startswith("grammar") for name in threads)
+
+    failing.set()
+    scheduler = make_scheduler(tokenizer, GrammarCompiler(lambda: ll_tokenizer))
+    scheduler.add_request(constrained("bad", 8, regex="[a-z]+"))
+    scheduler.add_request(make_request("plain", 8, 4))
+    worker = MaskingWorker(4, tokenizer.eos_token_id)
+    outputs = run_to_completion(compiled(scheduler), worker)
+    [failure] = outputs["bad"]
+    assert failure.finish_reason == "error" and failure.error_kind == "invalid" and "first mask bug" in failure.error
+    assert failure.new_token_ids == []  # refused before its first step
+    assert [new.request_id for new in worker.new_requests_seen] == ["plain"]
+    assert scheduler.kv.usage == 0 and not scheduler.requests

@@ -1,0 +1,60 @@
+"""How many tokens of prefill a step may carry while other requests decode, so their inter-token gap stays within
+about twice their decode-only gap (issue 28: no request can stall the others).
+
+A step's time is roughly a decode step's plus a cost per prefill token (the forward of each, and for a prompt
+position asking for logprobs its LM head and scoring: the scheduler counts both as budget tokens, `_budget_cost`).
+Keeping a mixed step under two decode steps means a prefill chunk of at most `decode step time / per-token time`
+budget tokens. vLLM's `--long-prefill-token-threshold` and SGLang's `--chunked-prefill-size` are fixed numbers; the
+right number differs a hundredfold between a small model on CPU (a few tokens: a decode step reads the weights once,
+a prefill token computes through them) and a large one on a GPU (hundreds), so by default it is learnt from the
+workers' own step times (`StepResult.model_time_s`): the median of the recent decode-only steps, and of the recent
+per-token cost of steps with prefill (a prefill-only step's whole time counts, overhead included, which errs toward
+smaller chunks). Until both are known, nothing is limited; a fixed `--long-prefill-token-threshold` replaces the
+estimate. Medians over a short window follow a change of load while one slow step (a preempted core) moves nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+WINDOW = 32  # recent steps each median is taken over
+
+
+class PrefillLimit:
+    """The prefill budget tokens a step may take while some request decodes; learnt from observed steps."""
+
+    def __init__(self, threshold: int = 0, window: int = WINDOW) -> None:
+        self.threshold = threshold  # > 0: fixed (--long-prefill-token-threshold); 0: learnt
+        self._decode_step_s: deque[float] = deque(maxlen=window)
+        self._prefill_token_s: deque[float] = deque(maxlen=window)
+
+    def observe(self, num_decodes: int, prefill_cost: int, model_time_s: float) -> None:
+        """One finished step: how many requests decoded in it, the budget tokens its prefill chunks took, and the
+        workers' time for it."""
+        if model_time_s <= 0 or (num_decodes == 0 and prefill_cost == 0):
+            return
+        if prefill_cost == 0:
+            self._decode_step_s.append(model_time_s)
+            return
+        decode_s = self.decode_step_s() if num_decodes else 0.0
+        if num_decodes and decode_s is None:
+            return  # the decodes' share of this step is unknown yet
+        self._prefill_token_s.append(max(model_time_s - (decode_s or 0.0), 0.0) / prefill_cost)
+
+    def decode_step_s(self) -> float | None:
+        """The median time of the recent decode-only steps; None before any."""
+        return statistics.median(self._decode_step_s) if self._decode_step_s else None
+
+    def prefill_token_s(self) -> float | None:
+        """The median time of one prefill budget token over the recent steps with prefill; None before any."""
+        return statistics.median(self._prefill_token_s) if self._prefill_token_s else None
+
+    def tokens(self) -> int | None:
+        """The prefill budget tokens a step may take while a request decodes (at least 1); None: no limit."""
+        if self.threshold > 0:
+            return self.threshold
+        decode_s, token_s = self.decode_step_s(), self.prefill_token_s()
+        if decode_s is None or not token_s:
+            return None
+        return max(1, int(decode_s / token_s))

@@ -1,0 +1,119 @@
+"""A long prefill beside a decoding request: its chunks shrink while the other decodes, so the decoder's step stays
+within about twice its decode-only step (issue 28); the limit is learnt from the workers' step times, or fixed by
+--long-prefill-token-threshold."""
+
+import msgspec
+
+from tests.helpers.sched_testing import FakeWorker, make_config, make_request, step
+from tokenmill.config import SchedulerConfig
+from tokenmill.messages import StepPlan, StepResult
+from tokenmill.scheduler.prefill_limit import PrefillLimit
+from tokenmill.scheduler.scheduler import Scheduler
+
+DECODE_STEP_S = 0.020  # a step's fixed cost: what a decode-only step takes
+TOKEN_S = 0.004  # each further token's forward: a decode step costs as much as 5 prefill tokens
+
+
+class TimedWorker(FakeWorker):
+    """A FakeWorker whose steps take DECODE_STEP_S plus TOKEN_S per scheduled token beyond the first."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.step_times: list[tuple[dict[str, int], float]] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = super().execute(plan)
+        scheduled = self.state_scheduled(plan)
+        model_time_s = DECODE_STEP_S + TOKEN_S * (sum(scheduled.values()) - 1)
+        self.step_times.append((scheduled, model_time_s))
+        return msgspec.structs.replace(result, model_time_s=model_time_s)
+
+    @staticmethod
+    def state_scheduled(plan: StepPlan) -> dict[str, int]:
+        return {n.request_id: n.num_scheduled_tokens for n in plan.new_requests} | {
+            r.request_id: r.num_scheduled_tokens for r in plan.running
+        }
+
+
+def with_threshold(threshold: int, **config):
+    cfg = make_config(**config)
+    scheduler_cfg = msgspec.structs.replace(cfg.scheduler, long_prefill_token_threshold=threshold)
+    return msgspec.structs.replace(cfg, scheduler=scheduler_cfg)
+
+
+def test_the_limit_is_a_decode_step_over_a_prefill_tokens_time():
+    limit = PrefillLimit()
+    assert limit.tokens() is None  # nothing measured: nothing limited
+    for _ in range(3):
+        limit.observe(num_decodes=2, prefill_cost=0, model_time_s=0.020)
+    assert limit.tokens() is None  # the per-token time is still unknown
+    limit.observe(num_decodes=1, prefill_cost=50, model_time_s=0.020 + 50 * 0.004)
+    assert limit.decode_step_s() == 0.020 and limit.tokens() == 5
+    # one slow step (a core taken away) moves neither median
+    limit.observe(num_decodes=2, prefill_cost=0, model_time_s=2.0)
+    limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.040)
+    limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.040)
+    assert limit.tokens() == 5
+    assert PrefillLimit(threshold=48).tokens() == 48
+
+
+def test_a_prefill_only_step_counts_its_whole_time_per_token_and_empty_steps_count_nothing():
+    limit = PrefillLimit()
+    limit.observe(num_decodes=0, prefill_cost=10, model_time_s=0.050)
+    limit.observe(num_decodes=0, prefill_cost=0, model_time_s=0.5)
+    limit.observe(num_decodes=3, prefill_cost=0, model_time_s=0.0)  # a worker that does not time its steps
+    assert limit.prefill_token_s() == 0.005 and limit.decode_step_s() is None
+
+
+def test_a_long_prompt_beside_a_decoder_is_chunked_so_the_decoders_step_stays_within_twice_its_own():
+    cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
+    sched, worker = Scheduler(cfg, 256, [2]), TimedWorker(cfg.cache.block_size)
+    sched.add_request(make_request("warm", 16, max_tokens=1))  # a prefill-only step: the per-token time, roughly
+    step(sched, worker)
+    sched.add_request(make_request("decoder", 4, max_tokens=200, ignore_eos=True))
+    for _ in range(6):
+        step(sched, worker)
+    sched.add_request(make_request("long", 300, max_tokens=1))
+    worker.step_times.clear()
+    while "long" in sched.requests:
+        step(sched, worker)
+    with_decoder = [seconds for scheduled, seconds in worker.step_times if "decoder" in scheduled]
+    assert all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)
+    # the first mixed step may use the estimate of the prefill-only step (overhead and all); then it is learnt
+    assert max(with_decoder[2:]) <= 2 * DECODE_STEP_S
+    assert max(scheduled.get("long", 0) for scheduled, _ in worker.step_times[2:]) >= 4  # not starved to one token
+
+
+def test_alone_a_prompt_takes_the_whole_budget():
+    cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
+    sched, worker = Scheduler(cfg, 256, [2]), TimedWorker(cfg.cache.block_size)
+    sched.add_request(make_request("warm", 8, max_tokens=4, ignore_eos=True))
+    while "warm" in sched.requests:
+        step(sched, worker)
+    sched.add_request(make_request("long", 200, max_tokens=1))
+    plan, _ = step(sched, worker)
+    assert plan is not None and TimedWorker.state_scheduled(plan) == {"long": 64}
+
+
+def test_a_fixed_threshold_caps_the_prefill_chunks_in_budget_tokens_while_a_request_decodes():
+    cfg = with_threshold(12, max_num_batched_tokens=64, max_model_len=512)
+    sched = Scheduler(cfg, 256, [2], prompt_logprobs_row_cost=2.0)
+    worker = FakeWorker(cfg.cache.block_size)
+    sched.add_request(make_request("decoder", 4, max_tokens=100, ignore_eos=True))
+    step(sched, worker)
+    sched.add_request(make_request("plain", 30, max_tokens=1))
+    sched.add_request(make_request("scored", 30, max_tokens=1, prompt_logprobs=1))
+    plans = [step(sched, worker)[0] for _ in range(6)]
+    scheduled = [TimedWorker.state_scheduled(plan) for plan in plans if plan is not None]
+    # 12 plain tokens a step, then the scored prompt at 3 budget tokens a position: 4 positions a step
+    assert [s.get("plain") for s in scheduled[:3]] == [12, 12, 6]
+    assert [s.get("scored") for s in scheduled[:5]] == [None, None, 2, 4, 4]
+    assert all(s["decoder"] == 1 for s in scheduled)
+
+
+def test_the_flag_reaches_the_scheduler_config():
+    from tokenmill.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["serve", "m", "--long-prefill-token-threshold", "96"])
+    assert config_from_args(args).scheduler.long_prefill_token_threshold == 96
+    assert SchedulerConfig().long_prefill_token_threshold == 0
