@@ -69,6 +69,16 @@ _SIGNATURES = {
 }
 
 
+def native_flags() -> tuple[str, ...]:
+    """FLAGS, without AVX-512 code where `TOKENMILL_CPU_ISA` (kernels/gguf_ops.py) forces a lower x86 version: the
+    small kernels are then built as on an AVX2 machine, like the GGUF kernels run (a benchmark or a test of the AVX2
+    paths on an AVX-512 machine)."""
+    forced = os.environ.get("TOKENMILL_CPU_ISA")
+    if forced in ("avx2", "scalar") and platform.machine().lower() in ("x86_64", "amd64"):
+        return (*FLAGS, "-mno-avx512f")
+    return FLAGS
+
+
 def cache_dir() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
     return Path(os.environ.get("TOKENMILL_CACHE_DIR", default))
@@ -98,7 +108,7 @@ def require_private(path: Path) -> None:
 
 def library_name(compiler: str, source: Path | None = None, flags: tuple[str, ...] | None = None) -> str:
     """The cached library's file name: it names the source, the compiler, the flags and the CPU."""
-    source, flags = source or SOURCE, flags or FLAGS
+    source, flags = source or SOURCE, flags or native_flags()
     key = hashlib.sha256(
         b"\0".join(
             [
@@ -114,13 +124,14 @@ def library_name(compiler: str, source: Path | None = None, flags: tuple[str, ..
 
 
 def build(compiler: str | None = None, source: Path | None = None, flags: tuple[str, ...] | None = None) -> Path:
-    """Compile `source` (default `cpu_ops.cpp`) with `flags` (default FLAGS) unless this exact build is cached;
-    returns the shared library's path, checked private. Other kernel sources (`gguf_ops.py`) build through here too.
+    """Compile `source` (default `cpu_ops.cpp`) with `flags` (default `native_flags()`) unless this exact build is
+    cached; returns the shared library's path, checked private. Other kernel sources (`gguf_ops.py`) build through
+    here too.
 
     Raises `RuntimeError` with the compiler's message when the build fails.
     """
     compiler = compiler or os.environ.get("CXX", "g++")
-    source, flags = source or SOURCE, flags or FLAGS
+    source, flags = source or SOURCE, flags or native_flags()
     name = library_name(compiler, source, flags)
     try:
         return _cached_or_built(cache_dir(), name, compiler, source, flags)

@@ -1,0 +1,167 @@
+"""Recorded CPU verification steps (`workers/cpu_verify_graphs.py`): the same bits as the eager forward at every
+shape, at positions and block tables unseen when recorded; the worker records them only with speculation on, and
+greedy outputs with speculation on the kept-quantized default model equal those without it."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir, smollm2_tokenizer
+from tests.helpers.spec_decode_runs import CODE, generate
+from tokenmill.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from tokenmill.kernels import cpu_ops
+from tokenmill.messages import EngineRequest, SamplingParams
+from tokenmill.scheduler import spec_decode
+from tokenmill.workers import worker as worker_module
+from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.cpu_graphs import CpuDecodeGraphs
+from tokenmill.workers.cpu_verify_graphs import (
+    MAX_VERIFY_SEQS,
+    MAX_VERIFY_TOKENS,
+    CpuSpeculativeGraphs,
+    CpuVerifyGraphs,
+)
+from tokenmill.workers.worker import Worker
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=7, prompt_lookup_min=3, prompt_lookup_max=5)
+
+
+@pytest.fixture(autouse=True)
+def cpu_kernels(use_cpu_backend):
+    if cpu_ops.library() is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    use_cpu_backend("kernels")
+
+
+@pytest.fixture(scope="module")
+def spec_worker() -> Worker:
+    """The shipped SmolLM2 Q4_1 GGUF kept quantized, on the CPU kernels, n-gram speculation on (eager until
+    `capture_cuda_graphs`; decode batches of 1 and 2 recorded then)."""
+    worker = Worker(
+        EngineConfig(
+            model=ModelConfig(path=str(smollm2_dir()), gguf_file=SMOLLM2_GGUF),
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS),
+            scheduler=SchedulerConfig(max_num_seqs=2),
+            parallel=ParallelConfig(device="cpu"),
+            speculative=NGRAM,
+        )
+    )
+    worker.load_model()
+    worker.allocate_kv_cache(NUM_BLOCKS)
+    return worker
+
+
+def test_bounds_are_the_schedulers():
+    """The recorded shapes cover every verification step the scheduler plans by default."""
+    assert MAX_VERIFY_SEQS == spec_decode.MAX_SPECULATING_BATCH
+    assert MAX_VERIFY_TOKENS == spec_decode.STEP_TOKEN_BUDGET
+
+
+def test_recorded_verification_equals_the_eager_forward_bit_for_bit(spec_worker):
+    worker = spec_worker
+    rng = np.random.default_rng(5)
+    with torch.inference_mode():
+        graphs = CpuVerifyGraphs(
+            worker.model, worker.kv_caches, 8, BLOCK_SIZE, worker.text_config.hidden_size, worker.dtype
+        )
+        shapes = [(1, 2), (1, 8), (2, 5), (1, 2)]  # the last one again: replayed, not recorded anew
+        for num_seqs, num_tokens in shapes:
+            query_lens = np.ones(num_seqs, dtype=np.int64)
+            query_lens[rng.integers(num_seqs)] += num_tokens - num_seqs
+            seq_lens = rng.integers(20, 120, num_seqs) + query_lens
+            tables = rng.permutation(np.arange(1, NUM_BLOCKS))[: num_seqs * 8].reshape(num_seqs, 8)
+            attn = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, worker.device, graphs.attention)
+            assert graphs.can_run(attn)
+            ids = torch.as_tensor(rng.integers(100, 20_000, num_tokens))
+            positions = torch.as_tensor(np.concatenate([np.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]))
+            caches = [(k.clone(), v.clone()) for k, v in worker.kv_caches]
+            expected = worker.model(ids, positions, attn, worker.kv_caches)
+            expected_caches = [(k.clone(), v.clone()) for k, v in worker.kv_caches]
+            for (k, v), (k0, v0) in zip(worker.kv_caches, caches, strict=True):
+                k.copy_(k0)
+                v.copy_(v0)
+            got = graphs.run(ids, positions, attn)
+            assert torch.equal(got, expected), f"{num_tokens} tokens in {num_seqs} sequences"
+            for (k, v), (k1, v1) in zip(worker.kv_caches, expected_caches, strict=True):
+                assert torch.equal(k, k1) and torch.equal(v, v1)  # the same KV written, to the same slots
+        assert graphs.recorded_shapes == [(1, 2), (1, 8), (2, 5)]
+
+
+def test_steps_outside_the_bounds_are_left_to_the_eager_forward(spec_worker):
+    worker = spec_worker
+    hidden_size = worker.text_config.hidden_size
+    graphs = CpuVerifyGraphs(worker.model, worker.kv_caches, 8, BLOCK_SIZE, hidden_size, worker.dtype)
+
+    def metadata(query_lens: list[int], tables: int = 8):
+        seq_lens = np.array(query_lens) + 30
+        block_tables = np.arange(1, 1 + len(query_lens) * tables).reshape(len(query_lens), tables)
+        return build_attention_metadata(
+            np.array(query_lens), seq_lens, block_tables, BLOCK_SIZE, worker.device, graphs.attention
+        )
+
+    assert graphs.can_run(metadata([4, 4]))
+    assert not graphs.can_run(metadata([1, 1]))  # decode: CpuDecodeGraphs' steps
+    assert not graphs.can_run(metadata([5, 4]))  # 9 tokens
+    assert not graphs.can_run(metadata([2, 2, 2]))  # 3 sequences
+    assert not graphs.can_run(metadata([4], tables=9))  # a longer block table than the buffers hold
+    assert graphs.recorded_shapes == []
+
+
+def copy_requests() -> list[tuple[int, EngineRequest]]:
+    tokenizer = smollm2_tokenizer()
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    copy = tokenizer.encode(f"Copy this code exactly, then stop.\n\n{CODE}\nCopy:\n")
+    quote = tokenizer.encode(f"{CODE}\nQuote the line that raises an error, word for word:\n")
+    return [
+        (0, EngineRequest(request_id="copy", prompt_token_ids=copy, sampling=greedy)),
+        (6, EngineRequest(request_id="quote", prompt_token_ids=quote, sampling=greedy)),  # batches of 1 and 2
+    ]
+
+
+def test_greedy_outputs_with_recorded_verification_equal_plain_decoding(spec_worker):
+    worker = spec_worker
+    worker.capture_cuda_graphs()
+    graphs = worker.decode_graphs
+    assert isinstance(graphs, CpuSpeculativeGraphs)
+    replays: list[int] = []
+    original_run = graphs.verify.run
+    graphs.verify.run = lambda ids, *args: replays.append(len(ids)) or original_run(ids, *args)  # type: ignore[method-assign]
+    requests = copy_requests()
+    try:
+        plain, _ = generate(worker, SpeculativeConfig(), requests, num_blocks=NUM_BLOCKS, budget=256, tag="plain")
+        assert not replays
+        spec, scheduler = generate(worker, NGRAM, requests, num_blocks=NUM_BLOCKS, budget=256, tag="spec")
+    finally:
+        worker.decode_graphs = None
+        worker.forward = worker._choose_forward()
+    assert spec == plain
+    stats = scheduler.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # drafts accepted and rejected
+    # every verification without a prompt chunk in its step replayed (one of them holds both requests' tokens)
+    assert 0 < len(replays) <= stats.spec_num_drafts
+    assert graphs.verify.recorded_shapes and max(replays) > 2
+
+
+@pytest.mark.parametrize(
+    "speculative, recorded", [(NGRAM, CpuSpeculativeGraphs), (SpeculativeConfig(), CpuDecodeGraphs)]
+)
+def test_verification_is_recorded_only_with_speculation(spec_worker, monkeypatch, speculative, recorded):
+    built: list[type] = []
+    for cls in (CpuSpeculativeGraphs, CpuDecodeGraphs):
+        monkeypatch.setattr(worker_module, cls.__name__, lambda *args, cls=cls: built.append(cls))
+    monkeypatch.setattr(spec_worker, "config", msgspec.structs.replace(spec_worker.config, speculative=speculative))
+    monkeypatch.setattr(spec_worker, "forward", None)
+    spec_worker._record_cpu_graphs()
+    assert built == [recorded]

@@ -1,0 +1,178 @@
+"""Speculative-decoding verification steps on the CPU, recorded like decode steps (`workers/cpu_graphs.py`).
+
+A verification step runs one or two requests' 1 + k query tokens (the sampled token and its drafts) through the
+same compiled kernels as a decode step: the GGUF matmuls at T tokens, the attention kernel for short queries
+(`CpuKernelBackend`, every sequence within `MAX_KERNEL_QUERY_LEN`), RMSNorm, rotary, the KV write. Eagerly its
+few hundred kernel calls each pay the same Python as a decode step's (~4 ms a step at batch 1 on the default model,
+a quarter of a verification step), so after decode steps were recorded a verification cost relatively more and
+speculation gained less. Here each step shape (sequences, tokens) is recorded the first time it runs and replayed
+after: its kernel calls depend on the shape only, while the values (token ids, positions, slots, query starts,
+sequence lengths, block tables) are read by the kernels from static buffers at replay time.
+
+Shapes are bounded as the scheduler bounds speculation (`scheduler/spec_decode.py`): at most
+`MAX_VERIFY_SEQS` sequences (MAX_SPECULATING_BATCH: with more running, none speculates) and `MAX_VERIFY_TOKENS`
+tokens (STEP_TOKEN_BUDGET), i.e. at most 13 recordings; each keeps its step's activations alive (a few MiB for the
+default model). Recording a shape runs the forward three times over inert inputs (no slot written, block 0 read),
+once per shape per worker; a forward that cannot be recorded (`NotCapturable`) stays eager for that shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tokenmill.workers.attention import AttentionMetadata
+from tokenmill.workers.backends import attention_backend
+from tokenmill.workers.cpu_graphs import CpuDecodeGraphs, NotCapturable, cpu_call_capture
+from tokenmill.workers.cuda_graphs import KVCache
+
+log = logging.getLogger(__name__)
+
+# scheduler/spec_decode.py's MAX_SPECULATING_BATCH and STEP_TOKEN_BUDGET (tests check they agree): the largest
+# verification step the scheduler plans by default
+MAX_VERIFY_SEQS = 2
+MAX_VERIFY_TOKENS = 8
+
+Recording = tuple[Callable[[], None], torch.Tensor]  # (replay, the output it refills)
+
+
+class CpuVerifyGraphs:
+    """Steps of at most `max_tokens` query tokens in at most `max_seqs` sequences, none of them on the attention's
+    prompt path: recorded per (sequences, tokens) on first use, replayed after.
+
+    `model` is a `LlamaForCausalLM`: its `model.model` takes the embedded hidden states as `intermediate`, and the
+    token embedding (a numpy dequantization for GGUF weights, which no recording sees) runs eagerly before."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: Sequence[KVCache],
+        max_blocks_per_seq: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        max_seqs: int = MAX_VERIFY_SEQS,
+        max_tokens: int = MAX_VERIFY_TOKENS,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_seqs = max_seqs
+        self.max_tokens = max_tokens
+        self.attention = attention_backend("cpu")
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32)
+        self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype)
+        self._recordings: dict[tuple[int, int], Recording | None] = {}  # None: the shape cannot be recorded
+
+    @property
+    def recorded_shapes(self) -> list[tuple[int, int]]:
+        """The (sequences, tokens) shapes recorded so far."""
+        return sorted(shape for shape, recording in self._recordings.items() if recording is not None)
+
+    def can_run(self, attn: AttentionMetadata) -> bool:
+        """Whether `run` replays this step (or records its shape now): a short multi-token step whose every
+        sequence goes through the attention kernel, within the recorded bounds."""
+        shape = (int(attn.seq_lens.shape[0]), attn.num_tokens)
+        return (
+            not attn.is_decode_only
+            and not attn.prefills
+            and 0 < shape[0] <= self.max_seqs
+            and shape[1] <= self.max_tokens
+            and attn.block_tables.shape[1] <= self.block_tables.shape[1]
+            and self._recordings.get(shape, True) is not None
+        )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of a step that `can_run`: its shape's recording replayed (recorded first if
+        new; eagerly if the shape cannot be recorded)."""
+        shape = (int(attn.seq_lens.shape[0]), input_ids.shape[0])
+        if shape not in self._recordings:
+            self._recordings[shape] = self._record(*shape)
+        recording = self._recordings[shape]
+        if recording is None:
+            hidden: torch.Tensor = self.model(input_ids, positions, attn, self.kv_caches)
+            return hidden
+        num_seqs, num_tokens = shape
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(attn.slot_mapping)
+        self.query_start_loc[: num_seqs + 1].copy_(attn.query_start_loc)
+        self.seq_lens[:num_seqs].copy_(attn.seq_lens)
+        self.block_tables[:num_seqs, : attn.block_tables.shape[1]].copy_(attn.block_tables)
+        self.hidden[:num_tokens].copy_(self.model.model.embed_tokens(input_ids))
+        replay, output = recording
+        replay()
+        return output
+
+    def _record(self, num_seqs: int, num_tokens: int) -> Recording | None:
+        """Record the decoder over inert inputs of this shape: every sequence but the last one token, the last the
+        rest; no slot written (-1), keys read from block 0 only (zeroed at allocation, finite ever after)."""
+        self.slot_mapping[:num_tokens].fill_(-1)
+        self.positions[:num_tokens].zero_()
+        self.block_tables[:num_seqs].zero_()
+        starts = list(range(num_seqs)) + [num_tokens]
+        self.query_start_loc[: num_seqs + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        self.seq_lens[:num_seqs].copy_(torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int32))
+        metadata = self._metadata(num_seqs, num_tokens, max_query_len=num_tokens - num_seqs + 1)
+
+        def decoder() -> torch.Tensor:
+            hidden = self.hidden[:num_tokens]
+            output: torch.Tensor = self.model.model(
+                self.input_ids[:num_tokens], self.positions[:num_tokens], metadata, self.kv_caches, (hidden, None)
+            )
+            return output
+
+        try:
+            recording = cpu_call_capture()(decoder)
+        except NotCapturable as exc:
+            log.info("verification steps of %d tokens in %d sequences stay eager: %s", num_tokens, num_seqs, exc)
+            return None
+        log.debug("recorded verification steps of %d tokens in %d sequences", num_tokens, num_seqs)
+        return recording
+
+    def _metadata(self, num_seqs: int, num_tokens: int, max_query_len: int) -> AttentionMetadata:
+        """Attention metadata over the static buffers' first rows: every sequence on the attention kernel."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.block_tables[:num_seqs],
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs],
+            is_decode_only=False,
+            max_query_len=max_query_len,
+            max_seq_len=self.block_tables.shape[1] * self.block_size,
+            block_size=self.block_size,
+            backend=self.attention,
+        )
+
+
+class CpuSpeculativeGraphs(CpuDecodeGraphs):
+    """`CpuDecodeGraphs` that also replays verification steps (`CpuVerifyGraphs`): what the worker records on the
+    CPU when speculative decoding is on. Same arguments as `CpuDecodeGraphs`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: Sequence[KVCache],
+        batch_sizes: list[int],
+        max_blocks_per_seq: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(model, kv_caches, batch_sizes, max_blocks_per_seq, block_size, hidden_size, dtype)
+        self.verify = CpuVerifyGraphs(model, kv_caches, max_blocks_per_seq, block_size, hidden_size, dtype)
+
+    def can_run(self, attn: AttentionMetadata) -> bool:
+        return super().can_run(attn) or self.verify.can_run(attn)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        if super().can_run(attn):
+            return super().run(input_ids, positions, attn)
+        return self.verify.run(input_ids, positions, attn)
