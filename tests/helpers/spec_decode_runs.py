@@ -30,7 +30,8 @@ def generate(
     """Run the requests (each added at its step) to completion; request ids get `tag` so runs never share state."""
     config = EngineConfig(
         cache=CacheConfig(block_size=16, enable_prefix_caching=True),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+        # chunks set by the budget alone, not by a prefill limit learnt from this machine's step times
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, long_prefill_token_threshold=budget),
         speculative=speculative,
         lora=lora or LoRAConfig(),  # the scheduler admits adapter requests only where the worker serves them
     )
