@@ -10,7 +10,8 @@ a prefill token computes through them) and a large one on a GPU (hundreds), so b
 workers' own step times (`StepResult.model_time_s`): the median of the recent decode-only steps, and of the recent
 per-token cost of steps with prefill (a prefill-only step's whole time counts, overhead included, which errs toward
 smaller chunks). Until both are known, nothing is limited; a fixed `--long-prefill-token-threshold` replaces the
-estimate. Medians over a short window follow a change of load while one slow step (a preempted core) moves nothing.
+estimate, and 0 turns the limit off (vLLM's default). Medians over a short window follow a change of load while one
+slow step (a preempted core) moves nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ WINDOW = 32  # recent steps each median is taken over
 class PrefillLimit:
     """The prefill budget tokens a step may take while some request decodes; learnt from observed steps."""
 
-    def __init__(self, threshold: int = 0, window: int = WINDOW) -> None:
-        self.threshold = threshold  # > 0: fixed (--long-prefill-token-threshold); 0: learnt
+    def __init__(self, threshold: int | None = None, window: int = WINDOW) -> None:
+        self.threshold = threshold  # --long-prefill-token-threshold: > 0 fixed, 0 no limit (vLLM's), None learnt
         self._decode_step_s: deque[float] = deque(maxlen=window)
         self._prefill_token_s: deque[float] = deque(maxlen=window)
 
@@ -52,8 +53,8 @@ class PrefillLimit:
 
     def tokens(self) -> int | None:
         """The prefill budget tokens a step may take while a request decodes (at least 1); None: no limit."""
-        if self.threshold > 0:
-            return self.threshold
+        if self.threshold is not None:
+            return self.threshold or None
         decode_s, token_s = self.decode_step_s(), self.prefill_token_s()
         if decode_s is None or not token_s:
             return None

@@ -46,6 +46,7 @@ def other_value(action: argparse.Action) -> list[str]:
         "--max-lora-rank": "32",
         "--max-cpu-loras": "4",
         "--hf-overrides": '{"architectures": ["Qwen3ForSequenceClassification"]}',
+        "--long-prefill-token-threshold": "96",
     }
     if flag in special:
         return [flag, special[flag]]

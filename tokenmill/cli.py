@@ -31,6 +31,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_or_auto(text: str) -> int | None:
+    """An argparse type: `auto` (None: the engine chooses) or an integer of at least 0."""
+    if text.strip().lower() == "auto":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be auto or at least 0, got {value}")
+    return value
+
+
 def parse_bytes(text: str) -> int:
     """'4GiB', '512M', '1073741824' -> bytes (binary units)."""
     match = _SIZE.match(text)
@@ -193,11 +203,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--long-prefill-token-threshold",
-        type=int,
+        type=int_or_auto,
         default=SchedulerConfig().long_prefill_token_threshold,
         help="while some request decodes, a step's prefill chunks take at most this many tokens of the budget, "
-        "so the decoders' inter-token gap stays short; 0 (default): learnt from the workers' step times so that "
-        "such a step takes about two decode steps",
+        "so the decoders' inter-token gap stays short; auto (default): learnt from the workers' step times so "
+        "that such a step takes about two decode steps; 0: no limit (vLLM's default)",
     )
     s.add_argument(
         "--worker-step-timeout",

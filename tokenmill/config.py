@@ -90,9 +90,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # None: on when the workers run on a GPU, off on CPU (there the scheduler's work takes cores from the forward)
     async_scheduling: bool | None = None
     # while some request decodes, a step's prefill chunks take at most this many tokens of the budget, so the
-    # decoders' steps stay short (vLLM's --long-prefill-token-threshold); 0: learnt from the step times so that such
-    # a step takes about two decode steps (scheduler/prefill_limit.py)
-    long_prefill_token_threshold: int = 0
+    # decoders' steps stay short (vLLM's --long-prefill-token-threshold; 0: no limit, as there); None: learnt from
+    # the step times so that such a step takes about two decode steps (scheduler/prefill_limit.py)
+    long_prefill_token_threshold: int | None = None
 
 
 class WorkerSocketKeys(msgspec.Struct, frozen=True, kw_only=True):

@@ -116,4 +116,16 @@ def test_the_flag_reaches_the_scheduler_config():
 
     args = build_parser().parse_args(["serve", "m", "--long-prefill-token-threshold", "96"])
     assert config_from_args(args).scheduler.long_prefill_token_threshold == 96
-    assert SchedulerConfig().long_prefill_token_threshold == 0
+    assert SchedulerConfig().long_prefill_token_threshold is None  # learnt
+    assert config_from_args(build_parser().parse_args(["serve", "m"])).scheduler.long_prefill_token_threshold is None
+    off = build_parser().parse_args(["serve", "m", "--long-prefill-token-threshold", "0"])
+    assert config_from_args(off).scheduler.long_prefill_token_threshold == 0
+
+
+def test_a_zero_threshold_is_no_limit_as_in_vllm():
+    limit = PrefillLimit(threshold=0)
+    for _ in range(8):
+        limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.010)
+        limit.observe(num_decodes=1, prefill_cost=100, model_time_s=0.110)
+    assert limit.tokens() is None
+    assert PrefillLimit().tokens() is None  # learnt: nothing known yet
