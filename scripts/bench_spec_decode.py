@@ -149,19 +149,26 @@ def chat_prompts(llm, prompts: list[str]) -> list[str]:
     ]
 
 
-def cpu_seconds() -> float:
-    """CPU seconds so far of this process and its children (both engines' scheduler and worker processes)."""
+def cpu_seconds() -> dict[int, float]:
+    """CPU seconds so far of this process and each of its children (both engines' scheduler and worker processes),
+    by process id."""
     import psutil
 
     me = psutil.Process()
-    total = 0.0
+    seconds = {}
     for process in [me, *me.children(recursive=True)]:
         try:
             times = process.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        total += times.user + times.system
-    return total
+        seconds[process.pid] = times.user + times.system
+    return seconds
+
+
+def cpu_seconds_since(before: dict[int, float]) -> float:
+    """CPU seconds the processes alive now spent since `before` (a process started since counts from zero; one
+    that ended since, such as a tokenizer conversion, is left out rather than subtracted)."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in cpu_seconds().items())
 
 
 def run_round(llm, prompts: list[str], batch: int, params) -> tuple[int, float, float, list[list[int]]]:
@@ -171,7 +178,7 @@ def run_round(llm, prompts: list[str], batch: int, params) -> tuple[int, float, 
     for start in range(0, len(prompts), batch):
         for result in llm.generate(prompts[start : start + batch], params, use_tqdm=False):
             tokens.append(list(result.outputs[0].token_ids))
-    return sum(len(t) for t in tokens), time.perf_counter() - started, cpu_seconds() - cpu_started, tokens
+    return sum(len(t) for t in tokens), time.perf_counter() - started, cpu_seconds_since(cpu_started), tokens
 
 
 def main(argv: list[str] | None = None) -> int:

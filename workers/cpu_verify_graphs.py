@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -57,6 +58,8 @@ class CpuVerifyGraphs:
         max_tokens: int = MAX_VERIFY_TOKENS,
     ) -> None:
         self.model = model
+        self.decoder = cast(torch.nn.Module, model.model)  # from the embedded hidden states on
+        self.embed = cast(torch.nn.Module, self.decoder.embed_tokens)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_seqs = max_seqs
@@ -106,7 +109,7 @@ class CpuVerifyGraphs:
         self.query_start_loc[: num_seqs + 1].copy_(attn.query_start_loc)
         self.seq_lens[:num_seqs].copy_(attn.seq_lens)
         self.block_tables[:num_seqs, : attn.block_tables.shape[1]].copy_(attn.block_tables)
-        self.hidden[:num_tokens].copy_(self.model.model.embed_tokens(input_ids))
+        self.hidden[:num_tokens].copy_(self.embed(input_ids))
         replay, output = recording
         replay()
         return output
@@ -124,7 +127,7 @@ class CpuVerifyGraphs:
 
         def decoder() -> torch.Tensor:
             hidden = self.hidden[:num_tokens]
-            output: torch.Tensor = self.model.model(
+            output: torch.Tensor = self.decoder(
                 self.input_ids[:num_tokens], self.positions[:num_tokens], metadata, self.kv_caches, (hidden, None)
             )
             return output
