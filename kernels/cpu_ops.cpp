@@ -497,7 +497,8 @@ template <typename T>
 void rms_norm(T* out, int64_t out_stride, T* residual_out, int64_t residual_out_stride, const T* x,
               int64_t x_stride, const T* residual, int64_t residual_stride, const T* weight, int64_t num_rows,
               int64_t hidden, float eps) {
-#pragma omp parallel
+  // One row (a batch-1 decode step) is one thread's work: no team to wake and wait for (61 calls a step).
+#pragma omp parallel if (num_rows > 1)
   {
     std::vector<float> h(hidden);
 #pragma omp for

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import call_replay, cpu_ops
-from tokenmill.workers.cpu_graphs import recording_kernel_calls
+from tokenmill.workers.cpu_graphs import cpu_call_capture, recording_kernel_calls
 
 
 @pytest.fixture(autouse=True)
@@ -88,3 +88,20 @@ def test_calls_it_cannot_lay_out_are_left_to_the_python_loop():
     assert call_replay.NativeCalls.build([(ldexp, (ctypes.c_double(1.5), ctypes.c_int(2)))]) is None
     many = cpu_ops.library().tm_omp_max_threads
     assert call_replay.NativeCalls.build([(many, ())]) is not None
+
+
+def test_recorded_forwards_replay_through_the_native_loop(monkeypatch):
+    runs: list[int] = []
+    original = call_replay.NativeCalls.run
+
+    def counted(self, *args):
+        runs.append(len(self.names))
+        return original(self, *args)
+
+    monkeypatch.setattr(call_replay.NativeCalls, "run", counted)
+    x = torch.randn(2, 64)
+    replay, output = cpu_call_capture()(lambda: cpu_ops.silu_and_mul(x))
+    runs.clear()
+    x.copy_(torch.randn(2, 64))
+    replay()
+    assert runs == [1] and torch.equal(output, cpu_ops.silu_and_mul(x))
