@@ -1,7 +1,6 @@
 """Multi-LoRA throughput: a batch of 32 requests spread over 4 adapters (rank 16, every projection) against the same
 batch on the base model alone, output tokens/s of each and their ratio, measured in one run on one engine (runs
-interleaved, best of `--repeats`, so a busy machine slows both alike), and the same ratio of tokens per CPU-second of
-the engine's processes (`cpu_time_ratio`: steadier than wall time on a host shared with other work).
+interleaved, best of `--repeats`, so a busy machine slows both alike).
 
     python scripts/bench_lora.py [--model PATH] [--num-requests 32 --num-adapters 4 --rank 16 --max-tokens 64]
     python scripts/bench_lora.py --kernels   # the CPU paths on each LoRA layer: the native kernel (kernels/lora_cpu.py)
@@ -85,14 +84,12 @@ def run_end_to_end(args: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False, lora_request=loras)  # warm up, adapters into their slots
     best = {"base": 0.0, "lora": 0.0}
-    per_cpu_second = {"base": 0.0, "lora": 0.0}
     for _ in range(args.repeats):
         for mode in best:
-            started, cpu_before = time.perf_counter(), engine_cpu_seconds()
+            started = time.perf_counter()
             results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if mode == "lora" else None)
             tokens = sum(len(result.outputs[0].token_ids) for result in results)
             best[mode] = max(best[mode], tokens / (time.perf_counter() - started))
-            per_cpu_second[mode] = max(per_cpu_second[mode], tokens / max(engine_cpu_seconds() - cpu_before, 1e-9))
     llm.shutdown()
     return {
         "num_requests": args.num_requests,
@@ -102,33 +99,8 @@ def run_end_to_end(args: argparse.Namespace) -> dict:
         "base_tokens_per_s": round(best["base"], 1),
         "lora_tokens_per_s": round(best["lora"], 1),
         "ratio": round(best["lora"] / best["base"], 3),
-        "cpu_time_ratio": round(per_cpu_second["lora"] / per_cpu_second["base"], 3),
         "load_average": os.getloadavg(),
     }
-
-
-def engine_cpu_seconds() -> float:
-    """CPU seconds used so far by this process and its descendants (the engine's processes), from /proc: unlike
-    wall time, it does not count the time other sessions' work held the cores. 0 where /proc is missing."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue  # a process that ended meanwhile
-        pid = int(stat.parent.name)
-        parents[pid], times[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
-    family, total = [os.getpid()], 0.0
-    while family:
-        pid = family.pop()
-        total += times.get(pid, 0.0)
-        family.extend(children.get(pid, []))
-    return total
 
 
 def time_layer_paths(
