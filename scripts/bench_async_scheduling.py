@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engines' spawned workers read it at start-up
     folder = make_results_dir(args.result_dir, args.name)
     engine_args = {"dtype": args.dtype, "max_num_seqs": args.batch, "max_model_len": args.input_len + args.output_len}
+    # prompts prefilled in whole chunks, so that every request decodes in every step of the timed window (with the
+    # learnt prefill limit, prompts admitted beside decoding requests trickle in)
+    engine_args["long_prefill_token_threshold"] = 0
     windows: dict[bool, list[DecodeWindow]] = {False: [], True: []}
     with (
         LLM(args.model, async_scheduling=False, **engine_args) as off,
