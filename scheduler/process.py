@@ -122,13 +122,8 @@ class SchedulerLoop:
                 lambda: grammar_tokenizer(self.config.model, first.vocab_size, first.eos_token_ids),
                 cache_bytes=self.config.scheduler.structured_outputs_cache_bytes,
             )
-        config = self.config
-        if config.scheduler.async_scheduling is None:  # auto: on GPU workers only (docs/architecture.md)
-            on_gpu = first.device.startswith("cuda")
-            scheduler_config = msgspec.structs.replace(config.scheduler, async_scheduling=on_gpu)
-            config = msgspec.structs.replace(config, scheduler=scheduler_config)
         self.scheduler = Scheduler(
-            config,
+            self.config,
             num_blocks,
             first.eos_token_ids,
             grammars=grammars,

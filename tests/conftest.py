@@ -8,6 +8,9 @@ import pytest
 
 # Tests never reach a model hub; anything that tries must fail fast, not hang.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The test run oversubscribes its 2 cores (pytest, engines, their servers): OpenMP threads of the engines it starts
+# sleep at once instead of the short spin an engine chooses on a host of its own (tokenmill/launcher.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _has_cuda() -> bool:

@@ -71,22 +71,3 @@ def test_ray_actors_get_no_api_key_and_no_scheduler_secret(config):
     workers.start(config)
     secret = config.parallel.worker_socket_keys.server_secret.encode()
     assert len(calls) == 2 and all(API_KEY.encode() not in c and secret not in c for c in calls)
-
-
-@pytest.mark.parametrize("chosen", [None, "ACTIVE"])
-def test_children_wait_passively_in_openmp_unless_the_user_chose(config, monkeypatch, chosen):
-    """A CPU worker's OpenMP threads spinning at barriers on an oversubscribed host made completions ~15-60x slower
-    (the fuzz run's 300 s client timeout): every child gets OMP_WAIT_POLICY=PASSIVE unless the user set it."""
-    if chosen is None:
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    else:
-        monkeypatch.setenv("OMP_WAIT_POLICY", chosen)
-    children: list[FakeChild] = []
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: children.append(FakeChild(*a, **k)) or children[-1])
-    processes = launcher.EngineProcesses(config)
-    try:
-        processes.start()
-    finally:
-        processes.stopped = True
-        shutil.rmtree(processes.config.ipc_dir, ignore_errors=True)
-    assert [child.env["OMP_WAIT_POLICY"] for child in children] == [chosen or "PASSIVE"] * 3

@@ -199,7 +199,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="plan the next step while the workers run this one (overlap scheduling); steps with a "
         "structured-output request or speculative decoding run synchronously; off with pipeline or tensor "
-        "parallelism (default: on with GPU workers, off on CPU)",
+        "parallelism (default: on)",
     )
     s.add_argument(
         "--long-prefill-token-threshold",

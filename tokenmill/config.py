@@ -87,7 +87,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     structured_outputs_cache_bytes: int = 512 << 20  # compiled grammars kept (scheduler/structured_outputs.py)
     # overlap scheduling (vLLM's --async-scheduling): plan step N+1 while the workers run step N; the worker feeds
     # step N's sampled tokens into N+1 itself. Steps whose requests must see their token first run synchronously.
-    # None: on when the workers run on a GPU, off on CPU (there the scheduler's work takes cores from the forward)
+    # None: on, except under tensor or pipeline parallelism (the other ranks would need the sampled tokens)
     async_scheduling: bool | None = None
     # while some request decodes, a step's prefill chunks take at most this many tokens of the budget, so the
     # decoders' steps stay short (vLLM's --long-prefill-token-threshold; 0: no limit, as there); None: learnt from

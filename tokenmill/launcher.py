@@ -44,17 +44,22 @@ CHILD_ENTRY = (
 )
 
 
+# libgomp's spin at a barrier before its threads sleep, in spins (about 100 per microsecond): ~0.1 ms
+OPENMP_SPIN_COUNT = "10000"
+
+
 def child_environment(base: Mapping[str, str], log_format: str) -> dict[str, str]:
     """The environment of the scheduler and worker children: `base`, the instance's log format (a child sets up
-    logging before it has read the config), and OpenMP threads that sleep when they wait unless the user chose
-    otherwise. libgomp's threads spin at every barrier by default; on a host with more runnable processes than cores
-    a spinning thread burns the time slice its descheduled partner needs, and a CPU worker with two threads ran a
-    64-token completion in 58-97 s instead of 1-7 s (load ~15 on 2 cores), long enough for clients to time out. vLLM
-    sets KMP_BLOCKTIME=1 on its CPU backend for the same reason (Intel's OpenMP). Decode steps alone: two spinning
-    threads were 7x (batch 1) to 21x (batch 8) slower than one on a loaded 2-vCPU machine, passive ones 1.1-1.3x
-    (scripts/bench_cpu_threads.py, docs/benchmarks.md)."""
+    logging before it has read the config), and a short OpenMP spin unless the user chose a wait policy or a spin
+    count. Between a step's ~300 kernel calls the gaps are microseconds: threads that sleep at once pay a wake-up per
+    parallel region, those that spin libgomp's default 3 ms hold a core the scheduler and the frontend need between
+    steps. On an idle 2-vCPU host, two threads spinning ~0.1 ms served batch-1 decode at 4.8 ms per token against 7.5
+    ms on one thread and 12.9 ms on two passive ones, and 303 against 188 and 144 tok/s at concurrency 16
+    (docs/benchmarks.md, "Two compute threads"). On a host already oversubscribed by other work, spinning of any
+    length is a cliff: set OMP_WAIT_POLICY=PASSIVE or OMP_NUM_THREADS=1 there (README, "CPU")."""
     env = {**base, LOG_FORMAT_ENV: log_format}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
     return env
 
 
