@@ -41,16 +41,12 @@ def library() -> ctypes.CDLL | None:
     if (platform.system(), platform.machine()) not in SUPPORTED_PLATFORMS:
         return None
     try:
-        path = cpu_ops.build(source=SOURCE, flags=FLAGS)
-        cpu_ops.require_private(path)  # again right before loading: this is the file whose code runs
-        lib = ctypes.CDLL(str(path))
+        lib = cpu_ops.load(SOURCE, {"tm_replay_layout": [ctypes.POINTER(ctypes.c_int64)] * 3}, flags=FLAGS)
     except (RuntimeError, OSError) as exc:
         log.warning("native kernel-call replay unavailable, replaying from Python: %s", exc)
         return None
-    lib.tm_replay_layout.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 3
-    lib.tm_replay_layout.restype = ctypes.c_int
-    lib.tm_replay_calls.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.tm_replay_calls.restype = ctypes.c_int64
+    replay_calls = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    cpu_ops.declare(lib, {"tm_replay_calls": replay_calls}, ctypes.c_int64)
     return lib
 
 

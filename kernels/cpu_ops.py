@@ -164,21 +164,32 @@ def _cached_or_built(directory: Path, name: str, compiler: str, source: Path, fl
     return target
 
 
+def load(source: Path, signatures: dict[str, list], flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Build `source` (cached), load it and declare its functions (each returning a C int status). Every kernel
+    library loads through here. Raises `RuntimeError` or `OSError` where it cannot be built or loaded."""
+    path = build(source=source, flags=flags)
+    require_private(path)  # again right before loading: this is the file whose code runs
+    lib = ctypes.CDLL(str(path))
+    declare(lib, signatures, ctypes.c_int)
+    return lib
+
+
+def declare(lib: ctypes.CDLL, signatures: dict[str, list], restype: type) -> None:
+    """Set the argument and return types of `lib`'s functions named in `signatures`."""
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = restype
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (logged once) where they cannot be built."""
     try:
-        path = build()
-        require_private(path)  # again right before loading: this is the file whose code runs
-        lib = ctypes.CDLL(str(path))
+        return load(SOURCE, _SIGNATURES)
     except (RuntimeError, OSError) as exc:
         log.warning("CPU kernels unavailable, using the slower torch code instead: %s", exc)
         return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int
-    return lib
 
 
 def _call(name: str, dtype: torch.dtype, *args) -> None:

@@ -156,20 +156,11 @@ def library() -> ctypes.CDLL | None:
         log.warning("GGUF CPU kernels turned off (TOKENMILL_CPU_KERNELS=0): dequantizing to float for every matmul")
         return None
     try:
-        path = cpu_ops.build(source=SOURCE, flags=build_flags())
-        cpu_ops.require_private(path)  # again right before loading: this is the file whose code runs
-        lib = ctypes.CDLL(str(path))
+        lib = cpu_ops.load(SOURCE, _SIGNATURES, flags=build_flags())
     except (RuntimeError, OSError) as exc:
         log.warning("GGUF CPU kernels unavailable, dequantizing to float for every matmul (slow): %s", exc)
         return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int
-    for name, argtypes in _U64_SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_uint64
+    cpu_ops.declare(lib, _U64_SIGNATURES, ctypes.c_uint64)
     forced = os.environ.get("TOKENMILL_CPU_ISA")
     if forced:
         if forced not in ISA_CODES or lib.tm_gguf_set_isa(ISA_CODES[forced]) != 0:

@@ -36,17 +36,10 @@ _SIGNATURES = {
 def library() -> ctypes.CDLL | None:
     """The loaded LoRA kernel, or None (logged once) where it cannot be built."""
     try:
-        path = cpu_ops.build(source=SOURCE)
-        cpu_ops.require_private(path)  # again right before loading: this is the file whose code runs
-        lib = ctypes.CDLL(str(path))
+        return cpu_ops.load(SOURCE, _SIGNATURES)
     except (RuntimeError, OSError) as exc:
         log.warning("the CPU LoRA kernel is unavailable, using the slower torch code instead: %s", exc)
         return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int
-    return lib
 
 
 @dataclass(frozen=True)
