@@ -491,6 +491,23 @@ uint64_t tm_gguf_stream_sum(const uint8_t* p, int64_t bytes) {
   return acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
 }
 
+// The bound as the fastest of several read loops (`read_sum` in each instruction set's version): `bytes` bytes read
+// as `streams` (1, 2, 4 or 8) parts side by side, prefetching `prefetch` bytes ahead of each where > 0, with the loads
+// of instruction set `isa`. Returns the 64-bit lane sum, or 0 for an unsupported isa (the sum of real data is not 0).
+uint64_t tm_gguf_read_sum(int isa, const uint8_t* p, int64_t bytes, int streams, int64_t prefetch) {
+  if (!isa_supported(isa)) return 0;
+  switch (isa) {
+#if TM_X86
+    case ISA_AVX512: return tm_avx512::read_sum(p, bytes, streams, prefetch);
+    case ISA_AVX2: return tm_avx2::read_sum(p, bytes, streams, prefetch);
+#endif
+#if TM_NEON
+    case ISA_NEON: return tm_neon::read_sum(p, bytes, streams, prefetch);
+#endif
+    default: return tm_scalar::read_sum(p, bytes, streams, prefetch);
+  }
+}
+
 // `calls` int8 matmuls of the T x K activations x (float32) with weights[c % copies] (each N x K, plain or
 // repacked) into y, back to back: the kernels' time without a Python call per matmul. Returns tm_gguf_matmul's code.
 int tm_gguf_matmul_cycle(int qtype, int repacked, const float* x, const uint8_t* const* weights, int64_t copies,
@@ -2258,6 +2275,68 @@ void run_float_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_
     case Q2_K: float_tile_rows<Q2_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     case Q3_K: float_tile_rows<Q3_K>(w, row_bytes, row_begin, row_end, x, ldx, K, T, y, ldy); break;
     default: break;
+  }
+}
+
+
+// ---------------------------------------------------------------- read bandwidth, for scripts/bench_gguf_gemv.py
+// The 64-bit lane sum of `bytes` bytes read as STREAMS equal parts side by side (a cache line of each in turn, so the
+// core keeps STREAMS independent sequential streams in flight), with a software prefetch `prefetch` bytes ahead of
+// each stream where prefetch > 0. x86: plain 32-byte (AVX2) or 64-byte (AVX-512) loads added as 64-bit lanes; the
+// portable version: 64-bit words. The bench takes the fastest of several such loops as the bound a GEMV can reach.
+template <int STREAMS>
+uint64_t read_streams(const uint8_t* p, int64_t bytes, int64_t prefetch) {
+  const int64_t part = bytes / STREAMS / 64 * 64;
+#if TM_ISA_X86 && TM_VNNI
+  __m512i acc[STREAMS];
+  for (auto& v : acc) v = _mm512_setzero_si512();
+#elif TM_ISA_X86
+  __m256i acc[STREAMS][2];
+  for (auto& v : acc) v[0] = v[1] = _mm256_setzero_si256();
+#else
+  uint64_t acc[STREAMS][8] = {};
+#endif
+  for (int64_t i = 0; i < part; i += 64) {
+    for (int s = 0; s < STREAMS; ++s) {
+      const uint8_t* line = p + s * part + i;
+#if TM_ISA_X86
+      if (prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(line + prefetch), _MM_HINT_T0);
+#if TM_VNNI
+      acc[s] = _mm512_add_epi64(acc[s], _mm512_loadu_si512(line));
+#else
+      acc[s][0] = _mm256_add_epi64(acc[s][0], load32(line));
+      acc[s][1] = _mm256_add_epi64(acc[s][1], load32(line + 32));
+#endif
+#else
+      if (prefetch > 0) __builtin_prefetch(line + prefetch);
+      uint64_t words[8];
+      std::memcpy(words, line, 64);
+      for (int j = 0; j < 8; ++j) acc[s][j] += words[j];
+#endif
+    }
+  }
+  uint64_t total = 0;
+  for (int s = 0; s < STREAMS; ++s) {
+    uint64_t lanes[8];
+#if TM_ISA_X86 && TM_VNNI
+    _mm512_storeu_si512(lanes, acc[s]);
+#elif TM_ISA_X86
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(acc[s][0], acc[s][1]));
+    lanes[4] = lanes[5] = lanes[6] = lanes[7] = 0;
+#else
+    std::memcpy(lanes, acc[s], sizeof lanes);
+#endif
+    for (uint64_t v : lanes) total += v;
+  }
+  return total;
+}
+
+uint64_t read_sum(const uint8_t* p, int64_t bytes, int streams, int64_t prefetch) {
+  switch (streams) {
+    case 8: return read_streams<8>(p, bytes, prefetch);
+    case 4: return read_streams<4>(p, bytes, prefetch);
+    case 2: return read_streams<2>(p, bytes, prefetch);
+    default: return read_streams<1>(p, bytes, prefetch);
   }
 }
 

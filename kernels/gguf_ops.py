@@ -83,8 +83,8 @@ _SIGNATURES = {
     "tm_gguf_unpack_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _PTR],
     "tm_gguf_matmul_cycle": [_I32, _I32, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR],
 }
-# scripts/bench_gguf_gemv.py's read-bandwidth loop (returns its 64-bit sum)
-_U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64]}
+# scripts/bench_gguf_gemv.py's read-bandwidth loops (return their 64-bit sums)
+_U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64], "tm_gguf_read_sum": [_I32, _PTR, _I64, _I32, _I64]}
 
 # The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
 # come first; Q4_K: d, dmin and its 12 bytes of packed scales and mins).
