@@ -1051,8 +1051,17 @@ inline Bytes16 packed_scales_q3_k(const uint8_t* packed) {
 // ---------------------------------------------------------------- one weight row against NT activation rows
 // Each kernel writes out[t] = <row, activation row t0 + t> for t < NT. `nb` is the number of blocks in the row.
 
-// No software prefetch: a thread's rows are one contiguous stream, which the hardware prefetcher follows; prefetching
-// 512 bytes ahead measured no better (scripts/bench_gguf_kernels.py) and costs an instruction per block.
+// Software prefetch: the bytes kPrefetchAhead past a block of BYTES bytes, every cache line of it. Where the loads
+// are dense (the repacked kernels, Q6_K's row kernel) the hardware prefetcher alone does not run far enough ahead: a
+// batch-1 Q8_0 / Q5_0 GEMV stayed at ~70% of the read bound; 8 KiB ahead measured 1.1-1.35x faster at 1 token and
+// 1.05-1.45x at 4-16 (AVX-512 and AVX2, scripts/bench_gguf_ab.py), 1 and 4 KiB less, 16 KiB no better. A prefetch
+// past the weights' end cannot fault. The other row kernels have none: 512 bytes ahead measured no better there
+// (scripts/bench_gguf_kernels.py), and their loads are sparse enough for the hardware prefetcher.
+constexpr int64_t kPrefetchAhead = 8192;
+template <int BYTES>
+inline void prefetch_ahead(const uint8_t* blk) {
+  for (int offset = 0; offset < BYTES; offset += 64) __builtin_prefetch(blk + kPrefetchAhead + offset);
+}
 
 // Runs body(b, lane) for every block b < nb, lane = b % kLanes(NT): one float accumulator set per lane, so that
 // consecutive blocks do not wait on each other's FMA (4 cycles of latency against about 2 of work per block).
@@ -1328,6 +1337,7 @@ void row_q6_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, 
   for (int t = 0; t < NT; ++t) acc[t] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 210;
+    prefetch_ahead<210>(blk);
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = half_to_float(blk + 208);
     I32 sum[NT][2];
@@ -1623,17 +1633,6 @@ constexpr int kPackedTokens = 8;  // activation rows per pass over a group's blo
 #else
 constexpr int kPackedTokens = 4;  // 16 vectors
 #endif
-
-// A software prefetch of the bytes kPrefetchAhead past a block of BYTES bytes, every cache line of it: the hardware
-// prefetcher alone kept a batch-1 Q8_0 / Q5_0 GEMV at ~70% of the read bound (it does not run far enough ahead of
-// loads this dense); 8 KiB ahead measured 1.1-1.35x faster at 1 token and 1.05-1.45x at 4-16 (AVX-512 and AVX2,
-// scripts/bench_gguf_ab.py), 1 and 4 KiB less, 16 KiB no better. A prefetch past the weights' end cannot fault.
-constexpr int64_t kPrefetchAhead = 8192;
-template <int BYTES>
-inline void prefetch_ahead(const uint8_t* blk) {
-  for (int offset = 0; offset < BYTES; offset += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchAhead + offset), _MM_HINT_T0);
-}
 
 // The two weight vectors of 4-byte group j < 4 of a nibble kind's packed block (8 rows): lanes r hold row r's
 // elements 4j..4j+3 (lo) and 16+4j..16+4j+3 (hi) as bytes. Q5_0 / Q5_1 add their fifth bits (16); IQ4_NL looks its
