@@ -1052,11 +1052,11 @@ inline Bytes16 packed_scales_q3_k(const uint8_t* packed) {
 // Each kernel writes out[t] = <row, activation row t0 + t> for t < NT. `nb` is the number of blocks in the row.
 
 // Software prefetch: the bytes kPrefetchAhead past a block of BYTES bytes, every cache line of it. Where the loads
-// are dense (the repacked kernels, Q6_K's row kernel) the hardware prefetcher alone does not run far enough ahead: a
-// batch-1 Q8_0 / Q5_0 GEMV stayed at ~70% of the read bound; 8 KiB ahead measured 1.1-1.35x faster at 1 token and
-// 1.05-1.45x at 4-16 (AVX-512 and AVX2, scripts/bench_gguf_ab.py), 1 and 4 KiB less, 16 KiB no better. A prefetch
-// past the weights' end cannot fault. The other row kernels have none: 512 bytes ahead measured no better there
-// (scripts/bench_gguf_kernels.py), and their loads are sparse enough for the hardware prefetcher.
+// are dense (the repacked kernels, the Q6_K and Q4_K / Q5_K row kernels) the hardware prefetcher alone does not run
+// far enough ahead: a batch-1 Q8_0 / Q5_0 GEMV stayed at ~70% of the read bound; 8 KiB ahead measured 1.1-1.35x
+// faster at 1 token and 1.05-1.6x at 4-16 (AVX-512 and AVX2, scripts/bench_gguf_ab.py; Q5_K 1.02-1.1x), 1 and 4 KiB
+// less, 16 KiB no better. A prefetch past the weights' end cannot fault. The other row kernels have none: 512 bytes
+// ahead measured no better there (scripts/bench_gguf_kernels.py); they are compute-bound (Q2_K, Q3_K) or rarely run.
 constexpr int64_t kPrefetchAhead = 8192;
 template <int BYTES>
 inline void prefetch_ahead(const uint8_t* blk) {
@@ -1292,6 +1292,7 @@ void row_q45_k(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0,
   for (int t = 0; t < NT; ++t) acc[t] = fzero(), offset[t] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
+    prefetch_ahead<kBytes>(blk);
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
     const Bytes16 scales_mins = packed_scales_mins_k4(blk + 4);
     const ScaleVec scales = scale_vec<0>(scales_mins);
