@@ -3,14 +3,14 @@ second one thread streams from memory, per shape and instruction set, in one run
 
 The bound is the fastest of several read loops over a 512 MiB buffer (16x the L3), in the same library and thread as
 the kernels: `tm_gguf_read_sum` (kernels/gguf_cpu.cpp) with AVX-512, AVX2 or 64-bit loads, 1 to 8 independent
-streams read side by side, with and without a software prefetch, and the old single-stream `tm_gguf_stream_sum`. One
-stream of plain loads reaches only ~55-60% of what two streams reach on a Zen 4 core (22-24 vs ~40 GB/s), so the old
-bound made the kernels look closer to it than they are. The loops are timed once first (printed), then the fastest
-one is the bound, timed alternately with each GEMV. Each GEMV is `tm_gguf_matmul_cycle`: back-to-back int8 matmuls
-of one activation row over a pool of copies of the weight at least `--pool-mb` large, so every call reads its
-weights from memory and no Python runs between calls. Each type runs in the layout the engine gives it (repacked
-where `gguf_ops.repack_wanted` says so). The k-quants need rows that are multiples of 256: a shape whose K is not is
-skipped for them (llama.cpp writes Q5_0 / Q8_0 there).
+streams read side by side, with and without a software prefetch, and the old single-stream `tm_gguf_stream_sum`. The
+old loop's 64-bit words read 24-33 GB/s where vector loads read 39-42 on a Zen 4 core (one stream of AVX-512 loads
+~41, two side by side ~42), so the old bound made the kernels look closer to it than they are. The loops are timed
+once first (printed), then the fastest one is the bound, timed alternately with each GEMV. Each GEMV is
+`tm_gguf_matmul_cycle`: back-to-back int8 matmuls of one activation row over a pool of copies of the weight at least
+`--pool-mb` large, so every call reads its weights from memory and no Python runs between calls. Each type runs in
+the layout the engine gives it (repacked where `gguf_ops.repack_wanted` says so). The k-quants need rows that are
+multiples of 256: a shape whose K is not is skipped for them (llama.cpp writes Q5_0 / Q8_0 there).
 
 The machine may be shared: for every (type, shape) the bandwidth and the GEMV are timed alternately `--reps` times and
 the best of each is kept, by wall time and by this thread's CPU time (time.thread_time, blind to preemption); the
