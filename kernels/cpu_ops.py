@@ -192,6 +192,12 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def library_built_with(flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernels built with `flags` (`native_flags()` under another `TOKENMILL_CPU_ISA`, say), loaded beside
+    `library()`'s: the tests run each ISA's code paths on one machine. Raises as `load` does."""
+    return load(SOURCE, _SIGNATURES, flags)
+
+
 def _call(name: str, dtype: torch.dtype, *args) -> None:
     if getattr(library(), name)(DTYPE_CODES.get(dtype, -1), *args) != 0:
         raise ValueError(f"{name}: unsupported dtype {dtype}")

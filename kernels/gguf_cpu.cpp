@@ -1791,9 +1791,85 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
 }
 
+#if !TM_VNNI
+// Q4_1 on AVX2 at 2 to 8 activation rows (a speculative-decoding verification step): packed_rows<NT, 1>'s integer
+// products and float steps with fewer loads, which bound it there (AVX2 has no vpdpbusd, so a block costs two
+// maddubs, two adds and a broadcast load per 4-byte group and row). A block's 4-byte groups are unpacked once into
+// 8 registers for all NT rows (packed_rows: again for every 4 rows); a row's 32 activation bytes come in as two
+// 16-byte broadcasts and its 8 four-byte broadcasts are in-register shuffles (packed_rows: 8 loads); its pointers are
+// one base and a stride (packed_rows: NT pointer triples, spilled to the stack and reloaded).
+// The same bits as packed_rows: the int16 pair sums are exact in any order (8 maddubs of 2 * 15 * 127 each stay
+// below 32768), and each row's float accumulator takes the same two FMAs per block, in block order.
+template <int NT>
+void packed_q4_1_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
+  const int64_t K = a.K;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[NT];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * kGroupBytes<1>;
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = load32(blk + kGroupScales<1> + 32 * j);
+      lo[j] = _mm256_and_si256(v, low_nibbles);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    const int8_t* x = a.q + t0 * K + 32 * b;     // activation row t0 + t's block b: x + t * K
+    const float* dx = a.scale + t0 * nb + b;       // its scale: dx[t * nb]
+    const float* dxs = a.scaled_sums + t0 * nb + b;  // its scale times its int8 sum: dxs[t * nb]
+    for (int t = 0; t < NT; ++t, x += K, dx += nb, dxs += nb) {
+      // bytes 0-15 (the low nibbles' partners) and 16-31 (the high nibbles'), each in both 128-bit lanes
+      const __m256i x_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+      const __m256i x_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
+      __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], _mm256_shuffle_epi32(x_lo, 0x00)),
+                                       _mm256_maddubs_epi16(hi[0], _mm256_shuffle_epi32(x_hi, 0x00)));
+      pairs = _mm256_add_epi16(pairs, _mm256_add_epi16(_mm256_maddubs_epi16(lo[1], _mm256_shuffle_epi32(x_lo, 0x55)),
+                                                       _mm256_maddubs_epi16(hi[1], _mm256_shuffle_epi32(x_hi, 0x55))));
+      pairs = _mm256_add_epi16(pairs, _mm256_add_epi16(_mm256_maddubs_epi16(lo[2], _mm256_shuffle_epi32(x_lo, 0xAA)),
+                                                       _mm256_maddubs_epi16(hi[2], _mm256_shuffle_epi32(x_hi, 0xAA))));
+      pairs = _mm256_add_epi16(pairs, _mm256_add_epi16(_mm256_maddubs_epi16(lo[3], _mm256_shuffle_epi32(x_lo, 0xFF)),
+                                                       _mm256_maddubs_epi16(hi[3], _mm256_shuffle_epi32(x_hi, 0xFF))));
+      const __m256i sum = _mm256_madd_epi16(pairs, ones);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(*dx)), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(*dxs), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
+}
+
+// Groups [group_begin, group_end) of Q4_1 for T >= 2 activation rows, 8 rows per pass.
+void packed_q4_1_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
+                      const Activations& a, int64_t T, float* y) {
+  for (int64_t t0 = 0; t0 < T; t0 += 8) {
+    const int64_t nt = std::min<int64_t>(8, T - t0);
+    for (int64_t g = group_begin; g < group_end; ++g) {
+      const uint8_t* group = w + g * 8 * row_bytes;
+      float* out = y + t0 * a.ldy + g * 8;
+      switch (nt) {
+        case 8: packed_q4_1_rows<8>(group, nb, a, t0, out); break;
+        case 7: packed_q4_1_rows<7>(group, nb, a, t0, out); break;
+        case 6: packed_q4_1_rows<6>(group, nb, a, t0, out); break;
+        case 5: packed_q4_1_rows<5>(group, nb, a, t0, out); break;
+        case 4: packed_q4_1_rows<4>(group, nb, a, t0, out); break;
+        case 3: packed_q4_1_rows<3>(group, nb, a, t0, out); break;
+        case 2: packed_q4_1_rows<2>(group, nb, a, t0, out); break;
+        default: packed_q4_1_rows<1>(group, nb, a, t0, out); break;
+      }
+    }
+  }
+}
+#endif
+
 template <int KIND>
 void packed_tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
                       const Activations& a, int64_t T, float* y) {
+#if !TM_VNNI
+  if constexpr (KIND == 1) {
+    if (T >= 2) return packed_q4_1_tile(w, row_bytes, nb, group_begin, group_end, a, T, y);
+  }
+#endif
   for (int64_t t0 = 0; t0 < T; t0 += kPackedTokens) {
     const int64_t nt = std::min<int64_t>(kPackedTokens, T - t0);
     for (int64_t g = group_begin; g < group_end; ++g) {

@@ -5,6 +5,9 @@ prompts, which the kernel must leave alone.
 Query i of a sequence of q_len queries and seq_len cached tokens sits at position seq_len - q_len + i and sees keys
 [0, p] (with a sliding window, (p - window, p]). Blocks wholly before the earliest query's window are replaced by a
 block of NaN keys and values, so a kernel that read them would return NaN.
+
+Every test runs on the kernels as this machine builds them and as an AVX2 machine does (`TOKENMILL_CPU_ISA=avx2`):
+the AVX2 build scores keys and sums values with code of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.cpu_isa import CPU_ISAS, use_cpu_kernels_built_for
 from tests.helpers.kernels_testutil import make_paged_cache, poison_blocks_before_windows
 from tokenmill.kernels import cpu_ops
 from tokenmill.kernels.kv_quant import dequantize
@@ -38,9 +42,11 @@ BATCH = [
 SENTINEL = -7.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels_built():
+@pytest.fixture(autouse=True, params=CPU_ISAS)
+def isa(request, monkeypatch):
+    use_cpu_kernels_built_for(monkeypatch, request.param)
     assert cpu_ops.library() is not None, "the CPU kernels did not build (see the warning in the log)"
+    return request.param
 
 
 def reference(query, cache, batch, scale, window=None, k_scale=1.0, v_scale=1.0):
