@@ -44,11 +44,16 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def dequantizes(qtype: int) -> bool:
+    """Whether `dequantize_rows` runs the kernel for blocks of `qtype` (rows a multiple of 32 wide)."""
+    return qtype in DEQUANTIZE_TYPES and library() is not None
+
+
 def dequantize_rows(rows: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor | None:
     """float32 `[n, in_features]` from `rows` (`[n, row bytes]` uint8, plain GGUF blocks of `qtype`); None where the
     kernel does not take them."""
     lib = library()
-    if lib is None or qtype not in DEQUANTIZE_TYPES or in_features % BLOCK_VALUES or rows.dim() != 2:
+    if not dequantizes(qtype) or lib is None or in_features % BLOCK_VALUES or rows.dim() != 2:
         return None
     rows = rows.contiguous()
     out = torch.empty((rows.shape[0], in_features), dtype=torch.float32)
