@@ -42,7 +42,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from tokenmill.kernels import cpu_ops
+from tokenmill.kernels import cpu_ops, row_ops
 
 log = logging.getLogger(__name__)
 
@@ -229,10 +229,13 @@ def dequantize_rows(
     blocks: torch.Tensor, qtype: int, out_features: int, in_features: int, repacked: bool = False
 ) -> torch.Tensor:
     """The float32 `[out_features, in_features]` weights the blocks (plain, or `repacked`) encode (the `gguf`
-    package's dequantizer)."""
+    package's dequantizer; its bits from `row_ops`' kernel for the types that has, as an embedding lookup's row)."""
     _check_blocks(blocks, qtype, out_features, in_features)
     if repacked:
         blocks = unpack_rows(blocks, qtype, out_features, in_features)
+    native = row_ops.dequantize_rows(blocks, qtype, in_features)
+    if native is not None:
+        return native
     values = gguf_quants.dequantize(blocks.numpy(), GGMLQuantizationType(qtype))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(out_features, in_features)
 

@@ -14,9 +14,10 @@ A forward can be recorded only when everything it computes is one of those kerne
 watches the capture and refuses it (`NotCapturable`) on any torch operation other than allocations and views (a
 torch fallback, a `.item()`, a copy), and the replay is checked bit for bit against the captured run. What depends
 on values rather than addresses (token ids, positions, slots, sequence lengths, block tables) is read by the kernels
-from `DecodeGraphs`' static buffers at replay time. The token embedding is a numpy dequantization for GGUF weights,
-which no recording would see, so `CpuDecodeGraphs` runs it eagerly and records the decoder from the embedded hidden
-states on.
+from `DecodeGraphs`' static buffers at replay time. The token embedding is recorded too where a GGUF table's lookup
+is kernel calls alone (`GGUFWeight.lookup_is_native`: its rows gathered and dequantized by `kernels/row_ops.py`);
+elsewhere it is a numpy dequantization, which no recording would see, so `CpuDecodeGraphs` runs it eagerly and
+records the decoder from the embedded hidden states on.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenmill.kernels import call_replay, cpu_ops, gguf_ops
+from tokenmill.kernels import call_replay, cpu_ops, gguf_ops, row_ops
 from tokenmill.workers.attention import AttentionMetadata
 from tokenmill.workers.cuda_graphs import Capture, DecodeGraphs, KVCache
+from tokenmill.workers.quantization.gguf import GGUFWeight
 
 # The decode batch sizes recorded: where the per-call Python is a large share of a step (at 8 sequences the kernels'
 # work is already ~8x a single token's); a batch between two sizes replays the larger with inert padding rows.
@@ -66,6 +68,7 @@ class _AllocationsAndViewsOnly(TorchDispatchMode):
 def _kernel_libraries() -> list[tuple[ctypes.CDLL, dict[str, list[Any]]]]:
     """The loaded kernel libraries with their functions' argument types."""
     libraries = [(cpu_ops.library(), cpu_ops._SIGNATURES), (gguf_ops.library(), gguf_ops._SIGNATURES)]
+    libraries.append((row_ops.library(), row_ops._SIGNATURES))
     return [(lib, signatures) for lib, signatures in libraries if lib is not None]
 
 
@@ -151,8 +154,15 @@ def cpu_call_capture() -> Capture:
     return capture
 
 
+def _lookup_is_native(embed: torch.nn.Module) -> bool:
+    """Whether the token embedding's lookup is compiled kernel calls alone (a recording then replays it)."""
+    weight = embed.weight
+    return isinstance(weight, GGUFWeight) and embed.tp.size == 1 and weight.lookup_is_native()
+
+
 class CpuDecodeGraphs(DecodeGraphs):
-    """`DecodeGraphs` on the CPU: the token embedding eager, then the decoder's recorded kernel calls replayed.
+    """`DecodeGraphs` on the CPU: the decoder's recorded kernel calls replayed, the token embedding's among them
+    where its lookup is native (else it runs eagerly first).
 
     `model` is a `LlamaForCausalLM` (its `model.model` takes the embedded hidden states as `intermediate`)."""
 
@@ -167,13 +177,14 @@ class CpuDecodeGraphs(DecodeGraphs):
         dtype: torch.dtype,
     ) -> None:
         self.embed = model.model.embed_tokens
+        self.records_embedding = _lookup_is_native(self.embed)
         self.hidden = torch.zeros(max(batch_sizes), hidden_size, dtype=dtype)
 
         def decoder(
             input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, caches: Sequence[KVCache]
         ) -> torch.Tensor:
-            hidden = self.hidden[: input_ids.shape[0]]
-            output: torch.Tensor = model.model(input_ids, positions, attn, caches, (hidden, None))
+            embedded = None if self.records_embedding else (self.hidden[: input_ids.shape[0]], None)
+            output: torch.Tensor = model.model(input_ids, positions, attn, caches, embedded)
             return output
 
         super().__init__(
@@ -187,5 +198,6 @@ class CpuDecodeGraphs(DecodeGraphs):
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        self.hidden[: input_ids.shape[0]].copy_(self.embed(input_ids))
+        if not self.records_embedding:
+            self.hidden[: input_ids.shape[0]].copy_(self.embed(input_ids))
         return super().run(input_ids, positions, attn)

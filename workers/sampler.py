@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kernels import row_ops
 from tokenmill.messages import SamplingParams
 
 _UINT64_MASK = (1 << 64) - 1
@@ -127,7 +128,7 @@ def sample(
     logits = process_logits(logits, states)
     random_rows = [row for row, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_tokens(logits)
         return _collect_result(token_ids, raw_logprobs, params)
     if inputs is None:
         inputs = sampling_inputs(states, logits.shape[1], lambda tensor: _host_to_device(tensor, logits.device))
@@ -141,8 +142,15 @@ def sample(
             inputs.params.index_select(1, rows_index),
             inputs.filter_rows,
         )
-        token_ids = logits.argmax(dim=-1).index_copy_(0, rows_index, sampled)
+        token_ids = greedy_tokens(logits).index_copy_(0, rows_index, sampled)
     return _collect_result(token_ids, raw_logprobs, params)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: natively on the CPU (torch's took ~28 us over a 49k vocabulary, a batch-1 step's largest
+    sampling cost), the same indices."""
+    native = row_ops.argmax_rows(logits)
+    return native if native is not None else logits.argmax(dim=-1)
 
 
 # ---------------------------------------------------------------- logits processors (every row)

@@ -140,3 +140,37 @@ def test_enforce_eager_and_lora_record_nothing(gguf_worker, monkeypatch, section
     changed = msgspec.structs.replace(getattr(config, section), **{field: True})
     monkeypatch.setattr(gguf_worker, "config", msgspec.structs.replace(config, **{section: changed}))
     assert not gguf_worker._uses_cpu_graphs()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_embedding_is_recorded_only_where_its_lookup_is_kernel_calls(gguf_worker, monkeypatch, native):
+    """The shipped file's Q8_0 table is gathered and dequantized by kernels, so its lookup replays with the decoder;
+    a type without the row kernel (numpy, which a recording cannot see) is looked up eagerly before the replay."""
+    from tokenmill.kernels import row_ops
+
+    if not native:
+        monkeypatch.setattr(row_ops, "DEQUANTIZE_TYPES", frozenset())
+    elif row_ops.library() is None:
+        pytest.skip("no C++ compiler for the row kernels")
+    worker = gguf_worker
+    with torch.inference_mode():
+        graphs = CpuDecodeGraphs(
+            worker.model, worker.kv_caches, [1], 8, BLOCK_SIZE, worker.text_config.hidden_size, worker.dtype
+        )
+        assert graphs.records_embedding is native
+        for token_id, seq_len in ((150, 30), (19_000, 31)):  # ids unseen at capture: the replay reads the buffer
+            attn = build_attention_metadata(
+                np.ones(1, dtype=np.int64),
+                np.array([seq_len]),
+                np.arange(1, 9)[None],
+                BLOCK_SIZE,
+                worker.device,
+                graphs.attention,
+            )
+            ids, positions = torch.tensor([token_id]), torch.tensor([seq_len - 1])
+            caches = [(k.clone(), v.clone()) for k, v in worker.kv_caches]
+            expected = worker.model(ids, positions, attn, worker.kv_caches)
+            for (k, v), (k0, v0) in zip(worker.kv_caches, caches, strict=True):
+                k.copy_(k0)
+                v.copy_(v0)
+            assert torch.equal(graphs.run(ids, positions, attn), expected)

@@ -131,6 +131,15 @@ class GGUFWeight(QuantizedWeight):
         rows = _ops().dequantize_rows(selected, self.qtype, selected.shape[0], self.in_features)
         return rows.to(dtype).view(*ids.shape, self.in_features)
 
+    def lookup_is_native(self) -> bool:
+        """Whether `lookup` is compiled kernel calls alone (row gather and dequantization), none of it numpy: what a
+        recorded CPU decode step (`workers/cpu_graphs.py`) can replay."""
+        from tokenmill.kernels import row_ops
+
+        in_whole_blocks = self.in_features % row_ops.BLOCK_VALUES == 0
+        gathered_natively = self.repacked and _ops().library() is not None  # plain blocks: torch's index_select
+        return gathered_natively and in_whole_blocks and row_ops.dequantizes(self.qtype)
+
     def rows(self, start: int, count: int) -> GGUFWeight:
         if start < 0 or count < 0 or start + count > self.out_features:
             raise ValueError(f"rows [{start}, {start + count}) out of range for {self.out_features} rows")

@@ -1,0 +1,132 @@
+// Small per-row CPU kernels of a decode step's edges (kernels/row_ops.py): the embedding rows of a GGUF table
+// dequantized, and the greedy argmax of the logits rows.
+//
+// Both replace torch / numpy code whose per-call overhead was most of their cost at batch 1: the `gguf` package's
+// numpy dequantizer took ~15 us for one 576-wide row, torch's argmax ~28 us over a 49,152-wide row. Every function
+// returns 0, or a negative status for arguments it does not take (the Python side then keeps its own code).
+//
+// Dequantization gives the `gguf` package's bits: each value is d * q (Q8_0, Q4_0) or d * q + m (Q4_1), computed in
+// float32 in that order with no fused multiply-add (the build's -std=c++17 turns contraction off; the tests compare
+// bit for bit).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;  // values per block of the types below
+constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;  // ggml's type ids
+
+float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+    uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);  // inf, NaN
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;  // signed zero
+    } else {  // subnormal: normalise
+        exponent = 113;
+        while ((mantissa & 0x400) == 0) {
+            mantissa <<= 1;
+            --exponent;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+float read_half(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof h);
+    return half_to_float(h);
+}
+
+int block_bytes(int qtype) {
+    switch (qtype) {
+        case Q4_0: return 2 + QK / 2;
+        case Q4_1: return 4 + QK / 2;
+        case Q8_0: return 2 + QK;
+        default: return -1;
+    }
+}
+
+void dequantize_block(int qtype, const uint8_t* block, float* out) {
+    const float d = read_half(block);
+    if (qtype == Q8_0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+        for (int i = 0; i < QK; ++i) out[i] = static_cast<float>(q[i]) * d;
+        return;
+    }
+    const uint8_t* q = block + (qtype == Q4_1 ? 4 : 2);
+    if (qtype == Q4_0) {  // low nibbles are values 0..15, high nibbles 16..31
+        for (int i = 0; i < QK / 2; ++i) {
+            out[i] = d * static_cast<float>((q[i] & 0x0F) - 8);
+            out[i + QK / 2] = d * static_cast<float>((q[i] >> 4) - 8);
+        }
+        return;
+    }
+    const float m = read_half(block + 2);
+    for (int i = 0; i < QK / 2; ++i) {
+        const float lo = d * static_cast<float>(q[i] & 0x0F), hi = d * static_cast<float>(q[i] >> 4);
+        out[i] = lo + m;
+        out[i + QK / 2] = hi + m;
+    }
+}
+
+// The index of the first NaN, else of the first maximum (torch.argmax's answer), of x[0, n).
+int64_t argmax_row(const float* x, int64_t n) {
+    int64_t i = 0;
+    float best = -INFINITY;
+    bool has_nan = false;
+#if defined(__AVX2__)
+    __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, v);
+    }
+    has_nan = _mm256_movemask_ps(vnan) != 0;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float lane : lanes) best = lane > best ? lane : best;
+#endif
+    for (; i < n; ++i) {
+        has_nan = has_nan || std::isnan(x[i]);
+        best = x[i] > best ? x[i] : best;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        if (has_nan ? std::isnan(x[j]) : x[j] == best) return j;
+    }
+    return 0;  // n == 0 is refused by the caller
+}
+
+}  // namespace
+
+extern "C" {
+
+// rows [n, row bytes] of plain blocks of `qtype` -> out [n, k] float32
+int tm_dequantize_rows(int qtype, const uint8_t* rows, int64_t n, int64_t k, float* out) {
+    const int bytes = block_bytes(qtype);
+    if (bytes < 0 || k % QK != 0 || n < 0) return -1;
+    const int64_t blocks_per_row = k / QK;
+    for (int64_t b = 0; b < n * blocks_per_row; ++b) dequantize_block(qtype, rows + b * bytes, out + b * QK);
+    return 0;
+}
+
+// x [rows, cols] float32 with row stride ldx -> out [rows] int64: each row's argmax
+int tm_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t ldx, int64_t* out) {
+    if (rows < 0 || cols <= 0 || ldx < cols) return -1;
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * ldx, cols);
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,76 @@
+"""Per-row CPU kernels at a decode step's two ends (`row_ops.cpp`): GGUF embedding rows dequantized, greedy argmax.
+
+Built and loaded as the other CPU kernels (`cpu_ops.load`: cached, private, compiled once per machine). Each wrapper
+returns None where the kernel does not take its arguments (no compiler, `TOKENMILL_CPU_KERNELS=0`, a GGUF type it
+does not know, a tensor off the CPU), and the caller keeps its own code: the `gguf` package's numpy dequantizer,
+torch's argmax. Both kernels give those same results, bit for bit (tests/kernels/test_row_ops.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels import cpu_ops
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("row_ops.cpp")
+# ggml's ids of the types `tm_dequantize_rows` knows: Q4_0, Q4_1, Q8_0 (32 values per block)
+DEQUANTIZE_TYPES = frozenset({2, 3, 8})
+BLOCK_VALUES = 32
+
+_PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "tm_dequantize_rows": [_I32, _PTR, _I64, _I64, _PTR],
+    "tm_argmax_rows": [_PTR, _I64, _I64, _I64, _PTR],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (logged once) where they cannot be built or the CPU kernels are off."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return cpu_ops.load(SOURCE, _SIGNATURES)
+    except (RuntimeError, OSError) as exc:
+        log.warning("the CPU row kernels are unavailable, using numpy and torch instead: %s", exc)
+        return None
+
+
+def dequantizes(qtype: int) -> bool:
+    """Whether `dequantize_rows` runs the kernel for blocks of `qtype` (rows a multiple of 32 wide)."""
+    return qtype in DEQUANTIZE_TYPES and library() is not None
+
+
+def dequantize_rows(rows: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor | None:
+    """float32 `[n, in_features]` from `rows` (`[n, row bytes]` uint8, plain GGUF blocks of `qtype`); None where the
+    kernel does not take them."""
+    lib = library()
+    if not dequantizes(qtype) or lib is None or in_features % BLOCK_VALUES or rows.dim() != 2:
+        return None
+    rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], in_features), dtype=torch.float32)
+    if lib.tm_dequantize_rows(qtype, rows.data_ptr(), rows.shape[0], in_features, out.data_ptr()) != 0:
+        return None
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """int64 `[rows]`: each row's argmax as `torch.argmax(dim=-1)` gives it (a NaN wins; the first of equal maxima);
+    None where the kernel does not take `logits` (not a 2-D float32 CPU tensor with unit column stride)."""
+    lib = library()
+    if lib is None or logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_cpu:
+        return None
+    if logits.shape[1] == 0 or logits.stride(1) != 1:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    row_stride = logits.stride(0) if logits.shape[0] > 1 else logits.shape[1]  # one row's stride may be anything
+    status = lib.tm_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], row_stride, out.data_ptr())
+    return out if status == 0 else None

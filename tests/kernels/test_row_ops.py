@@ -1,0 +1,75 @@
+"""The per-row CPU kernels (`kernels/row_ops.py`) against what they replace: the `gguf` package's dequantizer and
+torch's argmax, bit for bit; and the GGUF embedding lookup that uses the first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants as gguf_quants
+
+from tests.helpers.gguf_kernels import Q, random_blocks
+from tokenmill.kernels import gguf_ops, row_ops
+
+needs_row_kernels = pytest.mark.skipif(row_ops.library() is None, reason="no C++ compiler here")
+
+
+@needs_row_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_dequantize_rows_is_the_gguf_reference(qtype):
+    blocks = random_blocks(qtype, 5, 576, np.random.default_rng(int(qtype)))
+    rows = row_ops.dequantize_rows(torch.from_numpy(blocks), int(qtype), 576)
+    assert rows is not None and rows.dtype == torch.float32 and rows.shape == (5, 576)
+    expected = gguf_quants.dequantize(blocks, qtype).astype(np.float32)
+    np.testing.assert_array_equal(rows.numpy().view(np.uint32), expected.view(np.uint32))  # signed zeros too
+
+
+@needs_row_kernels
+def test_half_scales_of_every_kind_convert_exactly():
+    """Subnormal, zero, negative zero, infinite and NaN scales give what numpy's float16 conversion gives."""
+    halves = np.array([1e-7, 6e-5, 0.0, -0.0, -2.5, 65504.0, np.inf, -np.inf, np.nan], dtype=np.float16)
+    blocks = random_blocks(Q.Q8_0, len(halves), 32, np.random.default_rng(0))
+    blocks[:, :2] = halves[:, None].view(np.uint8)
+    rows = row_ops.dequantize_rows(torch.from_numpy(blocks), int(Q.Q8_0), 32)
+    assert rows is not None
+    expected = gguf_quants.dequantize(blocks, Q.Q8_0).astype(np.float32)
+    np.testing.assert_array_equal(rows.numpy(), expected)  # NaN where NaN
+
+
+def test_types_and_shapes_it_does_not_take_are_left_to_the_caller():
+    blocks = torch.from_numpy(random_blocks(Q.Q6_K, 2, 256, np.random.default_rng(1)))
+    assert row_ops.dequantize_rows(blocks, int(Q.Q6_K), 256) is None
+    assert row_ops.argmax_rows(torch.zeros(2, 8, dtype=torch.float64)) is None
+    assert row_ops.argmax_rows(torch.zeros(8, 2).t()) is None  # columns not contiguous
+
+
+@needs_row_kernels
+def test_gguf_dequantize_rows_uses_the_kernel_with_the_same_bits():
+    """`gguf_ops.dequantize_rows` (embedding lookups, weights dequantized at load) of a repacked Q8_0 table."""
+    blocks = random_blocks(Q.Q8_0, 16, 576, np.random.default_rng(2))
+    repacked = gguf_ops.repack_rows(torch.from_numpy(blocks), int(Q.Q8_0), 16, 576)
+    table = gguf_ops.dequantize_rows(repacked, int(Q.Q8_0), 16, 576, repacked=True)
+    np.testing.assert_array_equal(table.numpy(), gguf_quants.dequantize(blocks, Q.Q8_0))
+
+
+@needs_row_kernels
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 49152])
+def test_argmax_is_torchs(width):
+    logits = torch.randn(3, width, generator=torch.Generator().manual_seed(width))
+    logits[1, width // 2] = logits[1].max() + 1  # a clear winner in one row
+    logits[2] = logits[2].round()  # ties: the first of equal maxima
+    assert row_ops.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert row_ops.argmax_rows(logits[1:2]).tolist() == [logits[1].argmax().item()]
+
+
+@needs_row_kernels
+def test_argmax_of_nan_and_infinite_rows_is_torchs():
+    rows = torch.tensor(
+        [
+            [1.0, float("nan"), 5.0, float("nan"), 2.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            [float("-inf")] * 10,
+            [-0.0, 0.0, -0.0, 0.0, -1.0, -1.0, -1.0, -1.0, -1.0, float("inf")],
+            [0.0] * 9 + [float("nan")],
+        ]
+    )
+    assert row_ops.argmax_rows(rows).tolist() == rows.argmax(dim=-1).tolist()
