@@ -48,7 +48,7 @@ def test_a_hung_worker_is_asked_for_its_stacks_before_it_is_declared_dead(tmp_pa
             while time.monotonic() < deadline:
                 loop.run_once()
         assert worker.poll() is None, "the worker is asked, not killed: the launcher stops it"
-        assert f"asked worker0 (pid {worker.pid}) for their Python stacks" in caplog.text
+        assert f"asked worker0 (pid {worker.pid}, state S (sleeping)" in caplog.text  # its state before the signal
         dump = worker_log.read_text()
         assert "Current thread" in dump, dump
         assert "tests/helpers/hanging_worker.py" in dump and "in hang_inside_a_step" in dump, dump
