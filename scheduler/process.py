@@ -45,12 +45,19 @@ from tokenmill.messages import (
     decoder,
     encode,
 )
-from tokenmill.processes import become_child_process, decode_or_drop, make_socket, worker_socket
+from tokenmill.processes import (
+    become_child_process,
+    decode_or_drop,
+    make_socket,
+    worker_socket,
+    worker_socket_address,
+)
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.scheduler.spec_decode import SpecDecodeLogger
 from tokenmill.scheduler.step_summary import StepSummarizer
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, grammar_tokenizer
 from tokenmill.socket_security import allow_only_workers
+from tokenmill.stack_dumps import ask_for_stacks
 
 IDLE_POLL_MS = 1000
 STATS_INTERVAL_S = 0.5
@@ -94,6 +101,7 @@ class SchedulerLoop:
         self.num_steps = 0
         self.in_flight: InFlightStep | None = None
         self.last_step_end = 0.0  # time.perf_counter() when the last step's result was applied
+        self.local_worker_pids: list[tuple[str, int]] = []  # (name, pid): asked for their stacks when one hangs
         # the dashboard's feed: every step recorded, a StepSummary sent while a WatchSteps asks for them
         self.spec_log = SpecDecodeLogger(log) if config.speculative.method is not None else None
         self.summaries = StepSummarizer(
@@ -114,6 +122,7 @@ class SchedulerLoop:
 
     def start(self) -> None:
         readies = self.wait_for_workers()
+        self.local_worker_pids = local_worker_pids(self.config, readies)
         num_blocks = min(r.num_kv_blocks for r in readies)
         first = readies[0]
         grammars = None
@@ -224,6 +233,7 @@ class SchedulerLoop:
             if deadline is not None:
                 wait_ms = math.ceil((deadline - time.monotonic()) * 1000)
                 if wait_ms <= 0:
+                    ask_for_stacks(self.local_worker_pids, self.log)  # where was it? before the launcher kills it
                     raise WorkerFailed(
                         f"no worker answered step {step_id} within {timeout:g} s "
                         f"(--worker-step-timeout); treating the worker as dead"
@@ -290,6 +300,13 @@ class SchedulerLoop:
             if self.authenticator is not None:
                 self.authenticator.stop()
             self.ctx.destroy(linger=0)
+
+
+def local_worker_pids(config: EngineConfig, readies: list[WorkerReady]) -> list[tuple[str, int]]:
+    """(name, pid) of the workers on this host (ipc:// sockets); none under Ray, whose pids are other hosts'."""
+    if not worker_socket_address(config, "results").startswith("ipc://"):
+        return []
+    return [(f"worker{ready.rank}", ready.pid) for ready in readies if ready.pid > 0]
 
 
 def run_scheduler_process(config_bytes: bytes) -> None:

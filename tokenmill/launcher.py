@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 
@@ -33,6 +34,7 @@ from tokenmill.config import EngineConfig, is_pooling_task, replace
 from tokenmill.logs import LOG_FORMAT_ENV
 from tokenmill.messages import EngineReady
 from tokenmill.scheduler.process import run_scheduler_process
+from tokenmill.stack_dumps import process_state
 from tokenmill.workers.process import run_worker_process
 
 log = logging.getLogger("tokenmill.launcher")
@@ -46,6 +48,9 @@ CHILD_ENTRY = (
 
 # libgomp's spin at a barrier before its threads sleep, in spins (about 100 per microsecond): ~0.1 ms
 OPENMP_SPIN_COUNT = "10000"
+# how long a SIGKILLed child may take to go: a worker's exit unmaps its weights and KV cache, which on a host loaded
+# far past its cores can outlast the one second once allowed here ("did not exit after SIGKILL" at load 12-18)
+KILL_WAIT_S = 5.0
 
 
 def child_environment(base: Mapping[str, str], log_format: str) -> dict[str, str]:
@@ -144,18 +149,40 @@ class EngineProcesses:
                 child.terminate()
                 child.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP, a hung-worker test) acts on it at once
         deadline = time.monotonic() + timeout
-        for name, child in self.children:
-            try:
-                child.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                try:
-                    child.wait(1.0)
-                except subprocess.TimeoutExpired:
-                    log.error("%s (pid %d) did not exit after SIGKILL", name, child.pid)
+        survivors = [(name, child) for name, child in self.children if not exited_by(child, deadline)]
+        kill_and_reap(survivors)
         if self.ray_workers is not None:
             self.ray_workers.stop()
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
+
+
+def exited_by(child: subprocess.Popen, deadline: float) -> bool:
+    """Wait for `child` until `deadline` (time.monotonic()); whether it exited (and was reaped)."""
+    try:
+        child.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def kill_and_reap(children: list[tuple[str, subprocess.Popen]], wait_s: float = KILL_WAIT_S) -> None:
+    """SIGKILL every (name, child) and wait up to `wait_s` for them all. One still there is logged with what the
+    kernel says it does (`process_state`: uninterruptible sleep, or an address space of gigabytes still being torn
+    down on an oversubscribed host) and left to a daemon thread that reaps it when it exits: never a zombie."""
+    for _, child in children:
+        child.kill()
+    deadline = time.monotonic() + wait_s
+    for name, child in children:
+        if exited_by(child, deadline):
+            continue
+        log.error(
+            "%s (pid %d) has not exited %g s after SIGKILL (%s); reaping it in the background",
+            name,
+            child.pid,
+            wait_s,
+            process_state(child.pid),
+        )
+        threading.Thread(target=child.wait, name=f"reap-{name}", daemon=True).start()
 
 
 def check_parallel_config(config: EngineConfig) -> None:

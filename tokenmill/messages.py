@@ -393,6 +393,8 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     # a prompt position's LM head and scoring when it asks for prompt logprobs, in tokens of forward (0: none here);
     # the scheduler charges it to the step's token budget
     prompt_logprobs_row_cost: float = 0.0
+    # the worker's process id on the scheduler's host (0: unknown); asked for its stacks when it stops answering
+    pid: int = 0
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

@@ -15,6 +15,7 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.logs import LOG_FORMAT_ENV, log_formatter
 from tokenmill.socket_security import max_message_bytes, secure_socket
+from tokenmill.stack_dumps import enable_stack_dumps
 
 T = TypeVar("T")
 
@@ -35,7 +36,8 @@ def setup_logging(name: str, level: int = logging.INFO, log_format: str | None =
 
 
 def become_child_process(name: str) -> logging.Logger:
-    """Set up a scheduler/worker process: it dies when its parent dies, and leaves SIGINT to the parent.
+    """Set up a scheduler/worker process: it dies when its parent dies, leaves SIGINT to the parent, and writes its
+    threads' Python stacks to its log on SIGUSR1 (tokenmill/stack_dumps.py).
 
     The parent (the launcher) decides when children stop, by a Shutdown message or SIGTERM; a Ctrl-C in the terminal
     reaches the whole process group, so children ignore SIGINT and let the parent drive an orderly stop.
@@ -51,6 +53,7 @@ def become_child_process(name: str) -> logging.Logger:
             os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    enable_stack_dumps()  # SIGUSR1: every thread's Python stack to the log (a hung worker says where it was)
     return setup_logging(name)
 
 

@@ -10,6 +10,7 @@ down cleanly instead of hanging.
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,7 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
                     vocab_size=runner.vocab_size,
                     sliding_window=runner.kv_sliding_window,
                     prompt_logprobs_row_cost=runner.prompt_logprobs_row_cost,
+                    pid=os.getpid(),
                 )
             )
         )

@@ -32,7 +32,7 @@ from tokenmill.workers.attention import (
 from tokenmill.workers.backends import attention_backend, runs_triton
 from tokenmill.workers.capture_plan import CapturePlan, plan_cuda_graphs
 from tokenmill.workers.cpu_backend import CpuKernelBackend
-from tokenmill.workers.cpu_graphs import CPU_GRAPH_BATCH_SIZES, CpuDecodeGraphs, NotCapturable
+from tokenmill.workers.cpu_graphs import CPU_GRAPH_BATCH_SIZES, NotCapturable
 from tokenmill.workers.cpu_verify_graphs import CpuSpeculativeGraphs
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
@@ -418,12 +418,12 @@ class Worker:
         """Record the decoder's kernel calls at the batch sizes where Python's share of a step is large; a model whose
         forward computes outside the kernels (a torch fallback, MoE routing) stays eager, with one log line."""
         sizes = [size for size in CPU_GRAPH_BATCH_SIZES if size <= self.config.scheduler.max_num_seqs]
-        # with speculation, verification steps too: each shape recorded on its first step (workers/cpu_verify_graphs.py)
-        graphs = CpuSpeculativeGraphs if self.config.speculative.method is not None else CpuDecodeGraphs
+        # and short multi-token steps, each shape on its first step (workers/cpu_verify_graphs.py): verifications, and
+        # a small prefill chunk beside a decode (the prefill limit's steps), which eagerly took ~3x a decode step
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                self.decode_graphs = graphs(
+                self.decode_graphs = CpuSpeculativeGraphs(
                     self.model,
                     self.kv_caches,
                     sizes,

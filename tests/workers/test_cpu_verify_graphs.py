@@ -24,7 +24,6 @@ from tokenmill.messages import EngineRequest, SamplingParams
 from tokenmill.scheduler import spec_decode
 from tokenmill.workers import worker as worker_module
 from tokenmill.workers.attention import build_attention_metadata
-from tokenmill.workers.cpu_graphs import CpuDecodeGraphs
 from tokenmill.workers.cpu_verify_graphs import (
     MAX_VERIFY_SEQS,
     MAX_VERIFY_TOKENS,
@@ -154,14 +153,36 @@ def test_greedy_outputs_with_recorded_verification_equal_plain_decoding(spec_wor
     assert graphs.verify.recorded_shapes and max(replays) > 2
 
 
-@pytest.mark.parametrize(
-    "speculative, recorded", [(NGRAM, CpuSpeculativeGraphs), (SpeculativeConfig(), CpuDecodeGraphs)]
-)
-def test_verification_is_recorded_only_with_speculation(spec_worker, monkeypatch, speculative, recorded):
+@pytest.mark.parametrize("speculative", [NGRAM, SpeculativeConfig()])
+def test_short_multi_token_steps_are_recorded_with_or_without_speculation(spec_worker, monkeypatch, speculative):
+    """Without speculation too: a small prefill chunk beside a decode has a verification's shape."""
     built: list[type] = []
-    for cls in (CpuSpeculativeGraphs, CpuDecodeGraphs):
-        monkeypatch.setattr(worker_module, cls.__name__, lambda *args, cls=cls: built.append(cls))
+    monkeypatch.setattr(worker_module, "CpuSpeculativeGraphs", lambda *args: built.append(CpuSpeculativeGraphs))
     monkeypatch.setattr(spec_worker, "config", msgspec.structs.replace(spec_worker.config, speculative=speculative))
     monkeypatch.setattr(spec_worker, "forward", None)
     spec_worker._record_cpu_graphs()
-    assert built == [recorded]
+    assert built == [CpuSpeculativeGraphs]
+
+
+def test_small_prefill_chunks_beside_decodes_replay_without_speculation(spec_worker, monkeypatch):
+    """A budget of 8 tokens: every prompt goes in chunks of at most 8 (7 beside the other request's decode), each a
+    verification-shaped step; recorded, the greedy outputs are the eager forward's."""
+    worker = spec_worker
+    monkeypatch.setattr(worker, "config", msgspec.structs.replace(worker.config, speculative=SpeculativeConfig()))
+    requests = copy_requests()
+    worker.decode_graphs, worker.forward = None, worker._choose_forward()
+    eager, _ = generate(worker, SpeculativeConfig(), requests, num_blocks=NUM_BLOCKS, budget=8, tag="eager")
+    worker.capture_cuda_graphs()
+    graphs = worker.decode_graphs
+    assert isinstance(graphs, CpuSpeculativeGraphs)
+    replays: list[int] = []
+    original_run = graphs.verify.run
+    graphs.verify.run = lambda ids, *args: replays.append(len(ids)) or original_run(ids, *args)  # type: ignore[method-assign]
+    try:
+        recorded, _ = generate(worker, SpeculativeConfig(), requests, num_blocks=NUM_BLOCKS, budget=8, tag="rec")
+    finally:
+        worker.decode_graphs = None
+        worker.forward = worker._choose_forward()
+    assert recorded == eager
+    assert len(graphs.verify.recorded_shapes) == 13, "every shape recorded at start-up, none in a live step"
+    assert len(replays) > 10 and max(replays) == 8, "no 7-token prefill chunk replayed beside a decode"
