@@ -12,6 +12,12 @@ per-token cost of steps with prefill (a prefill-only step's whole time counts, o
 smaller chunks). Until both are known, nothing is limited; a fixed `--long-prefill-token-threshold` replaces the
 estimate, and 0 turns the limit off (vLLM's default). Medians over a short window follow a change of load while one
 slow step (a preempted core) moves nothing.
+
+A CPU worker replays recorded steps of a few sequences and tokens (`workers/cpu_verify_graphs.py`: `WorkerReady.
+replayed_step_seqs` / `replayed_step_tokens`); a step one token larger runs eagerly at ~2x the cost per token (a 9-token
+step took 41 ms against 21 ms for 8 on the default model). The per-token time learnt from the replayed steps then
+undercounts the eager ones, and a learnt limit past the replayed shape swings between the two. So while a step could
+still replay (its decoders leave a sequence free), a learnt limit keeps the step within the replayed tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +31,13 @@ WINDOW = 32  # recent steps each median is taken over
 class PrefillLimit:
     """The prefill budget tokens a step may take while some request decodes; learnt from observed steps."""
 
-    def __init__(self, threshold: int | None = None, window: int = WINDOW) -> None:
+    def __init__(
+        self, threshold: int | None = None, window: int = WINDOW, replayed_seqs: int = 0, replayed_tokens: int = 0
+    ) -> None:
         self.threshold = threshold  # --long-prefill-token-threshold: > 0 fixed, 0 no limit (vLLM's), None learnt
+        # the largest multi-token step the workers replay (0: none): sequences, and tokens over them all
+        self.replayed_seqs = replayed_seqs
+        self.replayed_tokens = replayed_tokens
         self._decode_step_s: deque[float] = deque(maxlen=window)
         self._prefill_token_s: deque[float] = deque(maxlen=window)
 
@@ -51,11 +62,15 @@ class PrefillLimit:
         """The median time of one prefill budget token over the recent steps with prefill; None before any."""
         return statistics.median(self._prefill_token_s) if self._prefill_token_s else None
 
-    def tokens(self) -> int | None:
-        """The prefill budget tokens a step may take while a request decodes (at least 1); None: no limit."""
+    def tokens(self, num_decodes: int = 1) -> int | None:
+        """The prefill budget tokens a step may take while `num_decodes` requests decode (at least 1); None: no
+        limit."""
         if self.threshold is not None:
             return self.threshold or None
         decode_s, token_s = self.decode_step_s(), self.prefill_token_s()
         if decode_s is None or not token_s:
             return None
-        return max(1, int(decode_s / token_s))
+        learnt = max(1, int(decode_s / token_s))
+        if num_decodes < self.replayed_seqs:  # a prefill chunk still fits a replayed step's sequences
+            return max(1, min(learnt, self.replayed_tokens - num_decodes))
+        return learnt

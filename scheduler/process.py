@@ -138,6 +138,10 @@ class SchedulerLoop:
             grammars=grammars,
             sliding_window=first.sliding_window,
             prompt_logprobs_row_cost=max(r.prompt_logprobs_row_cost for r in readies),
+            replayed_step=(
+                min(r.replayed_step_seqs for r in readies),
+                min(r.replayed_step_tokens for r in readies),
+            ),
         )
         self.to_frontend.send(
             encode(

@@ -49,7 +49,7 @@ from tokenmill.scheduler.draft_speculator import DraftModelSpeculator
 from tokenmill.scheduler.kv_cache_manager import KVCacheManager
 from tokenmill.scheduler.lora_admission import LoRAAdmission, adapter_names
 from tokenmill.scheduler.policy import SchedulingPolicy, make_policy
-from tokenmill.scheduler.prefill_limit import PrefillLimit
+from tokenmill.scheduler.prefill_limit import WINDOW, PrefillLimit
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.scheduler.spec_decode import NgramSpeculator, Speculator
 from tokenmill.scheduler.structured_outputs import GrammarCompiler, RequestGrammar
@@ -85,6 +85,7 @@ class Scheduler:
         grammars: GrammarCompiler | None = None,
         sliding_window: int | None = None,
         prompt_logprobs_row_cost: float = 0.0,
+        replayed_step: tuple[int, int] = (0, 0),
     ) -> None:
         self.config = config
         # every layer's window is at most this (None: some layer attends to everything): blocks older are freed,
@@ -131,7 +132,8 @@ class Scheduler:
         self._deadlines: list[tuple[float, str]] = []
         # while some request decodes, a step's prefill chunks take at most this many budget tokens (learnt from
         # the workers' step times unless --long-prefill-token-threshold fixes it): the decoders' steps stay short
-        self.prefill_limit = PrefillLimit(config.scheduler.long_prefill_token_threshold)
+        # (replayed_step: the largest multi-token step the workers replay, sequences and tokens; (0, 0) none)
+        self.prefill_limit = PrefillLimit(config.scheduler.long_prefill_token_threshold, WINDOW, *replayed_step)
         self._prefill_room: int | None = None  # what the step being planned may still give prefills (None: all)
         self._step_shapes: dict[int, tuple[int, int]] = {}  # step id -> (decoding requests, prefill budget tokens)
         self.max_queue_time = config.scheduler.max_queue_time_s
@@ -262,7 +264,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
         self._step_drafts = {}
-        self._prefill_room = self.prefill_limit.tokens() if any(map(self._decodes, self.running)) else None
+        num_decodes = sum(map(self._decodes, self.running))
+        self._prefill_room = self.prefill_limit.tokens(num_decodes) if num_decodes else None
         if self.speculator is not None:
             self.speculator.begin_step(len(self.running))
         preempted_any = False

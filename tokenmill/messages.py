@@ -395,6 +395,10 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     prompt_logprobs_row_cost: float = 0.0
     # the worker's process id on the scheduler's host (0: unknown); asked for its stacks when it stops answering
     pid: int = 0
+    # the largest multi-token step the worker replays from a recording (0: none; workers/cpu_verify_graphs.py):
+    # sequences, and tokens over them all; the scheduler's learnt prefill limit keeps small chunks within it
+    replayed_step_seqs: int = 0
+    replayed_step_tokens: int = 0
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

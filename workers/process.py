@@ -57,6 +57,8 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
                     sliding_window=runner.kv_sliding_window,
                     prompt_logprobs_row_cost=runner.prompt_logprobs_row_cost,
                     pid=os.getpid(),
+                    replayed_step_seqs=runner.replayed_step[0],
+                    replayed_step_tokens=runner.replayed_step[1],
                 )
             )
         )

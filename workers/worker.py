@@ -182,6 +182,13 @@ class Worker:
         """The window the scheduler may free KV blocks by: set when every layer is windowed, else None."""
         return self.model.kv_sliding_window if isinstance(self.model, PagedCausalLM) else None
 
+    @property
+    def replayed_step(self) -> tuple[int, int]:
+        """The largest multi-token step replayed from a recording, (sequences, tokens over them); (0, 0): none."""
+        if isinstance(self.decode_graphs, CpuSpeculativeGraphs):
+            return self.decode_graphs.verify.max_seqs, self.decode_graphs.verify.max_tokens
+        return 0, 0
+
     def _sliding_windows(self) -> tuple[int, ...]:
         """The distinct sliding windows of this rank's layers, the draft model's included."""
         windows = set(self.model.sliding_windows)
@@ -418,8 +425,8 @@ class Worker:
         """Record the decoder's kernel calls at the batch sizes where Python's share of a step is large; a model whose
         forward computes outside the kernels (a torch fallback, MoE routing) stays eager, with one log line."""
         sizes = [size for size in CPU_GRAPH_BATCH_SIZES if size <= self.config.scheduler.max_num_seqs]
-        # and short multi-token steps, each shape on its first step (workers/cpu_verify_graphs.py): verifications, and
-        # a small prefill chunk beside a decode (the prefill limit's steps), which eagerly took ~3x a decode step
+        # and short multi-token steps, every shape at start-up (workers/cpu_verify_graphs.py): verifications, and a
+        # small prefill chunk beside a decode (the prefill limit's steps), which eagerly took ~3x a decode step
         started = time.perf_counter()
         try:
             with torch.inference_mode():

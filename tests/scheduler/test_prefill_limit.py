@@ -17,14 +17,15 @@ TOKEN_S = 0.004  # each further token's forward: a decode step costs as much as 
 class TimedWorker(FakeWorker):
     """A FakeWorker whose steps take DECODE_STEP_S plus TOKEN_S per scheduled token beyond the first."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, token_s: float = TOKEN_S) -> None:
         super().__init__(block_size)
+        self.token_s = token_s
         self.step_times: list[tuple[dict[str, int], float]] = []
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = super().execute(plan)
         scheduled = self.state_scheduled(plan)
-        model_time_s = DECODE_STEP_S + TOKEN_S * (sum(scheduled.values()) - 1)
+        model_time_s = DECODE_STEP_S + self.token_s * (sum(scheduled.values()) - 1)
         self.step_times.append((scheduled, model_time_s))
         return msgspec.structs.replace(result, model_time_s=model_time_s)
 
@@ -129,3 +130,33 @@ def test_a_zero_threshold_is_no_limit_as_in_vllm():
         limit.observe(num_decodes=1, prefill_cost=100, model_time_s=0.110)
     assert limit.tokens() is None
     assert PrefillLimit().tokens() is None  # learnt: nothing known yet
+
+
+def test_a_learnt_limit_keeps_a_step_within_the_workers_replayed_shape_while_one_could_replay():
+    limit = PrefillLimit(replayed_seqs=2, replayed_tokens=8)
+    for _ in range(4):
+        limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
+        limit.observe(num_decodes=1, prefill_cost=7, model_time_s=0.020 + 7 * 0.001)
+    assert PrefillLimit().tokens() is None
+    assert limit.tokens(num_decodes=1) == 7  # learnt 20, but 1 decode + 7 prefill tokens is the largest replayed step
+    assert limit.tokens(num_decodes=2) == 20  # no sequence left for a replayed step: the learnt limit alone
+    assert PrefillLimit(threshold=48, replayed_seqs=2, replayed_tokens=8).tokens(num_decodes=1) == 48  # fixed: as set
+
+
+def test_the_scheduler_takes_the_replayed_shape_from_its_workers():
+    cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
+    sched = Scheduler(cfg, 256, [2], replayed_step=(2, 8))
+    worker = TimedWorker(cfg.cache.block_size, token_s=0.001)  # cheap prefill tokens: a learnt limit of ~20
+    sched.add_request(make_request("warm", 16, max_tokens=1))
+    step(sched, worker)
+    sched.add_request(make_request("decoder", 4, max_tokens=200, ignore_eos=True))
+    for _ in range(6):
+        step(sched, worker)
+    sched.add_request(make_request("long", 100, max_tokens=1))
+    worker.step_times.clear()
+    while "long" in sched.requests:
+        step(sched, worker)
+    # the learnt limit alone would give the prompt ~20 tokens a step; within the replayed shape it gets 7 beside the
+    # decoder, and never more than 8 in all
+    totals = [sum(scheduled.values()) for scheduled, _ in worker.step_times]
+    assert max(totals) == 8 and all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)

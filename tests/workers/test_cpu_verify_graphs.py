@@ -186,3 +186,13 @@ def test_small_prefill_chunks_beside_decodes_replay_without_speculation(spec_wor
     assert recorded == eager
     assert len(graphs.verify.recorded_shapes) == 13, "every shape recorded at start-up, none in a live step"
     assert len(replays) > 10 and max(replays) == 8, "no 7-token prefill chunk replayed beside a decode"
+
+
+def test_the_worker_reports_the_largest_replayed_step_to_the_scheduler(spec_worker, monkeypatch):
+    """WorkerReady.replayed_step_*: the learnt prefill limit keeps small chunks within it (prefill_limit.py)."""
+    monkeypatch.setattr(spec_worker, "decode_graphs", None)  # nothing recorded (a GPU, a model left eager)
+    assert spec_worker.replayed_step == (0, 0)
+    monkeypatch.setattr(spec_worker, "forward", None)
+    spec_worker._record_cpu_graphs()
+    assert isinstance(spec_worker.decode_graphs, CpuSpeculativeGraphs)
+    assert spec_worker.replayed_step == (MAX_VERIFY_SEQS, MAX_VERIFY_TOKENS)
