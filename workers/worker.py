@@ -38,7 +38,7 @@ from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.kv_cache import KVCache, PagedKVCache, kv_block_bytes
-from tokenmill.workers.lora.manager import LoRAManager
+from tokenmill.workers.lora.manager import LoRAManager, slot_dtype
 from tokenmill.workers.memory_profile import GpuMemory, ProfiledStep, kv_blocks_in_budget, worst_case_step
 from tokenmill.workers.model_facts import prompt_logprobs_row_cost, read_eos_token_ids, text_config, weight_bytes
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
@@ -145,7 +145,7 @@ class Worker:
         """The LoRA slot pool on the model's layers (one decoder stage, generation only)."""
         if self.pp.size > 1 or self.config.model.task == "embed" or not isinstance(model, PagedCausalLM):
             raise ValueError("enable_lora needs a decoder for generation without pipeline parallelism")
-        with torch.device(self.device), default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(slot_dtype(self.config.lora, self.dtype)):
             return LoRAManager(model, self.config.lora, int(self.text_config.num_hidden_layers), self.dtype)
 
     def build_model(self) -> Any:

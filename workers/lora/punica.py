@@ -134,7 +134,9 @@ def add_lora_packed(
 def add_lora_masked(
     x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, one_hot: torch.Tensor
 ) -> None:
-    """The CPU path: all slots' shrink in one matmul, masked to each token's slot, then all slots' expand."""
+    """The CPU path: all slots' shrink in one matmul, masked to each token's slot, then all slots' expand (in the
+    activations' dtype, whatever the slots')."""
+    a, bt = a.to(x.dtype), bt.to(x.dtype)
     num_slots, rank, in_features = a.shape
     num_tokens = x.shape[0]
     shrunk = torch.mm(x, a.view(num_slots * rank, in_features).t()).view(num_tokens, num_slots, rank)
@@ -148,13 +150,15 @@ def add_lora_grouped(
     """The CPU path on tokens grouped by slot: each used slot's A and B multiply only its own tokens (one batched
     matmul over the groups), so the FLOPs are one adapter's, not all slots'. A fused layer shrinks once against its
     slices' concatenated A (q/k/v share x) and expands each slice into its own output columns, not through a
-    block-diagonal B. The results return to token order by a gather (`scatter`): an index_add_ is 10x slower."""
+    block-diagonal B. The results return to token order by a gather (`scatter`): an index_add_ is 10x slower. Slots
+    stored in another dtype than the activations' (`--lora-dtype`) are widened to it, the used ones only."""
     if groups.used is not None:
         a = a.index_select(0, groups.used)
+    a = a.to(x.dtype)
     grouped_x = x.index_select(0, groups.gather).view(a.shape[0], groups.rows, -1)
     shrunk = torch.bmm(grouped_x, a.transpose(1, 2))  # [G, rows, n * R]
     for piece in bt_slices:
-        bt = piece.bt if groups.used is None else piece.bt.index_select(0, groups.used)
+        bt = (piece.bt if groups.used is None else piece.bt.index_select(0, groups.used)).to(x.dtype)
         delta = torch.bmm(shrunk[:, :, piece.first_rank : piece.first_rank + bt.shape[1]], bt)
         delta = delta.view(-1, bt.shape[2]).index_select(0, groups.scatter)  # [T, columns], in token order
         columns = out.narrow(1, piece.first_column, bt.shape[2])
