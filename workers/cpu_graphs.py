@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenmill.kernels import call_replay, cpu_ops, gguf_ops
+from tokenmill.kernels import call_replay, cpu_ops, gguf_ops, lora_cpu
 from tokenmill.workers.attention import AttentionMetadata
 from tokenmill.workers.cuda_graphs import Capture, DecodeGraphs, KVCache
 
@@ -65,7 +65,11 @@ class _AllocationsAndViewsOnly(TorchDispatchMode):
 
 def _kernel_libraries() -> list[tuple[ctypes.CDLL, dict[str, list[Any]]]]:
     """The loaded kernel libraries with their functions' argument types."""
-    libraries = [(cpu_ops.library(), cpu_ops._SIGNATURES), (gguf_ops.library(), gguf_ops._SIGNATURES)]
+    libraries = [
+        (cpu_ops.library(), cpu_ops._SIGNATURES),
+        (gguf_ops.library(), gguf_ops._SIGNATURES),
+        (lora_cpu.library(), lora_cpu._SIGNATURES),  # LoRA steps: the grouping staged in fixed buffers (LoRAStep)
+    ]
     return [(lib, signatures) for lib, signatures in libraries if lib is not None]
 
 

@@ -408,8 +408,9 @@ class Worker:
             and not model_cfg.enforce_eager
             and not is_pooling_task(model_cfg.task)
             and self.world_size == 1
-            # adapters would be applied per request, which a recording made without them could not see
-            and not self.config.lora.enable_lora
+            # LoRA steps are recorded with their slots staged in fixed buffers (LoRAStep.stage); verification steps
+            # are recorded on first use, mid-serving, which that staging does not cover
+            and not (self.config.lora.enable_lora and self.config.speculative.method is not None)
             and isinstance(self.model, LlamaForCausalLM)
             and isinstance(attention_backend("cpu"), CpuKernelBackend)
         )
@@ -421,6 +422,8 @@ class Worker:
         # with speculation, verification steps too: each shape recorded on its first step (workers/cpu_verify_graphs.py)
         graphs = CpuSpeculativeGraphs if self.config.speculative.method is not None else CpuDecodeGraphs
         started = time.perf_counter()
+        if self.lora is not None:
+            self.lora.record_steps(max(sizes))
         try:
             with torch.inference_mode():
                 self.decode_graphs = graphs(
@@ -435,6 +438,9 @@ class Worker:
         except NotCapturable as exc:
             log.info("decode steps stay eager on the CPU: %s", exc)
             return
+        finally:
+            if self.lora is not None:
+                self.lora.begin_step(None)
         self.forward = self._choose_forward()
         log.info(
             "recorded the decoder's CPU kernel calls for decode batch sizes %s in %.1f s; --enforce-eager turns "

@@ -71,6 +71,15 @@ class LoRAManager:
         """The coming forward's slot per token (None: no request of the step has an adapter)."""
         self.step.set(token_slots, self.dtype)
 
+    def record_steps(self, max_tokens: int) -> None:
+        """Before recording CPU steps (`workers/cpu_graphs.py`): every LoRA layer's kernel call reads the step's
+        grouping from fixed buffers, which `stage_recorded_step` fills before each replay; `begin_step` after."""
+        self.step.record_staged(max_tokens)
+
+    def stage_recorded_step(self, token_slots: torch.Tensor | None) -> None:
+        """The slot per token of a step about to replay a recording (None: no adapter token)."""
+        self.step.stage(token_slots)
+
     def _load_into_free_slot(self, request: LoRARequest, taken: set[int]) -> int:
         adapter = self._adapter(request)
         free = [slot for slot in range(self.max_loras) if slot not in taken]

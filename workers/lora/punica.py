@@ -66,6 +66,30 @@ class LoRAStep:
         self._rows: SlotRows | None = None
         self._groups: SlotGroups | None = None
         self._one_hot: torch.Tensor | None = None
+        # A recorded CPU step's grouping (`workers/cpu_graphs.py`): fixed buffers whose addresses the recorded kernel
+        # calls hold; each replayed step stages its own grouping into them (`stage`). None until `record_staged`.
+        self.staged: SlotRows | None = None
+
+    def record_staged(self, max_tokens: int) -> None:
+        """Make the coming forwards (a recording) run the native kernel on the staged grouping, every layer reading
+        the same buffers (of up to `max_tokens` tokens; no adapter token until a step is staged)."""
+        if self.staged is None or self.staged.order.shape[0] < max_tokens:
+            self.staged = SlotRows(
+                torch.zeros(max_tokens, dtype=torch.int64), torch.zeros(self.num_slots + 1, dtype=torch.int64)
+            )
+        self.staged.offsets.zero_()
+        self._rows, self._groups, self._one_hot = self.staged, None, None
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64)  # a step with LoRA, as far as layers see
+
+    def stage(self, token_slots: torch.Tensor | None) -> None:
+        """A recorded step's grouping of `token_slots` (None: no adapter token) into the staged buffers."""
+        assert self.staged is not None, "record_staged first"
+        if token_slots is None:
+            self.staged.offsets.zero_()
+            return
+        rows = SlotRows.of(token_slots, self.num_slots)
+        self.staged.order[: rows.order.shape[0]].copy_(rows.order)
+        self.staged.offsets.copy_(rows.offsets)
 
     def set(self, token_slots: torch.Tensor | None, dtype: torch.dtype) -> None:
         """Use `token_slots` for the coming forward; None (no request of the step has an adapter) skips LoRA."""
