@@ -6,7 +6,8 @@
 // with its own dispatch and intermediate tensor) and keeps its FLOPs: each slot's A and B multiply only that slot's
 // tokens, base-model tokens are never touched.
 //
-// Layouts (float32, bfloat16 or float16: dtype code 0, 1, 2 for x, out, A and B alike; accumulation in float32):
+// Layouts (float32, bfloat16 or float16, dtype codes 0, 1, 2: one dtype for x and out, one for A and B, which may
+// differ, as the slots of `--lora-dtype bfloat16` under float32 activations; accumulation in float32):
 //   x [T, in] rows `x_stride` apart; out [T, out_features] rows `out_stride` apart, added to in place.
 //   a [S, n * R, in] contiguous: slice i of slot s owns rows [i * R, (i + 1) * R) (zero past the adapter's rank).
 //   b [S, R * out_features]: slot s's slice i is a contiguous [R, width_i] block (B transposed, the scale folded in)
@@ -66,6 +67,23 @@ inline v8 load8(const T* p) {
   for (int lane = 0; lane < 8; ++lane) v[lane] = to_float(p[lane]);
   return v;
 }
+// bfloat16 is float32's upper half: widen and shift as one vector (the lane loop above does not vectorize).
+inline v8 load8(const bf16* p) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 half;
+  std::memcpy(&half, p, sizeof half);
+  const u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline v8 load8(const _Float16* p) {  // F16C's vcvtph2ps where the target has it
+  typedef _Float16 f16x8 __attribute__((vector_size(16)));
+  f16x8 half;
+  std::memcpy(&half, p, sizeof half);
+  return __builtin_convertvector(half, v8);
+}
 
 inline float sum8(v8 v) {
   float sum = 0.0f;
@@ -87,8 +105,8 @@ struct Problem {
 
 // sums[r][q] = x_r . a_q over n inputs, for kTokenBlock rows x_r and two A rows a_q: eight accumulators, each load of
 // an A or x vector used two or four times.
-template <typename T>
-void dot_block(const T* const* x, const T* a0, const T* a1, int64_t n, float sums[kTokenBlock][2]) {
+template <typename T, typename W>
+void dot_block(const T* const* x, const W* a0, const W* a1, int64_t n, float sums[kTokenBlock][2]) {
   v8 acc[kTokenBlock][2] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -110,12 +128,12 @@ void dot_block(const T* const* x, const T* a0, const T* a1, int64_t n, float sum
 }
 
 // h[k, j] and h[k, j + 1] = x[order[k]] . a[s, j or j + 1] for the tokens k of slot s (j + 1 capped at the last row).
-template <typename T>
-void shrink_rows(const Problem& p, const T* x, int64_t x_stride, const T* a, float* h, int64_t s, int64_t j) {
+template <typename T, typename W>
+void shrink_rows(const Problem& p, const T* x, int64_t x_stride, const W* a, float* h, int64_t s, int64_t j) {
   const int64_t n = p.in_features, ranks = p.ranks();
   const bool pair = j + 1 < ranks;
-  const T* a0 = a + (s * ranks + j) * n;
-  const T* a1 = pair ? a0 + n : a0;
+  const W* a0 = a + (s * ranks + j) * n;
+  const W* a1 = pair ? a0 + n : a0;
   for (int64_t k = p.offsets[s]; k < p.offsets[s + 1]; k += kTokenBlock) {
     const int64_t count = std::min(kTokenBlock, p.offsets[s + 1] - k);
     const T* rows[kTokenBlock];
@@ -131,10 +149,10 @@ void shrink_rows(const Problem& p, const T* x, int64_t x_stride, const T* a, flo
 
 // acc[t][c] = sum_j h_t[j] * b[j * width + c] over the block's 32 columns, for two tokens' h rows: eight v8
 // accumulators, each load of a B vector used twice.
-template <typename T>
-void expand_pair(const float* h0, const float* h1, const T* b, int64_t width, int64_t rank, v8 acc[2][4]) {
+template <typename W>
+void expand_pair(const float* h0, const float* h1, const W* b, int64_t width, int64_t rank, v8 acc[2][4]) {
   for (int64_t j = 0; j < rank; ++j) {
-    const T* b_row = b + j * width;
+    const W* b_row = b + j * width;
     const v8 w[4] = {load8(b_row), load8(b_row + 8), load8(b_row + 16), load8(b_row + 24)};
     for (int q = 0; q < 4; ++q) {
       acc[0][q] += h0[j] * w[q];
@@ -150,12 +168,12 @@ void add_row(T* out, const float* acc, int64_t columns) {
 
 // out[order[k], first + c0 + c] += sum_j h[k, i * R + j] * b_slice[j, c0 + c] for the tokens k of slot s: full
 // 32-column blocks two tokens at a time in registers, a slice's last partial block column by column.
-template <typename T>
-void expand_block(const Problem& p, const float* h, const T* b, T* out, int64_t out_stride, int64_t s, int64_t i,
+template <typename T, typename W>
+void expand_block(const Problem& p, const float* h, const W* b, T* out, int64_t out_stride, int64_t s, int64_t i,
                   int64_t c0) {
   const int64_t first = p.slice_columns[i], width = p.slice_columns[i + 1] - first;
   const int64_t columns = std::min(kColumnBlock, width - c0), ranks = p.ranks();
-  const T* block = b + s * p.rank * p.out_features + p.rank * first + c0;  // row j at block + j * width
+  const W* block = b + s * p.rank * p.out_features + p.rank * first + c0;  // row j at block + j * width
   const int64_t begin = p.offsets[s], end = p.offsets[s + 1];
   for (int64_t k = begin; k < end; k += 2) {
     const int64_t k1 = std::min(k + 1, end - 1);
@@ -195,8 +213,8 @@ std::vector<ExpandItem> expand_items(const Problem& p) {
   return items;
 }
 
-template <typename T>
-void lora_add(const Problem& p, const T* x, int64_t x_stride, T* out, int64_t out_stride, const T* a, const T* b) {
+template <typename T, typename W>
+void lora_add(const Problem& p, const T* x, int64_t x_stride, T* out, int64_t out_stride, const W* a, const W* b) {
   const int64_t num_tokens = p.offsets[p.num_slots], ranks = p.ranks();
   if (num_tokens == 0) return;
   std::vector<float> h(num_tokens * ranks);
@@ -222,30 +240,52 @@ void lora_add(const Problem& p, const T* x, int64_t x_stride, T* out, int64_t ou
   }
 }
 
+// The weights' dtype (code 0, 1, 2) resolved for activations of type T; false for an unknown code.
+template <typename T>
+bool lora_add_weights_of(int weight_dtype, const Problem& p, const void* x, int64_t x_stride, void* out,
+                         int64_t out_stride, const void* a, const void* b) {
+  const T* xt = static_cast<const T*>(x);
+  T* outt = static_cast<T*>(out);
+  switch (weight_dtype) {
+    case 0:
+      lora_add(p, xt, x_stride, outt, out_stride, static_cast<const float*>(a), static_cast<const float*>(b));
+      return true;
+    case 1:
+      lora_add(p, xt, x_stride, outt, out_stride, static_cast<const bf16*>(a), static_cast<const bf16*>(b));
+      return true;
+    case 2:
+      lora_add(p, xt, x_stride, outt, out_stride, static_cast<const _Float16*>(a), static_cast<const _Float16*>(b));
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-int tm_lora_add(int dtype, const void* x, int64_t x_stride, void* out, int64_t out_stride, const void* a,
-                const void* b, int64_t in_features, int64_t out_features, int64_t rank, const int64_t* slice_columns,
-                int64_t num_slices, const int64_t* order, const int64_t* slot_offsets, int64_t num_slots) {
+// dtype: x's and out's; weight_dtype: a's and b's. Returns 0, or -1 for an unknown dtype code.
+int tm_lora_add(int dtype, int weight_dtype, const void* x, int64_t x_stride, void* out, int64_t out_stride,
+                const void* a, const void* b, int64_t in_features, int64_t out_features, int64_t rank,
+                const int64_t* slice_columns, int64_t num_slices, const int64_t* order, const int64_t* slot_offsets,
+                int64_t num_slots) {
   const Problem p{in_features, out_features, rank, num_slices, num_slots, slice_columns, order, slot_offsets};
+  bool known = false;
   switch (dtype) {
     case 0:
-      lora_add(p, static_cast<const float*>(x), x_stride, static_cast<float*>(out), out_stride,
-               static_cast<const float*>(a), static_cast<const float*>(b));
-      return 0;
+      known = lora_add_weights_of<float>(weight_dtype, p, x, x_stride, out, out_stride, a, b);
+      break;
     case 1:
-      lora_add(p, static_cast<const bf16*>(x), x_stride, static_cast<bf16*>(out), out_stride,
-               static_cast<const bf16*>(a), static_cast<const bf16*>(b));
-      return 0;
+      known = lora_add_weights_of<bf16>(weight_dtype, p, x, x_stride, out, out_stride, a, b);
+      break;
     case 2:
-      lora_add(p, static_cast<const _Float16*>(x), x_stride, static_cast<_Float16*>(out), out_stride,
-               static_cast<const _Float16*>(a), static_cast<const _Float16*>(b));
-      return 0;
+      known = lora_add_weights_of<_Float16>(weight_dtype, p, x, x_stride, out, out_stride, a, b);
+      break;
     default:
-      return -1;
+      break;
   }
+  return known ? 0 : -1;
 }
 
 }  // extern "C"

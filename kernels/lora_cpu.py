@@ -2,7 +2,9 @@
 the other CPU kernels (`cpu_ops.build`: cached, private, compiled once per machine), wrapped for torch tensors.
 
 `lora_add` adds each adapter token's (x @ A[slot].T) @ B[slot].T to the layer's output in place, for all slices of a
-fused qkv / gate-up layer at once, with the tokens grouped by slot once per step (`SlotRows`). It computes what
+fused qkv / gate-up layer at once, with the tokens grouped by slot once per step (`SlotRows`). The slot weights may
+be stored in a narrower dtype than the activations (`--lora-dtype bfloat16` under float32: half the bytes a step
+reads, which is what the update's time goes to); it accumulates in float32 either way. It computes what
 `workers/lora/punica.py`'s grouped torch path does (the tests hold both to a float64 reference), without that path's
 dozen small torch ops and intermediate tensors per layer. Where the kernel cannot be built (no compiler) or
 `TOKENMILL_CPU_KERNELS=0`, `library()` is None and the worker keeps the torch path.
@@ -28,7 +30,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "tm_lora_add": [_I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64],
+    "tm_lora_add": [_I32, _I32, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64],
 }
 
 
@@ -88,11 +90,13 @@ def enabled() -> bool:
 
 
 def supports(x: torch.Tensor, out: torch.Tensor, weights: LoRAWeights) -> bool:
-    """Whether `lora_add` runs these tensors (CPU, one dtype it knows, output rows with unit stride)."""
+    """Whether `lora_add` runs these tensors (CPU, output rows with unit stride, x and out of one dtype it knows, the
+    weights of one dtype it knows: the same as the activations' or not, as `--lora-dtype` made them)."""
     return (
         x.device.type == "cpu"
-        and x.dtype == out.dtype == weights.a.dtype == weights.b.dtype
+        and x.dtype == out.dtype
         and x.dtype in DTYPE_CODES
+        and weights.a.dtype in DTYPE_CODES
         and out.stride(-1) == 1
     )
 
@@ -107,6 +111,7 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, weights: LoRAWeights, rows: Slo
     assert out.shape[1] == weights.out_features and rows.offsets.shape[0] == num_slots + 1
     status = library().tm_lora_add(  # type: ignore[union-attr]
         DTYPE_CODES[x.dtype],
+        DTYPE_CODES[weights.a.dtype],
         x.data_ptr(),
         x.stride(0),
         out.data_ptr(),
@@ -123,4 +128,4 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, weights: LoRAWeights, rows: Slo
         num_slots,
     )
     if status != 0:
-        raise ValueError(f"lora_add: unsupported dtype {x.dtype}")
+        raise ValueError(f"lora_add: unsupported dtypes {x.dtype} (activations), {weights.a.dtype} (weights)")

@@ -3,6 +3,7 @@ batch on the base model alone, output tokens/s of each and their ratio, measured
 interleaved, best of `--repeats`, so a busy machine slows both alike).
 
     python scripts/bench_lora.py [--model PATH] [--num-requests 32 --num-adapters 4 --rank 16 --max-tokens 64]
+                                 [--lora-dtype auto|bfloat16|float16]   # the slots' dtype (vLLM's --lora-dtype)
     python scripts/bench_lora.py --kernels   # the CPU paths on each LoRA layer: the native kernel (kernels/lora_cpu.py)
                                              # and the torch paths of workers/lora/punica.py
 
@@ -69,6 +70,7 @@ def run_end_to_end(args: argparse.Namespace) -> dict:
         max_num_seqs=args.num_requests,
         max_model_len=512,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        lora_dtype=args.lora_dtype,
     )
     from tokenmill.workers.model_loader import load_hf_config
 
@@ -95,6 +97,7 @@ def run_end_to_end(args: argparse.Namespace) -> dict:
         "num_requests": args.num_requests,
         "num_adapters": args.num_adapters,
         "rank": args.rank,
+        "lora_dtype": args.lora_dtype,
         "max_tokens": args.max_tokens,
         "base_tokens_per_s": round(best["base"], 1),
         "lora_tokens_per_s": round(best["lora"], 1),
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
+    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16"], help="slots' dtype")
     parser.add_argument("--kernels", action="store_true", help="time the CPU LoRA paths on each layer instead")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for --kernels (0: torch's default)")
     args = parser.parse_args(argv)

@@ -56,6 +56,7 @@ def test_runtime_updating_from_the_flag_or_the_environment(monkeypatch):
         ["--max-lora-rank", "64"],
         ["--max-cpu-loras", "4"],
         ["--allow-runtime-lora-updating"],
+        ["--lora-dtype", "bfloat16"],
     ],
 )
 def test_lora_flags_without_enable_lora_are_one_sentence_errors(argv, capsys):
@@ -63,6 +64,15 @@ def test_lora_flags_without_enable_lora_are_one_sentence_errors(argv, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["serve", *argv])
     assert exited.value.code == 2 and f"{argv[0]} needs --enable-lora" in capsys.readouterr().err
+
+
+def test_lora_dtype_is_auto_unless_given_and_takes_vllms_choices(capsys):
+    assert config_from_args(parse("--enable-lora")).lora.lora_dtype == "auto"
+    assert config_from_args(parse("--enable-lora", "--lora-dtype", "bfloat16")).lora.lora_dtype == "bfloat16"
+    assert config_from_args(parse("--enable-lora", "--lora-dtype", "float16")).lora.lora_dtype == "float16"
+    with pytest.raises(SystemExit):
+        parse("--enable-lora", "--lora-dtype", "float8")
+    assert "invalid choice: 'float8'" in capsys.readouterr().err
 
 
 def test_inconsistent_lora_flags_are_refused():

@@ -202,6 +202,9 @@ class LoRAModule(msgspec.Struct, frozen=True, kw_only=True):
     base_model_name: str | None = None
 
 
+LORA_DTYPES = ("auto", "float16", "bfloat16")
+
+
 class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Multi-LoRA serving (vLLM's flags): adapters chosen per request by `model`, `max_loras` of them resident in a
     step's slots at once, `max_cpu_loras` kept loaded in host memory (None: max_loras)."""
@@ -213,6 +216,13 @@ class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora_modules: list[LoRAModule] = []
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING's equivalent: /v1/load_lora_adapter and /v1/unload_lora_adapter are served
     allow_runtime_lora_updating: bool = False
+    # vLLM's --lora-dtype: the slot weights' dtype; "auto" is the model's (activation) dtype. The update is summed in
+    # float32 either way; a narrower dtype halves the bytes a step reads from the slots.
+    lora_dtype: Literal["auto", "float16", "bfloat16"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from tokenmill.config import LoRAConfig, LoRAModule
+from tokenmill.config import LORA_DTYPES, LoRAConfig, LoRAModule
 
 RUNTIME_UPDATING_ENV = "TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING"
 _TRUE_WORDS = ("1", "true", "yes", "on")
@@ -83,6 +83,13 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key); "
         f"also on with {RUNTIME_UPDATING_ENV}=True",
     )
+    g.add_argument(
+        "--lora-dtype",
+        choices=LORA_DTYPES,
+        default=None,
+        help="the adapters' slot weights' dtype: auto (the model's dtype), float16 or bfloat16 (half the bytes a step "
+        "reads under a float32 model; the update is summed in float32) (default auto)",
+    )
 
 
 _NEEDS_ENABLE = {
@@ -91,6 +98,7 @@ _NEEDS_ENABLE = {
     "max_lora_rank": "--max-lora-rank",
     "max_cpu_loras": "--max-cpu-loras",
     "allow_runtime_lora_updating": "--allow-runtime-lora-updating",
+    "lora_dtype": "--lora-dtype",
 }
 
 
@@ -125,4 +133,5 @@ def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig:
         lora_modules=list(args.lora_modules or []),
         allow_runtime_lora_updating=bool(args.allow_runtime_lora_updating)
         or (args.enable_lora and runtime_updating_from_env()),
+        lora_dtype=args.lora_dtype or defaults.lora_dtype,
     )

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenmill.kernels import call_replay, cpu_ops, gguf_ops, row_ops
+from tokenmill.kernels import call_replay, cpu_ops, gguf_ops, lora_cpu, row_ops
 from tokenmill.workers.attention import AttentionMetadata
 from tokenmill.workers.cuda_graphs import Capture, DecodeGraphs, KVCache
 from tokenmill.workers.quantization.gguf import GGUFWeight
@@ -67,8 +67,12 @@ class _AllocationsAndViewsOnly(TorchDispatchMode):
 
 def _kernel_libraries() -> list[tuple[ctypes.CDLL, dict[str, list[Any]]]]:
     """The loaded kernel libraries with their functions' argument types."""
-    libraries = [(cpu_ops.library(), cpu_ops._SIGNATURES), (gguf_ops.library(), gguf_ops._SIGNATURES)]
-    libraries.append((row_ops.library(), row_ops._SIGNATURES))
+    libraries = [
+        (cpu_ops.library(), cpu_ops._SIGNATURES),
+        (gguf_ops.library(), gguf_ops._SIGNATURES),
+        (row_ops.library(), row_ops._SIGNATURES),
+        (lora_cpu.library(), lora_cpu._SIGNATURES),  # LoRA steps: the grouping staged in fixed buffers (LoRAStep)
+    ]
     return [(lib, signatures) for lib, signatures in libraries if lib is not None]
 
 

@@ -53,11 +53,13 @@ class SingleStageForward:
         self, scheduled: Sequence[ScheduledRequest], prepare: PrepareInputs
     ) -> tuple[StepBatch, torch.Tensor | None]:
         batch = prepare(scheduled)
-        if self.lora is not None:
-            self.lora.begin_step(batch.lora_slots)
         if self.graphs is not None and self.graphs.can_run(batch.attn):
+            if self.lora is not None:  # the recorded LoRA kernel calls read the step's slots from fixed buffers
+                self.lora.stage_recorded_step(batch.lora_slots)
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
         else:
+            if self.lora is not None:
+                self.lora.begin_step(batch.lora_slots)
             hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
         if self.draft is not None:  # the draft's KV for the same tokens, in its own caches
             self.draft.fill(batch.input_ids, batch.positions, batch.attn)

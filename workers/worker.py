@@ -38,7 +38,7 @@ from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
 from tokenmill.workers.kv_cache import KVCache, PagedKVCache, kv_block_bytes
-from tokenmill.workers.lora.manager import LoRAManager
+from tokenmill.workers.lora.manager import LoRAManager, slot_dtype
 from tokenmill.workers.memory_profile import GpuMemory, ProfiledStep, kv_blocks_in_budget, worst_case_step
 from tokenmill.workers.model_facts import prompt_logprobs_row_cost, read_eos_token_ids, text_config, weight_bytes
 from tokenmill.workers.model_loader import default_dtype, iter_weights, load_hf_config, resolve_dtype
@@ -145,7 +145,7 @@ class Worker:
         """The LoRA slot pool on the model's layers (one decoder stage, generation only)."""
         if self.pp.size > 1 or self.config.model.task == "embed" or not isinstance(model, PagedCausalLM):
             raise ValueError("enable_lora needs a decoder for generation without pipeline parallelism")
-        with torch.device(self.device), default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(slot_dtype(self.config.lora, self.dtype)):
             return LoRAManager(model, self.config.lora, int(self.text_config.num_hidden_layers), self.dtype)
 
     def build_model(self) -> Any:
@@ -415,8 +415,9 @@ class Worker:
             and not model_cfg.enforce_eager
             and not is_pooling_task(model_cfg.task)
             and self.world_size == 1
-            # adapters would be applied per request, which a recording made without them could not see
-            and not self.config.lora.enable_lora
+            # LoRA steps are recorded with their slots staged in fixed buffers (LoRAStep.stage); verification steps
+            # are recorded on first use, mid-serving, which that staging does not cover
+            and not (self.config.lora.enable_lora and self.config.speculative.method is not None)
             and isinstance(self.model, LlamaForCausalLM)
             and isinstance(attention_backend("cpu"), CpuKernelBackend)
         )
@@ -428,6 +429,8 @@ class Worker:
         # and short multi-token steps, every shape at start-up (workers/cpu_verify_graphs.py): verifications, and a
         # small prefill chunk beside a decode (the prefill limit's steps), which eagerly took ~3x a decode step
         started = time.perf_counter()
+        if self.lora is not None:
+            self.lora.record_steps(max(sizes))
         try:
             with torch.inference_mode():
                 self.decode_graphs = CpuSpeculativeGraphs(
@@ -442,6 +445,9 @@ class Worker:
         except NotCapturable as exc:
             log.info("decode steps stay eager on the CPU: %s", exc)
             return
+        finally:
+            if self.lora is not None:
+                self.lora.begin_step(None)
         self.forward = self._choose_forward()
         log.info(
             "recorded the decoder's CPU kernel calls for decode batch sizes %s in %.1f s; --enforce-eager turns "

@@ -116,3 +116,24 @@ def test_slot_rows_group_tokens_by_slot_in_token_order():
     rows = SlotRows.of(torch.tensor([2, -1, 0, 2, 0, -1]), 4)
     assert rows.order.tolist() == [2, 4, 0, 3]
     assert rows.offsets.tolist() == [0, 2, 2, 4, 4]
+
+
+@pytest.mark.parametrize(("weight_dtype", "tolerance"), [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("widths", [[40, 16, 16], [72], [20]], ids=["qkv", "single", "partial-block"])
+def test_float32_activations_over_half_precision_slots_match_the_float64_reference(weight_dtype, tolerance, widths):
+    """`--lora-dtype bfloat16` / `float16` under a float32 model: the kernel reads the narrow weights, accumulates and
+    writes float32; against the reference on the same rounded weights the only error is float32 summation's, and
+    against the unrounded weights it is within the weight dtype's rounding."""
+    torch.manual_seed(2)
+    token_slots = [0, 1, -1, 2, 0, 1, 1, 1, 2]
+    a, blocks, weights = _weights(3, 16, 64, widths, weight_dtype)
+    x = torch.randn(len(token_slots), 64)
+    out = torch.randn(len(token_slots), sum(widths))
+    before = out.clone()
+    lora_cpu.lora_add(x, out, weights, SlotRows.of(torch.tensor(token_slots), 3))
+    assert out.dtype == torch.float32
+    rounded = _reference(x, a.to(weight_dtype), [block.to(weight_dtype) for block in blocks], token_slots)
+    torch.testing.assert_close((out - before).double(), rounded, atol=1e-5, rtol=1e-4)
+    exact = _reference(x, a, blocks, token_slots)
+    torch.testing.assert_close((out - before).double(), exact, atol=tolerance, rtol=tolerance)
+    assert out[torch.tensor(token_slots) < 0].equal(before[torch.tensor(token_slots) < 0])

@@ -133,8 +133,8 @@ def test_dense_models_keep_the_eager_forward(tiny_checkpoint):
     assert worker.decode_graphs is None
 
 
-@pytest.mark.parametrize("section, field", [("model", "enforce_eager"), ("lora", "enable_lora")])
-def test_enforce_eager_and_lora_record_nothing(gguf_worker, monkeypatch, section, field):
+@pytest.mark.parametrize("section, field", [("model", "enforce_eager")])  # LoRA: tests/workers/test_lora_cpu_graphs.py
+def test_enforce_eager_records_nothing(gguf_worker, monkeypatch, section, field):
     config = gguf_worker.config
     assert gguf_worker._uses_cpu_graphs()
     changed = msgspec.structs.replace(getattr(config, section), **{field: True})

@@ -22,11 +22,18 @@ from tokenmill.workers.lora.slots import LoRALinearSlots, attach_lora_slots
 from tokenmill.workers.models.llama import PagedCausalLM
 
 BASE_SLOT = -1  # the token slot of requests on the base model
+_NARROW_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def slot_dtype(config: LoRAConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The slot weights' dtype (vLLM's --lora-dtype): "auto" is the model's."""
+    return _NARROW_DTYPES.get(config.lora_dtype, model_dtype)
 
 
 class LoRAManager:
     def __init__(self, model: PagedCausalLM, config: LoRAConfig, num_layers: int, dtype: torch.dtype) -> None:
-        """Attach slots to `model`'s layers; call it under the model's default device and dtype."""
+        """Attach slots to `model`'s layers (`dtype`: the activations'); call it under the model's default device and
+        the slots' dtype (`slot_dtype`)."""
         self.max_loras = config.max_loras
         self.max_lora_rank = config.max_lora_rank
         self.max_cpu_loras = max(config.max_cpu_loras or config.max_loras, config.max_loras)
@@ -63,6 +70,15 @@ class LoRAManager:
     def begin_step(self, token_slots: torch.Tensor | None) -> None:
         """The coming forward's slot per token (None: no request of the step has an adapter)."""
         self.step.set(token_slots, self.dtype)
+
+    def record_steps(self, max_tokens: int) -> None:
+        """Before recording CPU steps (`workers/cpu_graphs.py`): every LoRA layer's kernel call reads the step's
+        grouping from fixed buffers, which `stage_recorded_step` fills before each replay; `begin_step` after."""
+        self.step.record_staged(max_tokens)
+
+    def stage_recorded_step(self, token_slots: torch.Tensor | None) -> None:
+        """The slot per token of a step about to replay a recording (None: no adapter token)."""
+        self.step.stage(token_slots)
 
     def _load_into_free_slot(self, request: LoRARequest, taken: set[int]) -> int:
         adapter = self._adapter(request)

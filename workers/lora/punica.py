@@ -66,6 +66,30 @@ class LoRAStep:
         self._rows: SlotRows | None = None
         self._groups: SlotGroups | None = None
         self._one_hot: torch.Tensor | None = None
+        # A recorded CPU step's grouping (`workers/cpu_graphs.py`): fixed buffers whose addresses the recorded kernel
+        # calls hold; each replayed step stages its own grouping into them (`stage`). None until `record_staged`.
+        self.staged: SlotRows | None = None
+
+    def record_staged(self, max_tokens: int) -> None:
+        """Make the coming forwards (a recording) run the native kernel on the staged grouping, every layer reading
+        the same buffers (of up to `max_tokens` tokens; no adapter token until a step is staged)."""
+        if self.staged is None or self.staged.order.shape[0] < max_tokens:
+            self.staged = SlotRows(
+                torch.zeros(max_tokens, dtype=torch.int64), torch.zeros(self.num_slots + 1, dtype=torch.int64)
+            )
+        self.staged.offsets.zero_()
+        self._rows, self._groups, self._one_hot = self.staged, None, None
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64)  # a step with LoRA, as far as layers see
+
+    def stage(self, token_slots: torch.Tensor | None) -> None:
+        """A recorded step's grouping of `token_slots` (None: no adapter token) into the staged buffers."""
+        assert self.staged is not None, "record_staged first"
+        if token_slots is None:
+            self.staged.offsets.zero_()
+            return
+        rows = SlotRows.of(token_slots, self.num_slots)
+        self.staged.order[: rows.order.shape[0]].copy_(rows.order)
+        self.staged.offsets.copy_(rows.offsets)
 
     def set(self, token_slots: torch.Tensor | None, dtype: torch.dtype) -> None:
         """Use `token_slots` for the coming forward; None (no request of the step has an adapter) skips LoRA."""
@@ -134,7 +158,9 @@ def add_lora_packed(
 def add_lora_masked(
     x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, one_hot: torch.Tensor
 ) -> None:
-    """The CPU path: all slots' shrink in one matmul, masked to each token's slot, then all slots' expand."""
+    """The CPU path: all slots' shrink in one matmul, masked to each token's slot, then all slots' expand (in the
+    activations' dtype, whatever the slots')."""
+    a, bt = a.to(x.dtype), bt.to(x.dtype)
     num_slots, rank, in_features = a.shape
     num_tokens = x.shape[0]
     shrunk = torch.mm(x, a.view(num_slots * rank, in_features).t()).view(num_tokens, num_slots, rank)
@@ -148,13 +174,15 @@ def add_lora_grouped(
     """The CPU path on tokens grouped by slot: each used slot's A and B multiply only its own tokens (one batched
     matmul over the groups), so the FLOPs are one adapter's, not all slots'. A fused layer shrinks once against its
     slices' concatenated A (q/k/v share x) and expands each slice into its own output columns, not through a
-    block-diagonal B. The results return to token order by a gather (`scatter`): an index_add_ is 10x slower."""
+    block-diagonal B. The results return to token order by a gather (`scatter`): an index_add_ is 10x slower. Slots
+    stored in another dtype than the activations' (`--lora-dtype`) are widened to it, the used ones only."""
     if groups.used is not None:
         a = a.index_select(0, groups.used)
+    a = a.to(x.dtype)
     grouped_x = x.index_select(0, groups.gather).view(a.shape[0], groups.rows, -1)
     shrunk = torch.bmm(grouped_x, a.transpose(1, 2))  # [G, rows, n * R]
     for piece in bt_slices:
-        bt = piece.bt if groups.used is None else piece.bt.index_select(0, groups.used)
+        bt = (piece.bt if groups.used is None else piece.bt.index_select(0, groups.used)).to(x.dtype)
         delta = torch.bmm(shrunk[:, :, piece.first_rank : piece.first_rank + bt.shape[1]], bt)
         delta = delta.view(-1, bt.shape[2]).index_select(0, groups.scatter)  # [T, columns], in token order
         columns = out.narrow(1, piece.first_column, bt.shape[2])

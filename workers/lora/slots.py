@@ -49,7 +49,7 @@ class LoRALinearSlots:
         self.step = step
         ranks = len(slices) * max_rank
         in_count = slices[0].in_count
-        # on the current default device and dtype (the model's)
+        # on the current default device and dtype (the slots': the model's, or --lora-dtype's)
         self.a = torch.zeros(num_slots, ranks, in_count)
         self.bt = torch.zeros(num_slots, ranks, out_features)
         # The CPU paths' B: each slice's own ranks and output columns (not the block-diagonal), slot s's slices side
@@ -122,8 +122,8 @@ class LoRALinearSlots:
 def attach_lora_slots(model: PagedCausalLM, num_slots: int, max_rank: int, step: LoRAStep) -> list[LoRALinearSlots]:
     """Give every LoRA-able linear layer of `model`'s decoder layers (this stage's) its slots; returns them all.
 
-    Call it under the model's default device and dtype. A layer that computes its own output differently from its
-    base class (Gemma's GELU gate/up) gets none: an adapter that targets it is refused at load."""
+    Call it under the model's default device and the slots' dtype. A layer that computes its own output differently
+    from its base class (Gemma's GELU gate/up) gets none: an adapter that targets it is refused at load."""
     attached = []
     for index, layer in enumerate(model.get_submodule("model.layers").children()):
         if isinstance(layer, MissingLayer):
