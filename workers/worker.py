@@ -33,7 +33,7 @@ from tokenmill.workers.backends import attention_backend, runs_triton
 from tokenmill.workers.capture_plan import CapturePlan, plan_cuda_graphs
 from tokenmill.workers.cpu_backend import CpuKernelBackend
 from tokenmill.workers.cpu_graphs import CPU_GRAPH_BATCH_SIZES, NotCapturable
-from tokenmill.workers.cpu_verify_graphs import CpuSpeculativeGraphs
+from tokenmill.workers.cpu_verify_graphs import MAX_VERIFY_TOKENS, CpuSpeculativeGraphs
 from tokenmill.workers.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from tokenmill.workers.distributed import init_distributed, parallel_position, resolve_device
 from tokenmill.workers.draft_proposer import DraftModel
@@ -415,8 +415,8 @@ class Worker:
             and not model_cfg.enforce_eager
             and not is_pooling_task(model_cfg.task)
             and self.world_size == 1
-            # LoRA steps are recorded with their slots staged in fixed buffers (LoRAStep.stage); verification steps
-            # are recorded on first use, mid-serving, which that staging does not cover
+            # LoRA steps are recorded with their slots staged in fixed buffers (LoRAStep.stage); with speculative
+            # decoding too, adapters stay eager: the draft runs without them and that pairing is untested recorded
             and not (self.config.lora.enable_lora and self.config.speculative.method is not None)
             and isinstance(self.model, LlamaForCausalLM)
             and isinstance(attention_backend("cpu"), CpuKernelBackend)
@@ -429,8 +429,8 @@ class Worker:
         # and short multi-token steps, every shape at start-up (workers/cpu_verify_graphs.py): verifications, and a
         # small prefill chunk beside a decode (the prefill limit's steps), which eagerly took ~3x a decode step
         started = time.perf_counter()
-        if self.lora is not None:
-            self.lora.record_steps(max(sizes))
+        if self.lora is not None:  # the staged grouping holds the largest recorded step: decode or short multi-token
+            self.lora.record_steps(max(*sizes, MAX_VERIFY_TOKENS))
         try:
             with torch.inference_mode():
                 self.decode_graphs = CpuSpeculativeGraphs(
