@@ -66,18 +66,24 @@ def test_a_prefill_only_step_counts_its_whole_time_per_token_and_empty_steps_cou
     assert limit.prefill_token_s() == 0.005 and limit.decode_step_s() is None
 
 
-def test_a_long_prompt_beside_a_decoder_is_chunked_so_the_decoders_step_stays_within_twice_its_own():
-    cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
-    sched, worker = Scheduler(cfg, 256, [2]), TimedWorker(cfg.cache.block_size)
-    sched.add_request(make_request("warm", 16, max_tokens=1))  # a prefill-only step: the per-token time, roughly
+def prompt_beside_a_decoder(sched: Scheduler, worker: TimedWorker, prompt_len: int) -> None:
+    """A prefill-only step (the per-token time, roughly), a decoder's first steps, then a prompt of `prompt_len`
+    beside it until done; `worker.step_times` holds the prompt's steps."""
+    sched.add_request(make_request("warm", 16, max_tokens=1))
     step(sched, worker)
     sched.add_request(make_request("decoder", 4, max_tokens=200, ignore_eos=True))
     for _ in range(6):
         step(sched, worker)
-    sched.add_request(make_request("long", 300, max_tokens=1))
+    sched.add_request(make_request("long", prompt_len, max_tokens=1))
     worker.step_times.clear()
     while "long" in sched.requests:
         step(sched, worker)
+
+
+def test_a_long_prompt_beside_a_decoder_is_chunked_so_the_decoders_step_stays_within_twice_its_own():
+    cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
+    sched, worker = Scheduler(cfg, 256, [2]), TimedWorker(cfg.cache.block_size)
+    prompt_beside_a_decoder(sched, worker, 300)
     with_decoder = [seconds for scheduled, seconds in worker.step_times if "decoder" in scheduled]
     assert all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)
     # the first mixed step may use the estimate of the prefill-only step (overhead and all); then it is learnt
@@ -147,15 +153,7 @@ def test_the_scheduler_takes_the_replayed_shape_from_its_workers():
     cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
     sched = Scheduler(cfg, 256, [2], replayed_step=(2, 8))
     worker = TimedWorker(cfg.cache.block_size, token_s=0.001)  # cheap prefill tokens: a learnt limit of ~20
-    sched.add_request(make_request("warm", 16, max_tokens=1))
-    step(sched, worker)
-    sched.add_request(make_request("decoder", 4, max_tokens=200, ignore_eos=True))
-    for _ in range(6):
-        step(sched, worker)
-    sched.add_request(make_request("long", 100, max_tokens=1))
-    worker.step_times.clear()
-    while "long" in sched.requests:
-        step(sched, worker)
+    prompt_beside_a_decoder(sched, worker, 100)
     # the learnt limit alone would give the prompt ~20 tokens a step; within the replayed shape it gets 7 beside the
     # decoder, and never more than 8 in all
     totals = [sum(scheduled.values()) for scheduled, _ in worker.step_times]
