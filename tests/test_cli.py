@@ -30,8 +30,6 @@ def other_value(action: argparse.Action) -> list[str]:
         return [f"--no-{flag[2:]}" if action.default else flag]
     if action.nargs == 0:
         return [flag]
-    if action.choices:
-        return [flag, str(next(c for c in action.choices if c != action.default and c not in ("half", "float")))]
     special = {
         "--allowed-origins": '["*"]',
         "--api-key": "secret",
@@ -45,11 +43,14 @@ def other_value(action: argparse.Action) -> list[str]:
         "--max-loras": "2",
         "--max-lora-rank": "32",
         "--max-cpu-loras": "4",
+        "--lora-dtype": "bfloat16",  # its default is None, standing for auto: the first choice would restate it
         "--hf-overrides": '{"architectures": ["Qwen3ForSequenceClassification"]}',
         "--long-prefill-token-threshold": "96",
     }
     if flag in special:
         return [flag, special[flag]]
+    if action.choices:
+        return [flag, str(next(c for c in action.choices if c != action.default and c not in ("half", "float")))]
     if isinstance(action.default, float):
         return [flag, str(action.default / 2)]
     if isinstance(action.default, int):

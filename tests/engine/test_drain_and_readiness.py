@@ -106,14 +106,16 @@ def assert_exited_cleanly(server: Server, kids: list[int]) -> None:
 
 
 def test_sigterm_lets_streams_in_flight_finish(tiny_llama, tmp_path):
-    # a generous timeout: on a host shared by many jobs 8 streams of 64 tokens can take tens of seconds
+    # long enough streams that the server is still draining when the test asks (64 tokens each could all end within
+    # the 0.2 s it waits after the signal, and the port with them), and a generous timeout: on a host shared by many
+    # jobs 8 streams of 600 tokens can take tens of seconds
     server = Server(tiny_llama, *TINY_ARGS, "--shutdown-timeout", "120", log_path=tmp_path / "log")
     try:
         launch(server)
-        records, _, kids = drain_with_streams(server, max_tokens=64)
+        records, _, kids = drain_with_streams(server, max_tokens=600)
         for record in records:
             assert record.error is None and record.status == 200
-            assert record.done and record.finish_reason == "length" and record.completion_tokens == 64
+            assert record.done and record.finish_reason == "length" and record.completion_tokens == 600
         assert_exited_cleanly(server, kids)
     finally:
         server.stop(signal.SIGKILL)

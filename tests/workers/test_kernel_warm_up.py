@@ -116,6 +116,7 @@ def test_the_worker_reports_ready_only_after_warm_up(monkeypatch):
         weight_bytes, device, dtype, architecture, eos_token_ids, vocab_size = 0, "cpu", "float32", "x", [], 8
         kv_sliding_window = None
         prompt_logprobs_row_cost = 0.0
+        replayed_step = (0, 0)
 
         def load_model(self) -> None:
             events.append("load")
