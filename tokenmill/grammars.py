@@ -21,6 +21,7 @@ import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from tokenmill.messages import StructuredOutputsParams
+from tokenmill.regex_bounds import RegexTooRepetitive, check_regex, check_schema_patterns
 
 # what a client's grammar may cost to build and to step: llguidance's own fuel limits, tightened where a hostile
 # schema could otherwise hold a compile thread or a scheduler step for long
@@ -147,9 +148,22 @@ def without_annotations(schema: Any) -> Any:
 
 
 def validate(params: StructuredOutputsParams) -> str:
-    """The grammar text for `params`, checked to compile within `PARSER_LIMITS`; GrammarError says why not."""
+    """The grammar text for `params`, checked to compile within `PARSER_LIMITS` and its regexes to unroll within
+    `MAX_REGEX_REPETITION` (llguidance builds a regex's automaton only at run time); GrammarError says why not."""
     grammar = grammar_text(params)
+    _check_repetitions(params)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
     if is_error:
         raise GrammarError(messages[0] if messages else "the constraint does not compile")
     return grammar
+
+
+def _check_repetitions(params: StructuredOutputsParams) -> None:
+    """GrammarError when the regex, or a pattern of the JSON schema, unrolls a piece too many times."""
+    try:
+        if params.regex is not None:
+            check_regex(params.regex, "the regex")
+        if params.json is not None:
+            check_schema_patterns(params.json)
+    except RegexTooRepetitive as exc:
+        raise GrammarError(str(exc)) from None

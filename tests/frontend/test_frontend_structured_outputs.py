@@ -174,3 +174,41 @@ async def test_a_constraint_larger_than_the_limit_is_a_400_naming_its_field(smol
         status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
         assert status == 200, body
         assert len(h.engine.requests) == 1
+
+
+@async_test
+async def test_a_regex_repeated_past_the_bound_is_a_400_naming_its_field(smollm2_model, tokenizer):
+    """`c{1000000}` passed llguidance's validation and failed only when the scheduler built its automaton: a counted
+    repetition (nested counts multiplied) past MAX_REGEX_REPETITION is a 400 at admission, as a regex or a schema's
+    pattern; one at the bound is admitted."""
+    too_many = "(a|b)*c{1000000}"
+    nested = "((c{100}){100}){100}"
+    cases = [
+        ({"structured_outputs": {"regex": too_many}}, "structured_outputs", "the regex"),
+        ({"guided_regex": nested}, "guided_regex", "the regex"),
+        (
+            {"response_format": json_schema_format(pattern_schema(too_many))},
+            "response_format",
+            "schema.properties.code.pattern",
+        ),
+        ({"structured_outputs": {"json": json.dumps(pattern_schema(nested))}}, "structured_outputs", "pattern"),
+    ]
+    async with serving(smollm2_model, tokenizer) as h:
+        for fields, param, where in cases:
+            status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
+            assert_error(status, body, 400, "BadRequestError", param)
+            assert where in body["error"]["message"] and "10000" in body["error"]["message"], body
+        assert h.engine.requests == []
+        at_the_bound = [{"structured_outputs": {"regex": "(c{100}){100}"}}, {"guided_json": pattern_schema("c{10000}")}]
+        for fields in at_the_bound:
+            status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
+            assert status == 200, body
+        assert len(h.engine.requests) == 2
+
+
+def pattern_schema(regex: str) -> dict:
+    return {"type": "object", "properties": {"code": {"type": "string", "pattern": regex}}, "required": ["code"]}
+
+
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
