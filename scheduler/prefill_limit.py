@@ -1,13 +1,16 @@
 """How many tokens of prefill a step may carry while other requests decode, so their inter-token gap stays within
-about twice their decode-only gap (issue 28: no request can stall the others).
+`1 + MIXED_STEP_EXTRA` (1.6) times their decode-only gap (issue 28: no request can stall the others).
 
 A step's time is roughly a decode step's plus a cost per prefill token (the forward of each, and for a prompt
 position asking for logprobs its LM head and scoring: the scheduler counts both as budget tokens, `_budget_cost`).
-Keeping a mixed step under two decode steps means a prefill chunk of at most `decode step time / per-token time`
-budget tokens. vLLM's `--long-prefill-token-threshold` and SGLang's `--chunked-prefill-size` are fixed numbers; the
-right number differs a hundredfold between a small model on CPU (a few tokens: a decode step reads the weights once,
-a prefill token computes through them) and a large one on a GPU (hundreds), so by default it is learnt from the
-workers' own step times (`StepResult.model_time_s`): the median of the recent decode-only steps, and of the recent
+Keeping a mixed step within 1.6 decode steps means a prefill chunk of at most `0.6 * decode step time / per-token
+time` budget tokens. The target was two decode steps; but a bystander's p99 gap then sat at 2x its idle p99 by
+design, and any noise on top (a busier step, a shared core) took it past the 2x issue 28 holds it to.
+
+vLLM's `--long-prefill-token-threshold` and SGLang's `--chunked-prefill-size` are fixed numbers; the right number
+differs a hundredfold between a small model on CPU (a few tokens: a decode step reads the weights once, a prefill
+token computes through them) and a large one on a GPU (hundreds), so by default it is learnt from the workers' own
+step times (`StepResult.model_time_s`): the median of the recent decode-only steps, and of the recent
 per-token cost of steps with prefill (a prefill-only step's whole time counts, overhead included, which errs toward
 smaller chunks). Until both are known, nothing is limited; a fixed `--long-prefill-token-threshold` replaces the
 estimate, and 0 turns the limit off (vLLM's default). Medians over a short window follow a change of load while one
@@ -26,6 +29,9 @@ import statistics
 from collections import deque
 
 WINDOW = 32  # recent steps each median is taken over
+# the share of a decode step's time a step's prefill may add while others decode: the bystander's margin below 2x
+# for the step-to-step noise, paid for with more, shorter prefill chunks (a prompt's first token comes later)
+MIXED_STEP_EXTRA = 0.6
 
 
 class PrefillLimit:
@@ -70,7 +76,7 @@ class PrefillLimit:
         decode_s, token_s = self.decode_step_s(), self.prefill_token_s()
         if decode_s is None or not token_s:
             return None
-        learnt = max(1, int(decode_s / token_s))
+        learnt = max(1, int(MIXED_STEP_EXTRA * decode_s / token_s + 1e-9))  # 1e-9: 0.6 * 5 is 3, not 2.999...
         if num_decodes < self.replayed_seqs:  # a prefill chunk still fits a replayed step's sequences
             return max(1, min(learnt, self.replayed_tokens - num_decodes))
         return learnt

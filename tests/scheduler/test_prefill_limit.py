@@ -1,5 +1,5 @@
 """A long prefill beside a decoding request: its chunks shrink while the other decodes, so the decoder's step stays
-within about twice its decode-only step (issue 28); the limit is learnt from the workers' step times, or fixed by
+within 1.6 times its decode-only step (issue 28); the limit is learnt from the workers' step times, or fixed by
 --long-prefill-token-threshold."""
 
 import msgspec
@@ -42,19 +42,20 @@ def with_threshold(threshold: int, **config):
     return msgspec.structs.replace(cfg, scheduler=scheduler_cfg)
 
 
-def test_the_limit_is_a_decode_step_over_a_prefill_tokens_time():
+def test_the_limit_is_0_6_decode_steps_over_a_prefill_tokens_time():
     limit = PrefillLimit()
     assert limit.tokens() is None  # nothing measured: nothing limited
     for _ in range(3):
         limit.observe(num_decodes=2, prefill_cost=0, model_time_s=0.020)
     assert limit.tokens() is None  # the per-token time is still unknown
     limit.observe(num_decodes=1, prefill_cost=50, model_time_s=0.020 + 50 * 0.004)
-    assert limit.decode_step_s() == 0.020 and limit.tokens() == 5
+    # a decode step is worth 5 prefill tokens; a mixed step may add 0.6 of one: 3 tokens
+    assert limit.decode_step_s() == 0.020 and limit.tokens() == 3
     # one slow step (a core taken away) moves neither median
     limit.observe(num_decodes=2, prefill_cost=0, model_time_s=2.0)
     limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.040)
     limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.040)
-    assert limit.tokens() == 5
+    assert limit.tokens() == 3
     assert PrefillLimit(threshold=48).tokens() == 48
 
 
@@ -80,15 +81,16 @@ def prompt_beside_a_decoder(sched: Scheduler, worker: TimedWorker, prompt_len: i
         step(sched, worker)
 
 
-def test_a_long_prompt_beside_a_decoder_is_chunked_so_the_decoders_step_stays_within_twice_its_own():
+def test_a_long_prompt_beside_a_decoder_is_chunked_so_the_decoders_step_stays_within_1_6x_its_own():
     cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
     sched, worker = Scheduler(cfg, 256, [2]), TimedWorker(cfg.cache.block_size)
     prompt_beside_a_decoder(sched, worker, 300)
     with_decoder = [seconds for scheduled, seconds in worker.step_times if "decoder" in scheduled]
     assert all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)
     # the first mixed step may use the estimate of the prefill-only step (overhead and all); then it is learnt
-    assert max(with_decoder[2:]) <= 2 * DECODE_STEP_S
-    assert max(scheduled.get("long", 0) for scheduled, _ in worker.step_times[2:]) >= 4  # not starved to one token
+    # 1.6x, not 2x: a bystander's p99 gap at 2x its idle one by design had no room left for noise
+    assert max(with_decoder[2:]) <= 1.6 * DECODE_STEP_S + 1e-9
+    assert max(scheduled.get("long", 0) for scheduled, _ in worker.step_times[2:]) >= 3  # not starved to one token
 
 
 def test_alone_a_prompt_takes_the_whole_budget():
@@ -144,17 +146,17 @@ def test_a_learnt_limit_keeps_a_step_within_the_workers_replayed_shape_while_one
         limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
         limit.observe(num_decodes=1, prefill_cost=7, model_time_s=0.020 + 7 * 0.001)
     assert PrefillLimit().tokens() is None
-    assert limit.tokens(num_decodes=1) == 7  # learnt 20, but 1 decode + 7 prefill tokens is the largest replayed step
-    assert limit.tokens(num_decodes=2) == 20  # no sequence left for a replayed step: the learnt limit alone
+    assert limit.tokens(num_decodes=1) == 7  # learnt 12, but 1 decode + 7 prefill tokens is the largest replayed step
+    assert limit.tokens(num_decodes=2) == 12  # no sequence left for a replayed step: the learnt limit alone
     assert PrefillLimit(threshold=48, replayed_seqs=2, replayed_tokens=8).tokens(num_decodes=1) == 48  # fixed: as set
 
 
 def test_the_scheduler_takes_the_replayed_shape_from_its_workers():
     cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
     sched = Scheduler(cfg, 256, [2], replayed_step=(2, 8))
-    worker = TimedWorker(cfg.cache.block_size, token_s=0.001)  # cheap prefill tokens: a learnt limit of ~20
+    worker = TimedWorker(cfg.cache.block_size, token_s=0.001)  # cheap prefill tokens: a learnt limit of ~12
     prompt_beside_a_decoder(sched, worker, 100)
-    # the learnt limit alone would give the prompt ~20 tokens a step; within the replayed shape it gets 7 beside the
+    # the learnt limit alone would give the prompt ~12 tokens a step; within the replayed shape it gets 7 beside the
     # decoder, and never more than 8 in all
     totals = [sum(scheduled.values()) for scheduled, _ in worker.step_times]
     assert max(totals) == 8 and all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)
