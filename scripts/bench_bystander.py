@@ -11,7 +11,9 @@ is sent, the worst of its kind that the limits admit (issue 28):
 
 The window runs from the hostile request's send to its answer; the bystander's gaps that overlap it are compared with
 its idle gaps (p50, p99, max) and reported as a ratio (up to the bystander's end, when the hostile request
-outlasts it: `outlived_bystander`). Every kind runs against one server, in turn, each with a fresh
+outlasts it: `outlived_bystander`). The bystander is idle before the window and again after it: the baseline is
+whichever of the two idle windows has the lower p99 (both are reported), so a stall that lands in one idle window
+cannot inflate the baseline and flatter the ratio. Every kind runs against one server, in turn, each with a fresh
 bystander. The limits given here must be the server's (they are passed to a launched server).
 
     python scripts/bench_bystander.py                      # launches `tokenmill serve` on the default model
@@ -151,16 +153,37 @@ async def one_kind(
         raise RuntimeError(bystander.error)
     # a prefill held to short chunks beside the bystander can outlast it: its gaps then count up to its end
     outlived = bystander.chunk_times[-1] < end
-    during, idle = split_gaps_at_window([bystander], start, min(end, bystander.chunk_times[-1]))
-    idle = idle[1:]  # the first gap can hold the bystander's own admission
+    during, before = split_gaps_at_window([bystander], start, min(end, bystander.chunk_times[-1]))
+    before = before[1:]  # the first gap can hold the bystander's own admission
+    after = [gap_end - gap_start for gap_start, gap_end in bystander.itl_intervals() if gap_start >= end]
+    idle_windows = {"before": gap_summary(before), "after": gap_summary(after) if len(after) >= MIN_IDLE_GAPS else None}
     return {
         "status": status,
         "answer": answer if status != 200 else "",
         "window_s": end - start,
         "outlived_bystander": outlived,
-        "idle_ms": summarize(idle, 1000.0) | {"max": 1000.0 * max(idle), "per_token": 1000.0 * mean_gap(idle)},
-        "during_ms": summarize(during, 1000.0) | {"max": 1000.0 * max(during), "per_token": 1000.0 * mean_gap(during)},
+        "idle_ms": strict_idle(idle_windows),
+        "idle_windows_ms": idle_windows,
+        "during_ms": gap_summary(during),
     }
+
+
+# the fewest gaps an idle window after the hostile request needs to count as a baseline (the bystander may end soon
+# after it)
+MIN_IDLE_GAPS = 20
+
+
+def gap_summary(gaps: list[float]) -> dict[str, float]:
+    """The gaps' statistics in ms, their max and their mean per token."""
+    return summarize(gaps, 1000.0) | {"max": 1000.0 * max(gaps), "per_token": 1000.0 * mean_gap(gaps)}
+
+
+def strict_idle(windows: dict[str, dict[str, float] | None]) -> dict[str, float]:
+    """The idle baseline: of the windows before and after the hostile request, the one with the lower p99. A stall
+    that lands in one idle window (another process on a shared core) would otherwise raise the baseline and flatter
+    the ratio; taking the quieter window can only make the comparison stricter."""
+    measured = [window for window in windows.values() if window is not None]
+    return min(measured, key=lambda window: window["p99"])
 
 
 def mean_gap(gaps: list[float]) -> float:
