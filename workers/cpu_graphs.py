@@ -36,8 +36,11 @@ from tokenmill.workers.cuda_graphs import Capture, DecodeGraphs, KVCache
 from tokenmill.workers.quantization.gguf import GGUFWeight
 
 # The decode batch sizes recorded: where the per-call Python is a large share of a step (at 8 sequences the kernels'
-# work is already ~8x a single token's); a batch between two sizes replays the larger with inert padding rows.
-CPU_GRAPH_BATCH_SIZES = (1, 2, 4, 8)
+# work is already ~8x a single token's); a batch between two sizes replays the larger with inert padding rows. 3 is
+# one request's n = 2 choices beside a bystander (issue 28): replayed as 4, its padding row cost the bystander ~10% a
+# step (default model, one thread: batch 3 at 1.51x batch 1's step, batch 4 at 1.83x); recording it took well under
+# a second at start-up.
+CPU_GRAPH_BATCH_SIZES = (1, 2, 3, 4, 8)
 
 # (ctypes function, its arguments as ctypes values): one kernel call of a recorded forward
 RecordedCall = tuple[Any, tuple[Any, ...]]

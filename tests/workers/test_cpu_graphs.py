@@ -100,12 +100,12 @@ def test_worker_greedy_tokens_unchanged_by_recorded_steps(gguf_worker):
     prompts = [[int(t) for t in rng.integers(100, 20_000, n)] for n in (20, 6, 11)]
 
     def generate() -> list[list[int]]:
-        # staggered arrivals: decode batches of 1, 2 and 3 (replayed at 4), and mixed steps that run eagerly
+        # staggered arrivals: decode batches of 1, 2 and 3 (each replayed at its own size), and mixed steps
         return run_greedy(worker, prompts, 8, num_blocks=NUM_BLOCKS, chunk_size=8, arrival_steps=[0, 3, 5])
 
     eager = generate()
     worker.capture_cuda_graphs()
-    assert isinstance(worker.decode_graphs, CpuDecodeGraphs) and worker.decode_graphs.batch_sizes == [1, 2, 4]
+    assert isinstance(worker.decode_graphs, CpuDecodeGraphs) and worker.decode_graphs.batch_sizes == [1, 2, 3, 4]
     replays = []
     original_run = worker.decode_graphs.run
     worker.decode_graphs.run = lambda *args: replays.append(1) or original_run(*args)  # type: ignore[method-assign]
