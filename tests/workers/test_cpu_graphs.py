@@ -13,6 +13,7 @@ import torch
 from tests.helpers.runner_driver import run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenmill.kernels import cpu_ops
+from tokenmill.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.cpu_graphs import CpuDecodeGraphs, NotCapturable, cpu_call_capture
 from tokenmill.workers.worker import Worker
@@ -174,3 +175,46 @@ def test_the_embedding_is_recorded_only_where_its_lookup_is_kernel_calls(gguf_wo
                 k.copy_(k0)
                 v.copy_(v0)
             assert torch.equal(graphs.run(ids, positions, attn), expected)
+
+
+def decode_with_bias_and_stop_ids(worker: Worker, num_steps: int) -> list[list[int]]:
+    """A greedy bystander beside one request's n = 2 choices carrying 256 stop ids and 1024 logit biases (issue 28's
+    stop_and_bias, greedy so that replayed and eager runs compare): the tokens of each decode step."""
+    bias = {1000 + i: 0.5 * (i % 3) for i in range(1024)}
+    hostile = SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=list(range(1, 257)), logit_bias=bias)
+    params = [SamplingParams(temperature=0.0, max_tokens=64), hostile, hostile]
+    prompt = [int(t) for t in np.random.default_rng(1).integers(100, 20_000, 12)]
+    new = [
+        NewRequestData(f"r{i}", prompt, len(prompt), p, [1 + 2 * i, 2 + 2 * i], 0, len(prompt))
+        for i, p in enumerate(params)
+    ]
+    result = worker.execute(StepPlan(0, new, [], []))
+    steps = []
+    for step in range(num_steps):
+        running = [
+            RunningRequestData(rid, [token], [], len(prompt) + step, 1)
+            for rid, token in zip(result.request_ids, result.sampled_token_ids, strict=True)
+        ]
+        result = worker.execute(StepPlan(step + 1, [], running, []))
+        steps.append(list(result.sampled_token_ids))
+    worker.execute(StepPlan(num_steps + 1, [], [], [f"r{i}" for i in range(3)]))
+    return steps
+
+
+def test_a_batch_of_three_with_stop_ids_and_logit_bias_replays_at_three(gguf_worker):
+    """Three decoding sequences replay the batch-3 recording (not 4 with a padding row), logit bias and stop ids
+    applied after the replayed decoder, with the eager run's tokens."""
+    worker = gguf_worker
+    eager = decode_with_bias_and_stop_ids(worker, 6)
+    worker.capture_cuda_graphs()
+    assert worker.decode_graphs is not None
+    batches: list[int] = []
+    original_run = worker.decode_graphs.run
+    graphs = worker.decode_graphs
+    graphs.run = lambda ids, *rest: batches.append(graphs.padded_size(ids.shape[0])) or original_run(ids, *rest)  # type: ignore[method-assign]
+    try:
+        assert decode_with_bias_and_stop_ids(worker, 6) == eager
+    finally:
+        worker.decode_graphs = None
+        worker.forward = worker._choose_forward()
+    assert batches == [3] * 6  # the recording replayed: of 3 sequences, not 4 (a padding row's work)
