@@ -103,21 +103,22 @@ struct Problem {
   int64_t ranks() const { return num_slices * rank; }
 };
 
-// sums[r][q] = x_r . a_q over n inputs, for kTokenBlock rows x_r and two A rows a_q: eight accumulators, each load of
-// an A or x vector used two or four times.
-template <typename T, typename W>
-void dot_block(const T* const* x, const W* a0, const W* a1, int64_t n, float sums[kTokenBlock][2]) {
-  v8 acc[kTokenBlock][2] = {};
+// sums[r][q] = x_r . a_q over n inputs, for kRows token rows x_r and two A rows a_q: 2 * kRows accumulators, each
+// load of an A or x vector used two or kRows times. A run's last few tokens take the smaller instances (a decode step's
+// slot group is often a single token: no rows computed twice).
+template <int64_t kRows, typename T, typename W>
+__attribute__((always_inline)) inline void dot_block(const T* const* x, const W* a0, const W* a1, int64_t n, float sums[kTokenBlock][2]) {
+  v8 acc[kRows][2] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const v8 w0 = load8(a0 + i), w1 = load8(a1 + i);
-    for (int64_t r = 0; r < kTokenBlock; ++r) {
+    for (int64_t r = 0; r < kRows; ++r) {
       const v8 v = load8(x[r] + i);
       acc[r][0] += v * w0;
       acc[r][1] += v * w1;
     }
   }
-  for (int64_t r = 0; r < kTokenBlock; ++r) {
+  for (int64_t r = 0; r < kRows; ++r) {
     sums[r][0] = sum8(acc[r][0]);
     sums[r][1] = sum8(acc[r][1]);
     for (int64_t k = i; k < n; ++k) {
@@ -125,6 +126,18 @@ void dot_block(const T* const* x, const W* a0, const W* a1, int64_t n, float sum
       sums[r][1] += to_float(x[r][k]) * to_float(a1[k]);
     }
   }
+}
+
+// A run's last `count` < kTokenBlock rows.
+template <typename T, typename W>
+void dot_rows(int64_t count, const T* const* x, const W* a0, const W* a1, int64_t n, float sums[kTokenBlock][2]) {
+  static_assert(kTokenBlock == 4, "one instance per row count");
+  if (count == 1)
+    dot_block<1>(x, a0, a1, n, sums);
+  else if (count == 2)
+    dot_block<2>(x, a0, a1, n, sums);
+  else
+    dot_block<3>(x, a0, a1, n, sums);
 }
 
 // h[k - k0, j] and h[k - k0, j + 1] = x[order[k]] . a[j or j + 1] for the tokens k0 <= k < k1 (h rows `rank` apart;
@@ -139,9 +152,12 @@ void shrink_rows(const Problem& p, const T* x, int64_t x_stride, const W* a, flo
   for (int64_t k = k0; k < k1; k += kTokenBlock) {
     const int64_t count = std::min(kTokenBlock, k1 - k);
     const T* rows[kTokenBlock];
-    for (int64_t r = 0; r < kTokenBlock; ++r) rows[r] = x + p.order[k + std::min(r, count - 1)] * x_stride;
+    for (int64_t r = 0; r < count; ++r) rows[r] = x + p.order[k + r] * x_stride;
     float sums[kTokenBlock][2];
-    dot_block(rows, a0, a1, n, sums);
+    if (count == kTokenBlock)
+      dot_block<kTokenBlock>(rows, a0, a1, n, sums);
+    else
+      dot_rows(count, rows, a0, a1, n, sums);
     for (int64_t r = 0; r < count; ++r) {
       h[(k - k0 + r) * p.rank + j] = sums[r][0];
       if (pair) h[(k - k0 + r) * p.rank + j + 1] = sums[r][1];
@@ -149,8 +165,8 @@ void shrink_rows(const Problem& p, const T* x, int64_t x_stride, const W* a, flo
   }
 }
 
-// acc[t][c] = sum_j h_t[j] * b[j * width + c] over the block's 32 columns, for two tokens' h rows: eight v8
-// accumulators, each load of a B vector used twice.
+// acc[t][c] = sum_j h_t[j] * b[j * width + c] over the block's 32 columns, for two tokens' h rows (`expand_one`: a run's
+// last odd token): eight v8 accumulators, each load of a B vector used twice.
 template <typename W>
 void expand_pair(const float* h0, const float* h1, const W* b, int64_t width, int64_t rank, v8 acc[2][4]) {
   for (int64_t j = 0; j < rank; ++j) {
@@ -160,6 +176,14 @@ void expand_pair(const float* h0, const float* h1, const W* b, int64_t width, in
       acc[0][q] += h0[j] * w[q];
       acc[1][q] += h1[j] * w[q];
     }
+  }
+}
+
+template <typename W>
+void expand_one(const float* h0, const W* b, int64_t width, int64_t rank, v8 acc[2][4]) {
+  for (int64_t j = 0; j < rank; ++j) {
+    const W* b_row = b + j * width;
+    for (int q = 0; q < 4; ++q) acc[0][q] += h0[j] * load8(b_row + 8 * q);
   }
 }
 
@@ -178,23 +202,22 @@ void expand_rows(const Problem& p, const float* h, const W* b_slice, T* out, int
     const int64_t columns = std::min(kColumnBlock, width - c0);
     const W* block = b_slice + c0;  // row j at block + j * width
     for (int64_t k = k0; k < k1; k += 2) {
-      const int64_t k1st = std::min(k + 1, k1 - 1);
-      const float* h0 = h + (k - k0) * p.rank;
-      const float* h1 = h + (k1st - k0) * p.rank;
+      const int64_t count = std::min<int64_t>(2, k1 - k);
+      const float* hs[2] = {h + (k - k0) * p.rank, h + (k + count - 1 - k0) * p.rank};
       alignas(32) float acc[2][kColumnBlock] = {};
       if (columns == kColumnBlock) {
         v8 vacc[2][4] = {};
-        expand_pair(h0, h1, block, width, p.rank, vacc);
+        if (count == 2)
+          expand_pair(hs[0], hs[1], block, width, p.rank, vacc);
+        else
+          expand_one(hs[0], block, width, p.rank, vacc);
         std::memcpy(acc, vacc, sizeof acc);
       } else {
         for (int64_t j = 0; j < p.rank; ++j)
-          for (int64_t c = 0; c < columns; ++c) {
-            acc[0][c] += h0[j] * to_float(block[j * width + c]);
-            acc[1][c] += h1[j] * to_float(block[j * width + c]);
-          }
+          for (int64_t r = 0; r < count; ++r)
+            for (int64_t c = 0; c < columns; ++c) acc[r][c] += hs[r][j] * to_float(block[j * width + c]);
       }
-      add_row(out + p.order[k] * out_stride + first + c0, acc[0], columns);
-      if (k1st != k) add_row(out + p.order[k1st] * out_stride + first + c0, acc[1], columns);
+      for (int64_t r = 0; r < count; ++r) add_row(out + p.order[k + r] * out_stride + first + c0, acc[r], columns);
     }
   }
 }

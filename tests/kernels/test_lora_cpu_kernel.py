@@ -72,6 +72,7 @@ TOKEN_SLOTS = {
     "one adapter": [3] * 5,
     "every slot, every row an adapter's": [1, 0, 3, 2, 0, 1, 2, 3] * 4,
     "a long prefill of two adapters and the base": [0] * 37 + [-1] * 9 + [3] * 24,
+    "decode: groups of one and two tokens": [0, 1, 2, 3, 1, -1, 3],
 }
 
 
