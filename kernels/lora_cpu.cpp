@@ -15,8 +15,8 @@
 //     slice_columns = {first_0, first_1, ..., first_n = out_features}.
 //   order [L]: the adapter tokens sorted by slot; slot_offsets [S + 1]: slot s's tokens are order[offsets[s]:
 //     offsets[s + 1]] (L = offsets[S]; tokens of the base model appear nowhere).
-// Work is split over (slot, two rank rows) for the shrink and (slot, slice, 32 columns) for the expand, so a step of few
-// tokens still spreads over the threads; the shrunk activations h [L, n * R] stay in float32 between the phases.
+// Work is split into items of (slot, slice, a run of the slot's tokens), each its own shrink and expand: no barrier
+// inside a call (see `Item`); the runs are short enough that a step of few tokens still spreads over the threads.
 
 #include <omp.h>
 
@@ -92,7 +92,7 @@ inline float sum8(v8 v) {
 }
 
 constexpr int64_t kTokenBlock = 4;          // tokens sharing each load of the A rows in the shrink
-constexpr int64_t kColumnBlock = 32;        // output columns of one expand work item (four v8 per token)
+constexpr int64_t kColumnBlock = 32;        // output columns of one expand block (four v8 per token)
 constexpr int64_t kParallelMacs = 1 << 18;  // below this a layer's update runs on one thread: a fork costs more
 
 struct Problem {
@@ -103,21 +103,24 @@ struct Problem {
   int64_t ranks() const { return num_slices * rank; }
 };
 
-// sums[r][q] = x_r . a_q over n inputs, for kTokenBlock rows x_r and two A rows a_q: eight accumulators, each load of
-// an A or x vector used two or four times.
-template <typename T, typename W>
-void dot_block(const T* const* x, const W* a0, const W* a1, int64_t n, float sums[kTokenBlock][2]) {
-  v8 acc[kTokenBlock][2] = {};
+// sums[r][q] = x_r . a_q over n inputs, for kRows token rows x_r and two A rows a_q: 2 * kRows accumulators, each
+// load of an A or x vector used two or kRows times. A run's last few tokens take the smaller instances (a decode
+// step's slot group is often a single token: no rows computed twice). Inlined: called through `dot_rows`, the
+// four-row instance ran at two thirds of its inlined speed.
+template <int64_t kRows, typename T, typename W>
+__attribute__((always_inline)) inline void dot_block(const T* const* x, const W* a0, const W* a1, int64_t n,
+                                                     float sums[kTokenBlock][2]) {
+  v8 acc[kRows][2] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const v8 w0 = load8(a0 + i), w1 = load8(a1 + i);
-    for (int64_t r = 0; r < kTokenBlock; ++r) {
+    for (int64_t r = 0; r < kRows; ++r) {
       const v8 v = load8(x[r] + i);
       acc[r][0] += v * w0;
       acc[r][1] += v * w1;
     }
   }
-  for (int64_t r = 0; r < kTokenBlock; ++r) {
+  for (int64_t r = 0; r < kRows; ++r) {
     sums[r][0] = sum8(acc[r][0]);
     sums[r][1] = sum8(acc[r][1]);
     for (int64_t k = i; k < n; ++k) {
@@ -127,28 +130,45 @@ void dot_block(const T* const* x, const W* a0, const W* a1, int64_t n, float sum
   }
 }
 
-// h[k, j] and h[k, j + 1] = x[order[k]] . a[s, j or j + 1] for the tokens k of slot s (j + 1 capped at the last row).
+// A run's last `count` < kTokenBlock rows.
 template <typename T, typename W>
-void shrink_rows(const Problem& p, const T* x, int64_t x_stride, const W* a, float* h, int64_t s, int64_t j) {
-  const int64_t n = p.in_features, ranks = p.ranks();
-  const bool pair = j + 1 < ranks;
-  const W* a0 = a + (s * ranks + j) * n;
+void dot_rows(int64_t count, const T* const* x, const W* a0, const W* a1, int64_t n, float sums[kTokenBlock][2]) {
+  static_assert(kTokenBlock == 4, "one instance per row count");
+  if (count == 1)
+    dot_block<1>(x, a0, a1, n, sums);
+  else if (count == 2)
+    dot_block<2>(x, a0, a1, n, sums);
+  else
+    dot_block<3>(x, a0, a1, n, sums);
+}
+
+// h[k - k0, j] and h[k - k0, j + 1] = x[order[k]] . a[j or j + 1] for the tokens k0 <= k < k1 (h rows `rank` apart;
+// a second row only where j + 1 < rank).
+template <typename T, typename W>
+void shrink_rows(const Problem& p, const T* x, int64_t x_stride, const W* a, float* h, int64_t k0, int64_t k1,
+                 int64_t j) {
+  const int64_t n = p.in_features;
+  const bool pair = j + 1 < p.rank;
+  const W* a0 = a + j * n;
   const W* a1 = pair ? a0 + n : a0;
-  for (int64_t k = p.offsets[s]; k < p.offsets[s + 1]; k += kTokenBlock) {
-    const int64_t count = std::min(kTokenBlock, p.offsets[s + 1] - k);
+  for (int64_t k = k0; k < k1; k += kTokenBlock) {
+    const int64_t count = std::min(kTokenBlock, k1 - k);
     const T* rows[kTokenBlock];
-    for (int64_t r = 0; r < kTokenBlock; ++r) rows[r] = x + p.order[k + std::min(r, count - 1)] * x_stride;
+    for (int64_t r = 0; r < count; ++r) rows[r] = x + p.order[k + r] * x_stride;
     float sums[kTokenBlock][2];
-    dot_block(rows, a0, a1, n, sums);
+    if (count == kTokenBlock)
+      dot_block<kTokenBlock>(rows, a0, a1, n, sums);
+    else
+      dot_rows(count, rows, a0, a1, n, sums);
     for (int64_t r = 0; r < count; ++r) {
-      h[(k + r) * ranks + j] = sums[r][0];
-      if (pair) h[(k + r) * ranks + j + 1] = sums[r][1];
+      h[(k - k0 + r) * p.rank + j] = sums[r][0];
+      if (pair) h[(k - k0 + r) * p.rank + j + 1] = sums[r][1];
     }
   }
 }
 
-// acc[t][c] = sum_j h_t[j] * b[j * width + c] over the block's 32 columns, for two tokens' h rows: eight v8
-// accumulators, each load of a B vector used twice.
+// acc[t][c] = sum_j h_t[j] * b[j * width + c] over the block's 32 columns, for two tokens' h rows (`expand_one`: a
+// run's last odd token): eight v8 accumulators, each load of a B vector used twice.
 template <typename W>
 void expand_pair(const float* h0, const float* h1, const W* b, int64_t width, int64_t rank, v8 acc[2][4]) {
   for (int64_t j = 0; j < rank; ++j) {
@@ -161,82 +181,94 @@ void expand_pair(const float* h0, const float* h1, const W* b, int64_t width, in
   }
 }
 
+template <typename W>
+void expand_one(const float* h0, const W* b, int64_t width, int64_t rank, v8 acc[2][4]) {
+  for (int64_t j = 0; j < rank; ++j) {
+    const W* b_row = b + j * width;
+    for (int q = 0; q < 4; ++q) acc[0][q] += h0[j] * load8(b_row + 8 * q);
+  }
+}
+
 template <typename T>
 void add_row(T* out, const float* acc, int64_t columns) {
   for (int64_t c = 0; c < columns; ++c) store(out + c, to_float(out[c]) + acc[c]);
 }
 
-// out[order[k], first + c0 + c] += sum_j h[k, i * R + j] * b_slice[j, c0 + c] for the tokens k of slot s: full
-// 32-column blocks two tokens at a time in registers, a slice's last partial block column by column.
+// out[order[k], first + c] += sum_j h[k - k0, j] * b_slice[j, c] for the tokens k0 <= k < k1 and every column of the
+// slice: 32-column blocks (each block of B read once from memory and then from L1 for every token pair), two tokens
+// at a time in registers, the slice's last partial block column by column.
 template <typename T, typename W>
-void expand_block(const Problem& p, const float* h, const W* b, T* out, int64_t out_stride, int64_t s, int64_t i,
-                  int64_t c0) {
-  const int64_t first = p.slice_columns[i], width = p.slice_columns[i + 1] - first;
-  const int64_t columns = std::min(kColumnBlock, width - c0), ranks = p.ranks();
-  const W* block = b + s * p.rank * p.out_features + p.rank * first + c0;  // row j at block + j * width
-  const int64_t begin = p.offsets[s], end = p.offsets[s + 1];
-  for (int64_t k = begin; k < end; k += 2) {
-    const int64_t k1 = std::min(k + 1, end - 1);
-    const float* h0 = h + k * ranks + i * p.rank;
-    const float* h1 = h + k1 * ranks + i * p.rank;
-    alignas(32) float acc[2][kColumnBlock] = {};
-    if (columns == kColumnBlock) {
-      v8 vacc[2][4] = {};
-      expand_pair(h0, h1, block, width, p.rank, vacc);
-      std::memcpy(acc, vacc, sizeof acc);
-    } else {
-      for (int64_t j = 0; j < p.rank; ++j)
-        for (int64_t c = 0; c < columns; ++c) {
-          acc[0][c] += h0[j] * to_float(block[j * width + c]);
-          acc[1][c] += h1[j] * to_float(block[j * width + c]);
-        }
+void expand_rows(const Problem& p, const float* h, const W* b_slice, T* out, int64_t out_stride, int64_t k0,
+                 int64_t k1, int64_t first, int64_t width) {
+  for (int64_t c0 = 0; c0 < width; c0 += kColumnBlock) {
+    const int64_t columns = std::min(kColumnBlock, width - c0);
+    const W* block = b_slice + c0;  // row j at block + j * width
+    for (int64_t k = k0; k < k1; k += 2) {
+      const int64_t count = std::min<int64_t>(2, k1 - k);
+      const float* hs[2] = {h + (k - k0) * p.rank, h + (k + count - 1 - k0) * p.rank};
+      alignas(32) float acc[2][kColumnBlock] = {};
+      if (columns == kColumnBlock) {
+        v8 vacc[2][4] = {};
+        if (count == 2)
+          expand_pair(hs[0], hs[1], block, width, p.rank, vacc);
+        else
+          expand_one(hs[0], block, width, p.rank, vacc);
+        std::memcpy(acc, vacc, sizeof acc);
+      } else {
+        for (int64_t j = 0; j < p.rank; ++j)
+          for (int64_t r = 0; r < count; ++r)
+            for (int64_t c = 0; c < columns; ++c) acc[r][c] += hs[r][j] * to_float(block[j * width + c]);
+      }
+      for (int64_t r = 0; r < count; ++r) add_row(out + p.order[k + r] * out_stride + first + c0, acc[r], columns);
     }
-    add_row(out + p.order[k] * out_stride + first + c0, acc[0], columns);
-    if (k1 != k) add_row(out + p.order[k1] * out_stride + first + c0, acc[1], columns);
   }
 }
 
-// The expand work items: (slot, slice, column block) for every slot with tokens.
-struct ExpandItem {
-  int64_t slot, slice, c0;
+// One work item: a run of one slot's tokens through one slice, shrink then expand, independent of every other item
+// (its own output columns or its own tokens), so a layer's update needs no barrier between its phases: one fork and
+// one join per call, which is what a decode step's many small updates pay most for on a busy machine.
+struct Item {
+  int64_t slot, slice, k0, k1;
 };
 
-std::vector<ExpandItem> expand_items(const Problem& p) {
-  std::vector<ExpandItem> items;
-  for (int64_t s = 0; s < p.num_slots; ++s) {
-    if (p.offsets[s + 1] == p.offsets[s]) continue;
-    for (int64_t i = 0; i < p.num_slices; ++i) {
-      const int64_t width = p.slice_columns[i + 1] - p.slice_columns[i];
-      for (int64_t c0 = 0; c0 < width; c0 += kColumnBlock) items.push_back({s, i, c0});
-    }
-  }
+// The items of a call: every used slot's tokens in runs of `chunk` tokens (a multiple of kTokenBlock, about four
+// items per thread in all, so dynamic scheduling evens out slices of unequal widths), times every slice.
+std::vector<Item> work_items(const Problem& p, int64_t num_threads) {
+  const int64_t num_tokens = p.offsets[p.num_slots];
+  const int64_t target = std::max<int64_t>(1, 4 * num_threads);
+  int64_t chunk = (num_tokens * p.num_slices + target - 1) / target;
+  chunk = std::max<int64_t>(2 * kTokenBlock, (chunk + kTokenBlock - 1) / kTokenBlock * kTokenBlock);
+  std::vector<Item> items;
+  for (int64_t s = 0; s < p.num_slots; ++s)
+    for (int64_t k0 = p.offsets[s]; k0 < p.offsets[s + 1]; k0 += chunk)
+      for (int64_t i = 0; i < p.num_slices; ++i) items.push_back({s, i, k0, std::min(k0 + chunk, p.offsets[s + 1])});
   return items;
 }
 
 template <typename T, typename W>
+void run_item(const Problem& p, const Item& item, const T* x, int64_t x_stride, T* out, int64_t out_stride, const W* a,
+              const W* b, std::vector<float>& h) {
+  h.resize((item.k1 - item.k0) * p.rank);
+  const W* a_slice = a + (item.slot * p.ranks() + item.slice * p.rank) * p.in_features;
+  for (int64_t j = 0; j < p.rank; j += 2) shrink_rows(p, x, x_stride, a_slice, h.data(), item.k0, item.k1, j);
+  const int64_t first = p.slice_columns[item.slice], width = p.slice_columns[item.slice + 1] - first;
+  const W* b_slice = b + item.slot * p.rank * p.out_features + p.rank * first;
+  expand_rows(p, h.data(), b_slice, out, out_stride, item.k0, item.k1, first, width);
+}
+
+template <typename T, typename W>
 void lora_add(const Problem& p, const T* x, int64_t x_stride, T* out, int64_t out_stride, const W* a, const W* b) {
-  const int64_t num_tokens = p.offsets[p.num_slots], ranks = p.ranks();
+  const int64_t num_tokens = p.offsets[p.num_slots];
   if (num_tokens == 0) return;
-  std::vector<float> h(num_tokens * ranks);
-  std::vector<int64_t> used;  // the slots with tokens
-  for (int64_t s = 0; s < p.num_slots; ++s)
-    if (p.offsets[s + 1] > p.offsets[s]) used.push_back(s);
-  const std::vector<ExpandItem> items = expand_items(p);
-  const int64_t pairs = (ranks + 1) / 2;  // shrink work items per slot: two A rows each
-  const int64_t shrink_items = static_cast<int64_t>(used.size()) * pairs;
-  const int64_t expand_count = static_cast<int64_t>(items.size());
-  const int64_t macs = num_tokens * (ranks * p.in_features + p.rank * p.out_features);
-#pragma omp parallel if (macs > kParallelMacs)
+  const int64_t macs = num_tokens * (p.ranks() * p.in_features + p.rank * p.out_features);
+  const bool parallel = macs > kParallelMacs && omp_get_max_threads() > 1;
+  const std::vector<Item> items = work_items(p, parallel ? omp_get_max_threads() : 1);
+  const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel if (parallel)
   {
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < shrink_items; ++item)
-      shrink_rows(p, x, x_stride, a, h.data(), used[item / pairs], 2 * (item % pairs));
-    // the implicit barrier: every h row is whole before any expand reads it
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < expand_count; ++item) {
-      const ExpandItem& e = items[item];
-      expand_block(p, h.data(), b, out, out_stride, e.slot, e.slice, e.c0);
-    }
+    std::vector<float> h;  // this thread's shrunk activations, float32 between shrink and expand
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t item = 0; item < count; ++item) run_item(p, items[item], x, x_stride, out, out_stride, a, b, h);
   }
 }
 

@@ -44,6 +44,12 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def library_built_with(flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernel built with `flags` (`cpu_ops.native_flags()` under another `TOKENMILL_CPU_ISA`), loaded beside
+    `library()`'s: the tests run each ISA's code on one machine. Raises as `cpu_ops.load` does."""
+    return cpu_ops.load(SOURCE, _SIGNATURES, flags)
+
+
 @dataclass(frozen=True)
 class SlotRows:
     """A step's adapter tokens grouped by slot, once per step for every layer: slot s's tokens are

@@ -1,19 +1,36 @@
 """The native CPU LoRA kernel (`kernels/lora_cpu.cpp`) against a float64 reference: ranks 8, 16 and 64, several slot
 groups of uneven sizes, fused slices expanded into their own columns, empty slots, base-model rows left untouched,
-strided rows, one thread and several, and bfloat16 / float16 within their rounding."""
+strided rows, one thread and several, and bfloat16 / float16 within their rounding; each on every x86 ISA build
+(`TOKENMILL_CPU_ISA=avx2` builds it without AVX-512)."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
 
-from tokenmill.kernels import lora_cpu
+from tests.helpers.cpu_isa import CPU_ISAS
+from tokenmill.kernels import cpu_ops, lora_cpu
 from tokenmill.kernels.lora_cpu import LoRAWeights, SlotRows
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_built():
     assert lora_cpu.library() is not None, "the CPU LoRA kernel did not build (see the warning in the log)"
+
+
+@pytest.fixture(autouse=True, params=CPU_ISAS)
+def isa(request, monkeypatch):
+    """Every test runs on the kernel as the machine builds it and as an AVX2 machine would (`lora_add` calls
+    `lora_cpu.library()`, pointed here at that build)."""
+    if request.param != "native":
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            pytest.skip(f"TOKENMILL_CPU_ISA={request.param} selects an x86 build")
+        monkeypatch.setenv("TOKENMILL_CPU_ISA", request.param)
+        lib = lora_cpu.library_built_with(cpu_ops.native_flags())
+        monkeypatch.setattr(lora_cpu, "library", lambda: lib)
+    return request.param
 
 
 @pytest.fixture
@@ -55,6 +72,7 @@ TOKEN_SLOTS = {
     "one adapter": [3] * 5,
     "every slot, every row an adapter's": [1, 0, 3, 2, 0, 1, 2, 3] * 4,
     "a long prefill of two adapters and the base": [0] * 37 + [-1] * 9 + [3] * 24,
+    "decode: groups of one and two tokens": [0, 1, 2, 3, 1, -1, 3],
 }
 
 
