@@ -34,8 +34,8 @@ import functools
 import logging
 import os
 import platform
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -359,13 +359,20 @@ def _log_fallback_once() -> None:
     log.warning("gguf_matmul: no compiled kernels, dequantizing the weights to float on every call (slow)")
 
 
+class Int8Matmul(Protocol):
+    """`int8_matmul_on`'s function: x `[T, in_features]` -> `[T, out_features]`, into `out` where given (x's dtype,
+    unit column stride; its rows may be strided, as a column slice of a wider output)."""
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 def int8_matmul_on(
     blocks: torch.Tensor, qtype: int, out_features: int, in_features: int, repacked: bool = False
-) -> Callable[[torch.Tensor], torch.Tensor] | None:
+) -> Int8Matmul | None:
     """`gguf_matmul(x, blocks, ..., activations="int8", repacked=repacked)` as a function of x alone, the blocks
     checked once (a weight's per-call Python cost was as much as a small layer's kernel time); None without the
     kernels. Keeps `blocks` alive; x of any other kind than float32 / bfloat16 [T, in_features] with unit column
-    stride goes through gguf_matmul (and its errors)."""
+    stride goes through gguf_matmul (and its errors), as does an `out` the kernel cannot write (then copied in)."""
     _check_blocks(blocks, qtype, out_features, in_features)
     if repacked:
         _check_repack_type(qtype)
@@ -376,11 +383,16 @@ def int8_matmul_on(
     kernel_name = "tm_gguf_matmul_repacked" if repacked else "tm_gguf_matmul"
     pointer = blocks.data_ptr()
 
-    def matmul(x: torch.Tensor) -> torch.Tensor:
+    def matmul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         dtype_code = _DTYPE_CODES.get(x.dtype)
         if dtype_code is None or x.ndim != 2 or x.shape[1] != in_features or x.stride(1) != 1 or not x.is_cpu:
-            return gguf_matmul(x, blocks, qtype, out_features, in_features, activations="int8", repacked=repacked)
-        out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+            result = gguf_matmul(x, blocks, qtype, out_features, in_features, activations="int8", repacked=repacked)
+            return result if out is None else out.copy_(result)
+        if out is None:
+            out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+        elif not _writable_output(out, x, out_features):
+            return out.copy_(matmul(x))
+        row_stride = out.stride(0) if out.shape[0] > 1 else out_features
         if (
             getattr(lib, kernel_name)(
                 qtype,
@@ -392,7 +404,7 @@ def int8_matmul_on(
                 out_features,
                 in_features,
                 out.data_ptr(),
-                out_features,
+                row_stride,
             )
             != 0
         ):
@@ -400,6 +412,14 @@ def int8_matmul_on(
         return out
 
     return matmul
+
+
+def _writable_output(out: torch.Tensor, x: torch.Tensor, out_features: int) -> bool:
+    """Whether the kernel can write x's product into `out` directly: `[T, out_features]` of x's dtype on the CPU, unit
+    column stride, rows at least a row apart."""
+    if out.dtype != x.dtype or not out.is_cpu or tuple(out.shape) != (x.shape[0], out_features):
+        return False
+    return out.stride(1) == 1 and (out.shape[0] <= 1 or out.stride(0) >= out_features)
 
 
 def gguf_matmul(

@@ -1,5 +1,5 @@
 // Small per-row CPU kernels of a decode step's edges (kernels/row_ops.py): the embedding rows of a GGUF table
-// dequantized, and the greedy argmax of the logits rows.
+// dequantized, the greedy argmax of the logits rows, and a quantized linear layer's bias added to its output rows.
 //
 // Both replace torch / numpy code whose per-call overhead was most of their cost at batch 1: the `gguf` package's
 // numpy dequantizer took ~15 us for one 576-wide row, torch's argmax ~28 us over a 49,152-wide row. Every function
@@ -109,6 +109,21 @@ int64_t argmax_row(const float* x, int64_t n) {
     return 0;  // n == 0 is refused by the caller
 }
 
+float bf16_to_float(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept quiet: torch's conversion
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
 }  // namespace
 
 extern "C" {
@@ -126,6 +141,25 @@ int tm_dequantize_rows(int qtype, const uint8_t* rows, int64_t n, int64_t k, flo
 int tm_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t ldx, int64_t* out) {
     if (rows < 0 || cols <= 0 || ldx < cols) return -1;
     for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * ldx, cols);
+    return 0;
+}
+
+// x [rows, cols] float32 (dtype 0) or bfloat16 (dtype 1) with row stride ldx, in place: x[r, c] += bias[c] (bias of
+// x's dtype), each sum taken in float32 and rounded once to x's dtype, as torch's `x + bias`. Only elementwise adds,
+// so a row's result does not depend on the other rows (batch-invariant).
+int tm_add_bias_rows(int dtype, void* x, int64_t rows, int64_t cols, int64_t ldx, const void* bias) {
+    if (rows < 0 || cols < 0 || ldx < cols || (dtype != 0 && dtype != 1)) return -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        if (dtype == 0) {
+            float* row = static_cast<float*>(x) + r * ldx;
+            const float* b = static_cast<const float*>(bias);
+            for (int64_t c = 0; c < cols; ++c) row[c] += b[c];
+        } else {
+            uint16_t* row = static_cast<uint16_t*>(x) + r * ldx;
+            const uint16_t* b = static_cast<const uint16_t*>(bias);
+            for (int64_t c = 0; c < cols; ++c) row[c] = float_to_bf16(bf16_to_float(row[c]) + bf16_to_float(b[c]));
+        }
+    }
     return 0;
 }
 

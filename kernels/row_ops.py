@@ -1,4 +1,6 @@
-"""Per-row CPU kernels at a decode step's two ends (`row_ops.cpp`): GGUF embedding rows dequantized, greedy argmax.
+"""Per-row CPU kernels at a decode step's two ends (`row_ops.cpp`): GGUF embedding rows dequantized, greedy argmax;
+and a quantized linear layer's bias added in place (torch's `out + bias` is an operation a recorded CPU decode step,
+`workers/cpu_graphs.py`, cannot replay, so Qwen2's q/k/v bias kept its decode steps eager).
 
 Built and loaded as the other CPU kernels (`cpu_ops.load`: cached, private, compiled once per machine). Each wrapper
 returns None where the kernel does not take its arguments (no compiler, `TOKENMILL_CPU_KERNELS=0`, a GGUF type it
@@ -29,7 +31,9 @@ _PTR, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "tm_dequantize_rows": [_I32, _PTR, _I64, _I64, _PTR],
     "tm_argmax_rows": [_PTR, _I64, _I64, _I64, _PTR],
+    "tm_add_bias_rows": [_I32, _PTR, _I64, _I64, _I64, _PTR],
 }
+_BIAS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
@@ -74,3 +78,27 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     row_stride = logits.stride(0) if logits.shape[0] > 1 else logits.shape[1]  # one row's stride may be anything
     status = lib.tm_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], row_stride, out.data_ptr())
     return out if status == 0 else None
+
+
+def add_bias_(out: torch.Tensor, bias: torch.Tensor) -> bool:
+    """`out += bias` in place over out's last dimension, as torch's `out + bias` gives it bit for bit; False (out
+    untouched) where the kernel does not take them: not CPU tensors of one dtype (float32 or bfloat16), bias not 1-D
+    contiguous of out's last size, out's rows not one 2-D array with unit column stride."""
+    dtype = _BIAS_DTYPES.get(out.dtype)
+    if dtype is None or bias.dtype != out.dtype or not (out.is_cpu and bias.is_cpu):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    if bias.dim() != 1 or not bias.is_contiguous() or out.dim() == 0 or bias.shape[0] != out.shape[-1]:
+        return False
+    if out.dim() == 2:
+        rows = out
+    elif out.is_contiguous():
+        rows = out.view(-1, out.shape[-1])
+    else:
+        return False
+    if rows.stride(1) != 1:
+        return False
+    row_stride = rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
+    return lib.tm_add_bias_rows(dtype, rows.data_ptr(), rows.shape[0], rows.shape[1], row_stride, bias.data_ptr()) == 0

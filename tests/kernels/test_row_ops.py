@@ -73,3 +73,41 @@ def test_argmax_of_nan_and_infinite_rows_is_torchs():
         ]
     )
     assert row_ops.argmax_rows(rows).tolist() == rows.argmax(dim=-1).tolist()
+
+
+@needs_row_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_added_in_place_is_torchs_sum(dtype):
+    out = torch.randn(3, 1152).to(dtype)
+    out[0, :4] = torch.tensor([float("nan"), float("inf"), -3.0e38, 1e-40])  # NaN, overflow, a subnormal
+    bias = torch.randn(1152).to(dtype)
+    bias[4] = float("-inf")
+    expected = out + bias
+    assert row_ops.add_bias_(out, bias)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_row_kernels
+def test_bias_goes_into_strided_rows_and_leaves_the_rest():
+    wide = torch.randn(4, 100)
+    out, bias = wide[:, 10:30], torch.randn(20)
+    before = wide.clone()
+    expected = out + bias
+    assert row_ops.add_bias_(out, bias)
+    assert torch.equal(out, expected)
+    assert torch.equal(wide[:, :10], before[:, :10]) and torch.equal(wide[:, 30:], before[:, 30:])
+    one_row = torch.randn(1, 2, 8)  # batched rows, contiguous
+    expected = one_row + bias[:8]
+    assert row_ops.add_bias_(one_row, bias[:8].contiguous()) and torch.equal(one_row, expected)
+
+
+@needs_row_kernels
+def test_bias_it_does_not_take_is_left_to_the_caller():
+    out = torch.randn(2, 8)
+    before = out.clone()
+    assert not row_ops.add_bias_(out, torch.randn(8, dtype=torch.float64))  # another dtype
+    assert not row_ops.add_bias_(out, torch.randn(4))  # another width
+    assert not row_ops.add_bias_(out.t(), torch.randn(2))  # column-strided rows
+    assert not row_ops.add_bias_(torch.randn(2, 8, dtype=torch.float16), torch.randn(8, dtype=torch.float16))
+    assert not row_ops.add_bias_(torch.randn(2, 3, 8).transpose(0, 1), torch.randn(8))  # not one 2-D array
+    assert torch.equal(out, before)

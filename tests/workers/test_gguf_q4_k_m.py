@@ -21,8 +21,11 @@ from msgspec.structs import replace
 from tests.helpers.runner_driver import logits_in_chunks
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.kernels import gguf_ops
+from tokenmill.workers.attention import build_attention_metadata
+from tokenmill.workers.cpu_graphs import CpuDecodeGraphs
+from tokenmill.workers.cpu_verify_graphs import CpuSpeculativeGraphs
 from tokenmill.workers.model_loader import iter_weights
-from tokenmill.workers.quantization.base import QuantizedWeight
+from tokenmill.workers.quantization.base import QuantizedWeight, StackedRows
 from tokenmill.workers.quantization.gguf import GGUFWeight
 from tokenmill.workers.worker import Worker
 
@@ -187,3 +190,31 @@ def test_the_quantized_model_runs_as_its_dequantized_twin(q4_k_m_model):
     kl = (reference.exp() * (reference - got)).sum(-1)
     assert kl.mean() < 0.02, kl.mean().item()  # the int8 activation rounding only (test_quantized_gguf's bound)
     assert not torch.equal(reference, got)  # the kernels ran
+
+
+def test_decode_steps_are_recorded_and_replay_the_eager_forward(q4_k_m_model, use_cpu_backend):
+    """Qwen2's q/k/v bias and a QKV stacked from two types (Q5_0 q/k, Q8_0 v) are compiled-kernel calls alone, so
+    the decode steps are recorded (they stayed eager: the bias add and the stacking's torch.cat) and replay the eager
+    forward bit for bit."""
+    use_cpu_backend("kernels")
+    runner = make_runner(q4_k_m_model, "gguf")
+    assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj.weight, StackedRows)
+    runner.allocate_kv_cache(16)
+    runner.capture_cuda_graphs()
+    assert isinstance(runner.decode_graphs, CpuSpeculativeGraphs)
+    with torch.inference_mode():
+        graphs = CpuDecodeGraphs(runner.model, runner.kv_caches, [1, 2], 4, 16, HIDDEN, runner.dtype)
+        rng = np.random.default_rng(5)
+        for num_seqs in (1, 2):
+            seq_lens = rng.integers(5, 60, num_seqs)
+            tables = rng.permutation(np.arange(1, 16))[: num_seqs * 4].reshape(num_seqs, 4)
+            attn = build_attention_metadata(
+                np.ones(num_seqs, dtype=np.int64), seq_lens, tables, 16, runner.device, graphs.attention
+            )
+            ids, positions = torch.as_tensor(rng.integers(0, VOCAB, num_seqs)), torch.as_tensor(seq_lens - 1)
+            caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+            expected = runner.model(ids, positions, attn, runner.kv_caches)
+            for (k, v), (k0, v0) in zip(runner.kv_caches, caches, strict=True):
+                k.copy_(k0)
+                v.copy_(v0)
+            assert torch.equal(graphs.run(ids, positions, attn), expected), f"batch of {num_seqs}"

@@ -297,3 +297,20 @@ def test_pack_linear_weights_repacks_quantized_weights_once_and_the_tied_table_s
     expected = x @ qkv_dense.T
     got = torch.cat([t.reshape(3, -1) for t in qkv(x)], dim=-1)
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_stacked_parts_write_their_columns_of_one_output():
+    """StackedRows runs each part's kernel into its column slice (no torch.cat, which a recorded CPU decode step
+    could not replay): the same bits as each part's own matmul, side by side."""
+    parts = [weight(T.Q5_0, 24, 256, 1), weight(T.Q5_0, 8, 256, 2), weight(T.Q8_0, 8, 256, 3)]
+    for part in parts:
+        part.pack_for_matmul()
+    stacked = StackedRows(parts)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, 256)
+        assert torch.equal(stacked.matmul(x), torch.cat([part.matmul(x) for part in parts], dim=-1))
+    wide = torch.full((2, 50), 7.0)
+    x = torch.randn(2, 256)
+    parts[1].matmul_into(x, wide[:, 20:28])
+    assert torch.equal(wide[:, 20:28], parts[1].matmul(x))
+    assert bool((wide[:, :20] == 7).all()) and bool((wide[:, 28:] == 7).all())

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import row_ops
 from tokenmill.workers.quantization.base import QuantizedWeight
 
 # The row count the reorder is tuned for; any number of rows works with the packed weight.
@@ -49,8 +50,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear` through oneDNN wherever it can run (a packed weight, or a dense one it reorders per call); a
     quantized weight runs its own kernel."""
     if isinstance(weight, QuantizedWeight):
-        out = weight.matmul(x)
-        return out if bias is None else out + bias
+        out = weight.matmul(x)  # a new tensor: the bias may go in in place, by a kernel a CPU recording replays
+        return out if bias is None or row_ops.add_bias_(out, bias) else out + bias
     if weight.is_mkldnn or can_pack(weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

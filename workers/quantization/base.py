@@ -39,6 +39,11 @@ class QuantizedWeight(nn.Module):
         """x `[..., in_features]` -> `[..., out_features]` in x's dtype (no bias)."""
         raise NotImplementedError
 
+    def matmul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """`out[:] = matmul(x)` for x `[T, in_features]` into out `[T, out_features]` (x's dtype; rows may be strided,
+        as a column slice of a wider output). A format whose kernel writes there directly overrides this copy."""
+        out.copy_(self.matmul(x))
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense `[out_features, in_features]` weight (the reference the kernels are tested against)."""
         raise NotImplementedError
@@ -73,7 +78,15 @@ class StackedRows(QuantizedWeight):
         self.parts = nn.ModuleList(parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([part.matmul(x) for part in self.parts], dim=-1)
+        # each part writes its columns of one output (no torch.cat: a recorded CPU decode step replays only the
+        # kernels' calls, and GGUF's write in place)
+        flat = x.reshape(-1, self.in_features)
+        out = torch.empty((flat.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        first = 0
+        for part in self.parts:
+            part.matmul_into(flat, out[:, first : first + part.out_features])
+            first += part.out_features
+        return out.view(*x.shape[:-1], self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([part.dequantize(dtype) for part in self.parts], dim=0)

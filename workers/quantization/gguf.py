@@ -17,10 +17,14 @@ reads either layout: `lookup` and `dequantize` gather the plain rows back, and `
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.workers.quantization.base import QuantizedWeight
+
+if TYPE_CHECKING:
+    from tokenmill.kernels import gguf_ops
 
 
 @functools.cache
@@ -97,25 +101,40 @@ class GGUFWeight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        ops = _ops()
-        if ops.DEFAULT_ACTIVATIONS == "int8":
-            cached = self._int8_matmul
-            if not cached or cached[0] is not self.blocks or cached[1] != self.repacked:  # checked once per blocks
-                cached = self._int8_matmul = (
-                    self.blocks,
-                    self.repacked,
-                    ops.int8_matmul_on(
-                        self.blocks, self.qtype, self.out_features, self.in_features, repacked=self.repacked
-                    ),
-                )
-            if cached[2] is not None:
-                return cached[2](flat).view(*x.shape[:-1], self.out_features)
+        kernel = self._int8_kernel()
+        if kernel is not None:
+            return kernel(flat).view(*x.shape[:-1], self.out_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
         out = _ops().gguf_matmul(
             flat, self.blocks, self.qtype, self.out_features, self.in_features, repacked=self.repacked
         )
         return out.view(*x.shape[:-1], self.out_features)
+
+    def matmul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The int8 kernel writes straight into `out` (a column slice of a stacked layer's output) where it runs."""
+        kernel = self._int8_kernel()
+        if kernel is None:
+            out.copy_(self.matmul(x))
+        else:
+            kernel(x, out)
+
+    def _int8_kernel(self) -> gguf_ops.Int8Matmul | None:
+        """The int8 matmul on the current blocks (checked once per blocks), or None in float mode or without the
+        kernels."""
+        ops = _ops()
+        if ops.DEFAULT_ACTIVATIONS != "int8":
+            return None
+        cached = self._int8_matmul
+        if not cached or cached[0] is not self.blocks or cached[1] != self.repacked:
+            cached = self._int8_matmul = (
+                self.blocks,
+                self.repacked,
+                ops.int8_matmul_on(
+                    self.blocks, self.qtype, self.out_features, self.in_features, repacked=self.repacked
+                ),
+            )
+        return cached[2]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (
