@@ -1577,6 +1577,112 @@ template <int NT> struct RowQ3_K {
   }
 };
 
+#if TM_VNNI
+// ---------------------------------------------------------------- Q6_K at many activation rows
+// Prefill chunks and batch-16 steps: each group of 8 weight rows is unpacked once per tile (Q6K8Block), then every
+// activation row takes 8 rows' 4-element dot products per vpdpbusd, as the repacked kernels do; row_q6_k unpacks a
+// block again for every 4 activation rows (1.65x slower at 256 rows of Qwen2.5-0.5B's down projection). The same integer sums per 16-element sub-block and per
+// block (exact), then one float FMA per block in block order: a row's result does not depend on the batch, but the
+// float summation differs from row_q6_k's (8 lanes per row, summed at the end), so decode rows and prompt rows are
+// not the same bits on Q6_K, as before (the plain kernels never were across 1-3 and 4 rows).
+// From this many activation rows on (9 measured slower than row_q6_k: the unpacking is not yet paid back; 16 faster)
+constexpr int64_t kQ6kManyRows = 16;
+inline int32_t dword_at(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+struct Q6K8Block {
+  uint8_t q[64][32];       // 4-element group v (elements 4v..4v+3) of the 8 rows, 4 bytes a row: the 6-bit quants
+  int32_t scale[16][8];    // sub-block g's scale, per row
+  int16_t offset[8][8][2];  // sub-blocks 2p, 2p + 1's scales times -32, per row: with the activations' 16-sums
+  float d[8];
+};
+
+// Rows r < 8 of `rows` (row_bytes apart), one 256-value block each, into `out`.
+void unpack_q6_k_group(const uint8_t* rows, int64_t row_bytes, int64_t b, Q6K8Block& out) {
+  for (int r = 0; r < 8; ++r) {
+    const uint8_t* blk = rows + r * row_bytes + b * 210;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    for (int h = 0; h < 2; ++h) {  // as row_q6_k: elements 128 h + 32 i + l of ql, qh
+      const U8 l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), qh = load32(blk + 128 + 32 * h);
+      const U8 q[4] = {or8(low4(l0), field<0, 3, 4>(qh)), or8(low4(l1), field<2, 3, 4>(qh)),
+                       or8(high4(l0), field<4, 3, 4>(qh)), or8(high4(l1), field<6, 3, 4>(qh))};
+      for (int i = 0; i < 4; ++i) {
+        alignas(32) uint8_t bytes[32];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), q[i]);
+        for (int k = 0; k < 8; ++k) std::memcpy(&out.q[32 * h + 8 * i + k][4 * r], bytes + 4 * k, 4);
+      }
+    }
+    for (int g = 0; g < 16; ++g) out.scale[g][r] = scales[g];
+    for (int p = 0; p < 8; ++p)
+      for (int i = 0; i < 2; ++i) out.offset[p][r][i] = static_cast<int16_t>(-32 * scales[2 * p + i]);
+    out.d[r] = half_to_float(blk + 208);
+  }
+}
+
+// y[t * ldy + r] = <row r of the unpacked group, activation row t0 + t> for r < 8, t < NT.
+template <int NT>
+void q6_k_rows8(const Q6K8Block* blocks, int64_t nb, const Activations& a, int64_t t0, float* y) {
+  __m256 acc[NT];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Q6K8Block& u = blocks[b];
+    __m256i sum[NT];
+    for (int t = 0; t < NT; ++t) {  // the -32 offset: -32 sum_g scale_g * (sum of sub-block g's activations)
+      const int16_t* sums = a.sums16_row(t0 + t) + b * 16;
+      sum[t] = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p)
+        sum[t] = _mm256_dpwssd_epi32(sum[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.offset[p])),
+                                     _mm256_set1_epi32(dword_at(sums + 2 * p)));
+    }
+    for (int g = 0; g < 16; ++g) {
+      const __m256i scale = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.scale[g]));
+      __m256i part[NT];
+      for (auto& v : part) v = _mm256_setzero_si256();
+      for (int v = 0; v < 4; ++v) {
+        const __m256i w = load32(u.q[4 * g + v]);
+        for (int t = 0; t < NT; ++t)
+          part[t] = _mm256_dpbusd_epi32(part[t], w, _mm256_set1_epi32(dword_at(a.qrow(t0 + t) + b * 256 + 16 * g + 4 * v)));
+      }
+      for (int t = 0; t < NT; ++t) sum[t] = _mm256_add_epi32(sum[t], _mm256_mullo_epi32(part[t], scale));
+    }
+    const __m256 d = _mm256_loadu_ps(u.d);
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, _mm256_set1_ps(a.scale_row(t0 + t)[b])), acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
+}
+
+// Rows [row_begin, row_end) for all T activation rows: whole groups of 8 unpacked, the rest by row_q6_k.
+void q6_k_tile_many(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t row_begin, int64_t row_end,
+                    const Activations& a, int64_t T, float* y) {
+  const int64_t groups = (row_end - row_begin) / 8;
+  thread_local std::vector<Q6K8Block> unpacked;  // per thread: a 16-row tile of K = 4864 is 106 KiB
+  unpacked.resize(static_cast<size_t>(groups * nb));
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b) unpack_q6_k_group(w + (row_begin + 8 * g) * row_bytes, row_bytes, b, unpacked[g * nb + b]);
+  for (int64_t t0 = 0; t0 < T; t0 += 8) {
+    const int64_t nt = std::min<int64_t>(8, T - t0);
+    for (int64_t g = 0; g < groups; ++g) {
+      const Q6K8Block* blocks = unpacked.data() + g * nb;
+      float* out = y + t0 * a.ldy + row_begin + 8 * g;
+      switch (nt) {
+        case 8: q6_k_rows8<8>(blocks, nb, a, t0, out); break;
+        case 7: q6_k_rows8<7>(blocks, nb, a, t0, out); break;
+        case 6: q6_k_rows8<6>(blocks, nb, a, t0, out); break;
+        case 5: q6_k_rows8<5>(blocks, nb, a, t0, out); break;
+        case 4: q6_k_rows8<4>(blocks, nb, a, t0, out); break;
+        case 3: q6_k_rows8<3>(blocks, nb, a, t0, out); break;
+        case 2: q6_k_rows8<2>(blocks, nb, a, t0, out); break;
+        default: q6_k_rows8<1>(blocks, nb, a, t0, out); break;
+      }
+    }
+  }
+  if (row_begin + 8 * groups < row_end) tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin + 8 * groups, row_end, a, T, y);
+}
+#endif
+
 void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin, int64_t row_end,
               const Activations& a, int64_t T, float* y) {
   const int64_t nb = a.K / block_elems(qtype);
@@ -1586,7 +1692,12 @@ void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin,
     case Q8_0: tile_rows<RowQ8_0>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q4_K: tile_rows<RowQ4_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q5_K: tile_rows<RowQ5_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
-    case Q6_K: tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
+    case Q6_K:
+#if TM_VNNI
+      if (T >= kQ6kManyRows) return q6_k_tile_many(w, row_bytes, nb, row_begin, row_end, a, T, y);
+#endif
+      tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin, row_end, a, T, y);
+      break;
     case Q5_0: tile_rows<RowQ5_0>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q5_1: tile_rows<RowQ5_1>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case IQ4_NL: tile_rows<RowIQ4_NL>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
