@@ -30,6 +30,7 @@ class Request:
         "request_id",
         "prompt_token_ids",
         "sampling",
+        "stop_token_ids",
         "task",
         "priority",
         "cache_salt",
@@ -59,6 +60,8 @@ class Request:
         self.request_id = engine_request.request_id
         self.prompt_token_ids = list(engine_request.prompt_token_ids)
         self.sampling: SamplingParams = engine_request.sampling
+        # checked after every sampled token; a request may carry --max-stop-token-ids of them
+        self.stop_token_ids = frozenset(engine_request.sampling.stop_token_ids)
         self.task = engine_request.task
         self.priority = engine_request.priority
         self.cache_salt = engine_request.cache_salt

@@ -752,7 +752,7 @@ class Scheduler:
         if req.num_output_tokens >= sampling.min_tokens:
             if not sampling.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", token_id, None
-            if token_id in sampling.stop_token_ids:
+            if token_id in req.stop_token_ids:
                 return "stop", token_id, token_id
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_seq_len:
             return "length", None, None
