@@ -6,7 +6,8 @@ is sent, the worst of its kind that the limits admit (issue 28):
 - cache_salt: the longest salt (--max-cache-salt-bytes) on a prompt of the whole context, n = --max-n choices
 - prompt_logprobs: k = --max-logprobs over the longest prompt the budget admits (--max-prompt-logprobs-elements)
 - structured_outputs: a JSON schema of many properties, each with a long description, near the body limit
-- stop_and_bias: --max-stop-token-ids stop ids and --max-logit-bias biases, n = --max-n choices
+- stop_and_bias: --max-stop-token-ids stop ids and --max-logit-bias biases (the stop ids biased away, so it runs its
+  max_tokens), n = --max-n choices
 - plain: a request of the same shape as cache_salt without the salt (the cost of the work itself, for comparison)
 
 The window runs from the hostile request's send to its answer; the bystander's gaps that overlap it are compared with
@@ -125,11 +126,18 @@ def hostile_body(kind: str, model: str, args: argparse.Namespace, rng: np.random
             "max_tokens": HOSTILE_DECODE_TOKENS,
             "ignore_eos": True,
             "stop_token_ids": list(range(1, args.max_stop_token_ids + 1)),
-            "logit_bias": {str(1000 + i): 0.5 for i in range(args.max_logit_bias)},
+            "logit_bias": stop_and_bias_logit_bias(args.max_stop_token_ids, args.max_logit_bias),
         }
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return {"model": model, "temperature": 1.0, **body}
+
+
+def stop_and_bias_logit_bias(num_stop_ids: int, num_entries: int) -> dict[str, float]:
+    """`num_entries` biases: -100 on the stop ids 1..`num_stop_ids` (no choice stops early, so every token is checked
+    against every stop id and the request runs its max_tokens: the worst case), +0.5 on ids from 1000 on."""
+    bias = {str(token_id): -100.0 for token_id in range(1, min(num_stop_ids, num_entries) + 1)}
+    return bias | {str(1000 + i): 0.5 for i in range(num_entries - len(bias))}
 
 
 async def send_hostile(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str]:

@@ -20,6 +20,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
+from tokenmill.grammar_bounds import check_grammar
 from tokenmill.messages import StructuredOutputsParams
 from tokenmill.regex_bounds import RegexTooRepetitive, check_regex, check_schema_patterns
 
@@ -159,11 +160,13 @@ def validate(params: StructuredOutputsParams) -> str:
 
 
 def _check_repetitions(params: StructuredOutputsParams) -> None:
-    """GrammarError when the regex, or a pattern of the JSON schema, unrolls a piece too many times."""
+    """GrammarError when the regex, a pattern of the JSON schema, or the grammar unrolls a piece too many times."""
     try:
         if params.regex is not None:
             check_regex(params.regex, "the regex")
         if params.json is not None:
             check_schema_patterns(params.json)
+        if params.grammar is not None:
+            check_grammar(_as_lark(params.grammar))
     except RegexTooRepetitive as exc:
         raise GrammarError(str(exc)) from None

@@ -212,3 +212,23 @@ def pattern_schema(regex: str) -> dict:
 
 def json_schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+@async_test
+async def test_a_grammar_repeated_past_the_bound_is_a_400_naming_its_field(smollm2_model, tokenizer):
+    """A Lark or GBNF grammar's regex terminals and counts passed llguidance's validation unbounded (as a regex's
+    did): past MAX_REGEX_REPETITION copies it is a 400 naming the field; at the bound it is admitted."""
+    cases = [
+        ({"structured_outputs": {"grammar": "start: /(a|b)*c{1000000}/"}}, "structured_outputs"),
+        ({"guided_grammar": "root ::= [a-z]{1000000}"}, "guided_grammar"),
+    ]
+    async with serving(smollm2_model, tokenizer) as h:
+        for fields, param in cases:
+            status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
+            assert_error(status, body, 400, "BadRequestError", param)
+            assert "the grammar repeats a piece" in body["error"]["message"], body
+        assert h.engine.requests == []
+        fields = {"structured_outputs": {"grammar": 'start: ("a"{100} "b"){100}'}}
+        status, body, _ = await h.post("/v1/completions", body_for("/v1/completions", fields))
+        assert status == 200, body
+        assert len(h.engine.requests) == 1
