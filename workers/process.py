@@ -19,7 +19,6 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.messages import Shutdown, StepPlan, WorkerCommand, WorkerError, WorkerReady, decoder, encode
 from tokenmill.processes import become_child_process, decode_or_drop, worker_socket
-from tokenmill.workers.heap_tuning import keep_step_temporaries_on_heap
 
 if TYPE_CHECKING:  # imported where a worker starts: the launcher imports this module and must not load torch
     from tokenmill.workers.worker import Worker
@@ -34,7 +33,6 @@ def run_worker_process(config_bytes: bytes, rank: int) -> None:
 def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
     """Load, report ready, then run plans until Shutdown; raises SystemExit(1) after reporting a failure."""
     replying_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
-    keep_step_temporaries_on_heap()  # before the first allocation of a step: see workers/heap_tuning.py
     ctx = zmq.Context()
     plans = worker_socket(ctx, config, "plans", zmq.SUB, bind=False)
     results = worker_socket(ctx, config, "results", zmq.PUSH, bind=False)
