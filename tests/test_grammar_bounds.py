@@ -46,3 +46,14 @@ def test_a_grammar_within_the_bound_is_accepted(grammar: str) -> None:
 def test_the_refusal_says_how_many_copies() -> None:
     with pytest.raises(RegexTooRepetitive, match="the grammar repeats a piece 20000 times"):
         check_grammar('start: a{100}\na: b ~ 100\nb: "c"{2}')
+
+
+def test_a_chain_of_rules_past_the_depth_is_refused_not_a_crash() -> None:
+    def chain(depth: int) -> str:
+        return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(depth)) + f'r{depth}: "a"\n'
+
+    check_grammar(chain(150))
+    with pytest.raises(RegexTooRepetitive, match="more than 200 deep"):
+        check_grammar(chain(5000))  # not a RecursionError
+    with pytest.raises(GrammarError, match="200 deep"):
+        validate(StructuredOutputsParams(grammar=chain(5000)))

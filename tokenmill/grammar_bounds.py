@@ -38,6 +38,9 @@ _TOKEN = re.compile(
 )
 _DIGITS = re.compile(r"\d+")
 _CAP = 10**12  # products stop growing here: far past the bound, and no huge integers
+# rules referenced within rules, deepest chain walked: deeper is refused (a chain of thousands would exhaust Python's
+# stack, and a depth past which references counted nothing would let counts below it through)
+MAX_RULE_DEPTH = 200
 
 
 @dataclass
@@ -114,6 +117,8 @@ class _Unroller:
             return self.done[name]
         if name in self.active or name not in self.rules:
             return 1
+        if len(self.active) >= MAX_RULE_DEPTH:
+            raise RegexTooRepetitive(f"the grammar references rules more than {MAX_RULE_DEPTH} deep")
         self.active.add(name)
         self.done[name] = self._body(self.rules[name])
         self.active.discard(name)
