@@ -131,6 +131,7 @@ class SchedulerLoop:
                 lambda: grammar_tokenizer(self.config.model, first.vocab_size, first.eos_token_ids),
                 cache_bytes=self.config.scheduler.structured_outputs_cache_bytes,
             )
+            grammars.wait_for_tokenizer()  # before EngineReady: its load would stall the loop's first steps
         self.scheduler = Scheduler(
             self.config,
             num_blocks,
