@@ -162,15 +162,14 @@ def test_the_scheduler_takes_the_replayed_shape_from_its_workers():
     assert max(totals) == 8 and all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)
 
 
-def test_clients_waiting_for_their_prompts_share_the_step_with_the_decoders_in_proportion():
+def test_each_client_waiting_for_its_prompt_gets_one_share_of_prefill_a_step():
     limit = PrefillLimit(replayed_seqs=2, replayed_tokens=8)
     for _ in range(4):
         limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
         limit.observe(num_decodes=1, prefill_cost=7, model_time_s=0.020 + 7 * 0.001)
     assert limit.tokens(num_decodes=1, num_prefilling=1) == 7  # one prompt: its single share, in the replayed shape
-    assert limit.tokens(num_decodes=2, num_prefilling=2) == 12  # as many prompts as decoders: one share
-    assert limit.tokens(num_decodes=1, num_prefilling=4) == 48  # four clients beside one decoder: four shares
-    assert limit.tokens(num_decodes=3, num_prefilling=6) == 24
+    assert limit.tokens(num_decodes=1, num_prefilling=4) == 48  # four clients: four shares, past the replayed shape
+    assert limit.tokens(num_decodes=3, num_prefilling=2) == 24
 
 
 def burst_beside_a_decoder(sched: Scheduler, worker: TimedWorker, requests: list) -> list[int]:
@@ -191,7 +190,7 @@ def burst_beside_a_decoder(sched: Scheduler, worker: TimedWorker, requests: list
     return [sum(n for rid, n in scheduled.items() if rid != "decoder") for scheduled, _ in worker.step_times]
 
 
-def test_a_burst_of_prompts_beside_one_decoder_is_prefilled_in_proportion_but_n_choices_count_once():
+def test_a_burst_of_prompts_beside_a_decoder_gets_a_share_each_but_n_choices_count_once():
     cfg = make_config(max_num_batched_tokens=256, max_model_len=512)
     single = burst_beside_a_decoder(
         Scheduler(cfg, 512, [2]), TimedWorker(cfg.cache.block_size), [make_request("one", 120, max_tokens=1)]
