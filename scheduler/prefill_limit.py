@@ -21,6 +21,12 @@ replayed_step_seqs` / `replayed_step_tokens`); a step one token larger runs eage
 step took 41 ms against 21 ms for 8 on the default model). The per-token time learnt from the replayed steps then
 undercounts the eager ones, and a learnt limit past the replayed shape swings between the two. So while a step could
 still replay (its decoders leave a sequence free), a learnt limit keeps the step within the replayed tokens.
+
+The 0.6 is one prompt's share. When several clients wait for their prompts (a burst of arrivals under load),
+each gets it: `P` clients prefilling make a step of up to `1 + 0.6 P` decode steps. One request (its n choices
+count once) never takes more than one share, so it cannot stall the others; but a queue of new requests beside a
+few decoders no longer crawls through its prompts a few tokens a step (concurrency 16 on a Qwen2.5-0.5B Q4_K_M lost
+a third of its output tokens/s to that), and a decoder's gap grows with the number of users arriving, as load.
 """
 
 from __future__ import annotations
@@ -68,15 +74,16 @@ class PrefillLimit:
         """The median time of one prefill budget token over the recent steps with prefill; None before any."""
         return statistics.median(self._prefill_token_s) if self._prefill_token_s else None
 
-    def tokens(self, num_decodes: int = 1) -> int | None:
-        """The prefill budget tokens a step may take while `num_decodes` requests decode (at least 1); None: no
-        limit."""
+    def tokens(self, num_decodes: int = 1, num_prefilling: int = 1) -> int | None:
+        """The prefill budget tokens a step may take while `num_decodes` requests decode (at least 1) and
+        `num_prefilling` client requests wait for prompt tokens (one share each); None: no limit."""
         if self.threshold is not None:
             return self.threshold or None
         decode_s, token_s = self.decode_step_s(), self.prefill_token_s()
         if decode_s is None or not token_s:
             return None
-        learnt = max(1, int(MIXED_STEP_EXTRA * decode_s / token_s + 1e-9))  # 1e-9: 0.6 * 5 is 3, not 2.999...
-        if num_decodes < self.replayed_seqs:  # a prefill chunk still fits a replayed step's sequences
+        share = max(1, num_prefilling)
+        learnt = max(1, int(share * MIXED_STEP_EXTRA * decode_s / token_s + 1e-9))  # 1e-9: 0.6 * 5 is 3, not 2.999
+        if share == 1 and num_decodes < self.replayed_seqs:  # a prefill chunk still fits a replayed step's sequences
             return max(1, min(learnt, self.replayed_tokens - num_decodes))
         return learnt

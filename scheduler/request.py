@@ -28,6 +28,7 @@ class Request:
 
     __slots__ = (
         "request_id",
+        "client_request_id",
         "prompt_token_ids",
         "sampling",
         "stop_token_ids",
@@ -56,8 +57,17 @@ class Request:
         "num_output_placeholders",
     )
 
-    def __init__(self, engine_request: EngineRequest, arrival_seq: int, enqueue_time: float, max_tokens: int) -> None:
+    def __init__(
+        self,
+        engine_request: EngineRequest,
+        arrival_seq: int,
+        enqueue_time: float,
+        max_tokens: int,
+        client_request_id: str | None = None,
+    ) -> None:
         self.request_id = engine_request.request_id
+        # the client's request, which its n choices share: the prefill limit counts users, not choices
+        self.client_request_id = client_request_id or engine_request.request_id
         self.prompt_token_ids = list(engine_request.prompt_token_ids)
         self.sampling: SamplingParams = engine_request.sampling
         # checked after every sampled token; a request may carry --max-stop-token-ids of them

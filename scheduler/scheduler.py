@@ -168,7 +168,7 @@ class Scheduler:
         # _admission_error refused a constraint without a compiler
         compiled = self.grammars.compile(constraint) if constraint is not None and self.grammars is not None else None
         for choice in choices:
-            req = Request(choice, next(self._arrival_seq), self.clock(), max_tokens)
+            req = Request(choice, next(self._arrival_seq), self.clock(), max_tokens, request.request_id)
             if compiled is not None and constraint is not None:
                 req.grammar = RequestGrammar(compiled, constraint.begin_after_token_ids)
             self.requests[req.request_id] = req
@@ -265,7 +265,9 @@ class Scheduler:
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
         self._step_drafts = {}
         num_decodes = sum(map(self._decodes, self.running))
-        self._prefill_room = self.prefill_limit.tokens(num_decodes) if num_decodes else None
+        self._prefill_room = None
+        if num_decodes:
+            self._prefill_room = self.prefill_limit.tokens(num_decodes, self._num_prefilling_clients())
         if self.speculator is not None:
             self.speculator.begin_step(len(self.running))
         preempted_any = False
@@ -315,6 +317,11 @@ class Scheduler:
         plan = self._build_plan(scheduled)
         self._step_shapes[plan.step_id] = shape
         return plan
+
+    def _num_prefilling_clients(self) -> int:
+        """How many client requests have prompt tokens left to compute (a request's n choices count once)."""
+        prefilling = [r for r in self.running if r.status is RequestStatus.RUNNING and not self._decodes(r)]
+        return len({r.client_request_id for r in prefilling + self.waiting})
 
     def _decodes(self, req: Request) -> bool:
         """Whether a running request is generating: its prompt (and any output it resumes with) computed, one token

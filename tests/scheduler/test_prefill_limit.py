@@ -160,3 +160,50 @@ def test_the_scheduler_takes_the_replayed_shape_from_its_workers():
     # decoder, and never more than 8 in all
     totals = [sum(scheduled.values()) for scheduled, _ in worker.step_times]
     assert max(totals) == 8 and all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)
+
+
+def test_each_client_waiting_for_its_prompt_gets_one_share_of_prefill_a_step():
+    limit = PrefillLimit(replayed_seqs=2, replayed_tokens=8)
+    for _ in range(4):
+        limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
+        limit.observe(num_decodes=1, prefill_cost=7, model_time_s=0.020 + 7 * 0.001)
+    assert limit.tokens(num_decodes=1, num_prefilling=1) == 7  # one prompt: its single share, in the replayed shape
+    assert limit.tokens(num_decodes=1, num_prefilling=4) == 48  # four clients: four shares, past the replayed shape
+    assert limit.tokens(num_decodes=3, num_prefilling=2) == 24
+
+
+def burst_beside_a_decoder(sched: Scheduler, worker: TimedWorker, requests: list) -> list[int]:
+    """A decoder's first steps, then `requests` arrive at once; the prefill tokens of each step until they are all
+    done decoding their prompts."""
+    sched.add_request(make_request("warm", 16, max_tokens=1))
+    step(sched, worker)
+    sched.add_request(make_request("decoder", 4, max_tokens=400, ignore_eos=True))
+    for _ in range(6):
+        step(sched, worker)
+    for request in requests:
+        sched.add_request(request)
+    worker.step_times.clear()
+    for _ in range(400):
+        if set(sched.requests) == {"decoder"}:  # every request of the burst (each choice of n) is done
+            break
+        step(sched, worker)
+    return [sum(n for rid, n in scheduled.items() if rid != "decoder") for scheduled, _ in worker.step_times]
+
+
+def test_a_burst_of_prompts_beside_a_decoder_gets_a_share_each_but_n_choices_count_once():
+    cfg = make_config(max_num_batched_tokens=256, max_model_len=512)
+    single = burst_beside_a_decoder(
+        Scheduler(cfg, 512, [2]), TimedWorker(cfg.cache.block_size), [make_request("one", 120, max_tokens=1)]
+    )
+    # the same prompt as one request with n = 2 choices: still one client, one share
+    choices = burst_beside_a_decoder(
+        Scheduler(cfg, 512, [2]), TimedWorker(cfg.cache.block_size), [make_request("two", 120, max_tokens=1, n=2)]
+    )
+    burst = [make_request(f"burst{i}", 120, max_tokens=1) for i in range(4)]
+    four = burst_beside_a_decoder(Scheduler(cfg, 512, [2]), TimedWorker(cfg.cache.block_size), burst)
+    # one learnt share is 3 tokens (a decode step is worth 5 prefill tokens, 0.6 of it); the first mixed step may
+    # still use the prefill-only estimate
+    assert max(single[2:]) <= 3 and max(choices[2:]) <= 3
+    assert max(four[2:]) >= 4 * 3  # four clients waiting: four shares a step, not a few tokens each
+    # one share a step would take four times the steps of one prompt; the shares shrink as prompts finish (4, 3, 2, 1)
+    assert len(four) <= 2 * len(single)
