@@ -94,6 +94,22 @@ def test_kernel_matches_the_float64_reference(rank, widths, case, num_threads, t
     assert out[slots < 0].equal(before[slots < 0]), "a base-model row changed"
 
 
+@pytest.mark.parametrize("in_features", [20, 77, 1000])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_inputs_past_the_last_full_vector(in_features, weight_dtype):
+    """The shrink's tail after its last full vector (8 lanes on AVX2, 16 on AVX-512): input sizes that no lane width
+    divides, and output slices past the last full expand block."""
+    torch.manual_seed(in_features)
+    token_slots = TOKEN_SLOTS["uneven groups, slots unused, base rows between"]
+    a, blocks, weights = _weights(4, 16, in_features, [70, 24], weight_dtype)
+    # the reference reads what the kernel reads: the weights rounded to their dtype
+    a, blocks = a.to(weight_dtype).float(), [block.to(weight_dtype).float() for block in blocks]
+    x = torch.randn(len(token_slots), in_features)
+    out = torch.zeros(len(token_slots), 94)
+    lora_cpu.lora_add(x, out, weights, SlotRows.of(torch.tensor(token_slots), 4))
+    torch.testing.assert_close(out.double(), _reference(x, a, blocks, token_slots), atol=1e-5, rtol=1e-4)
+
+
 def test_a_step_of_base_rows_only_changes_nothing():
     _, _, weights = _weights(2, 8, 32, [24], torch.float32)
     out = torch.randn(3, 24)
