@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.kv_quant import as_bytes, dequantize, quantize
+from tokenmill.workers import causal_attention
 from tokenmill.workers.staging import StepStaging
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K cache, V cache); workers/kv_cache.py allocates them
@@ -430,7 +431,8 @@ def attend_prefills_sdpa(
     """Into `output`'s rows of each multi-token sequence, its causal attention: one SDPA call per sequence.
 
     With a sliding window, keys are read from the block of the first query's first visible key on. An fp8 cache's
-    keys and values are dequantized after the gather.
+    keys and values are dequantized after the gather. Float32 on the CPU without a window cut, the causal triangle is
+    split so no masked half is computed (`workers/causal_attention.py`).
     """
     block_size = k_cache.shape[1]
     window = layer.sliding_window
@@ -446,9 +448,12 @@ def attend_prefills_sdpa(
             block_ids, num_keys = block_ids[first_block:], seq.seq_len - first_block * block_size
         keys = dequantize(_gather_sequence(k_cache, block_ids, num_keys)[None], layer.k_scale, query.dtype)
         values = dequantize(_gather_sequence(v_cache, block_ids, num_keys)[None], layer.v_scale, query.dtype)
-        seq_out = F.scaled_dot_product_attention(
-            seq_query, keys, values, attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=True
-        )
+        if (window is None or seq.seq_len <= window) and causal_attention.takes(seq_query):  # plainly causal
+            seq_out = causal_attention.causal_prompt_attention(seq_query, keys, values, layer.scale)
+        else:
+            seq_out = F.scaled_dot_product_attention(
+                seq_query, keys, values, attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=True
+            )
         output[seq.query_start : seq.query_end] = seq_out[0].transpose(0, 1)
 
 

@@ -54,3 +54,30 @@ def test_q6_k_many_row_results_do_not_depend_on_the_batch(isa):
         among_others = _matmul(torch.cat([x[t : t + 1], x[:MANY_ROWS]]), blocks, rows, k)[0]
         assert torch.equal(among_others, batch[t]), f"row {t} differs in another batch of many rows"
     assert torch.equal(_matmul(x[8:32], blocks, rows, k), batch[8:32])
+
+
+# The repacked nibble kinds at prefill-sized batches (a Q4_K_M file's Q5_0 projections): packed_tile_rows
+NIBBLE_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL]
+
+
+def _repacked_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: Q, rows: int, k: int) -> torch.Tensor:
+    return gguf_ops.gguf_matmul(x, packed, int(qtype), rows, k, activations="int8", repacked=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", NIBBLE_TYPES, ids=lambda t: t.name)
+def test_repacked_nibble_kinds_at_many_rows_are_the_decode_bits(qtype, isa):
+    """40 groups of 8 rows (several tiles) and 5 plain tail rows; 37 activation rows (4 whole passes of 8 and a
+    tail of 5): the int8 reference, and each whole-group row the same bits as that token multiplied alone."""
+    rng = np.random.default_rng(50 + int(qtype))
+    rows, k = 45, 896
+    blocks = random_blocks(qtype, rows, k, rng)
+    packed = gguf_ops.repack_rows(torch.from_numpy(blocks), int(qtype), rows, k)
+    x = torch.from_numpy(rng.standard_normal((37, k)).astype(np.float32))
+    x[2, :32] = 0.0  # an all-zero activation block (scale 0)
+    batch = _repacked_matmul(x, packed, qtype, rows, k)
+    check(x, blocks, qtype, batch)
+    for t in (0, 2, 8, 33, 36):
+        alone = _repacked_matmul(x[t : t + 1], packed, qtype, rows, k)[0]
+        assert torch.equal(alone[:40], batch[t, :40]), f"{qtype.name} row {t} differs alone and among 37"
+    assert torch.equal(_repacked_matmul(x[5:30], packed, qtype, rows, k)[:, :40], batch[5:30, :40])
