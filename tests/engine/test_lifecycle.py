@@ -52,8 +52,9 @@ def test_startup_log_reports_capacity(tiny_llama, tmp_path):
 
 
 def stream_in_background(url: str) -> tuple[threading.Thread, dict]:
-    """Start a long streaming completion in a thread; the dict gets its status, body or exception, and done_at."""
-    outcome: dict = {}
+    """Start a long streaming completion in a thread; the dict gets its status, body or exception, and done_at, and
+    its "streaming" event is set once the first chunk arrived (or the request failed)."""
+    outcome: dict = {"streaming": threading.Event()}
 
     def stream():
         try:
@@ -70,10 +71,15 @@ def stream_in_background(url: str) -> tuple[threading.Thread, dict]:
                 },
             ) as r:
                 outcome["status"] = r.status_code
-                outcome["body"] = b"".join(r.iter_content(None)).decode(errors="replace")
+                chunks = []
+                for chunk in r.iter_content(None):
+                    chunks.append(chunk)
+                    outcome["streaming"].set()
+                outcome["body"] = b"".join(chunks).decode(errors="replace")
         except requests.RequestException as exc:
             outcome["exception"] = repr(exc)
         outcome["done_at"] = time.monotonic()
+        outcome["streaming"].set()
 
     thread = threading.Thread(target=stream)
     thread.start()
@@ -119,7 +125,8 @@ def test_killed_child_makes_health_503_and_fails_requests_fast(tiny_llama, tmp_p
         kids = server.children()
         victim_pid = child_by_role(server, victim)
         thread, outcome = stream_in_background(server.url)  # a long streaming request in flight when the child dies
-        time.sleep(1.0)
+        # killed as soon as tokens flow: 400 tokens of the tiny model can take well under a second
+        assert outcome["streaming"].wait(30) and "done_at" not in outcome
         os.kill(victim_pid, signal.SIGKILL)
         killed_at = time.monotonic()
         assert_failed_fast(server, thread, outcome, killed_at, saw_health_503(server, 5), kids)
