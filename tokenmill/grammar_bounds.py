@@ -20,6 +20,8 @@ from tokenmill.regex_bounds import (
     RegexTooRepetitive,
     check_schema_patterns,
     largest_repetition,
+    repetition_count,
+    shown_count,
 )
 
 _TOKEN = re.compile(
@@ -56,10 +58,9 @@ def check_grammar(lark: str, where: str = "the grammar") -> None:
     rules = _rules(lark, where)
     largest = max((_Unroller(rules).rule(name) for name in rules), default=1)
     if largest > MAX_REGEX_REPETITION:
-        shown = f"at least {largest}" if largest >= 10**9 else str(largest)
         raise RegexTooRepetitive(
-            f"{where} repeats a piece {shown} times (counts and regex terminals multiplied through rules); at most "
-            f"{MAX_REGEX_REPETITION} are allowed (write an unbounded run as `*` or `+`)"
+            f"{where} repeats a piece {shown_count(largest)} times (counts and regex terminals multiplied through "
+            f"rules); at most {MAX_REGEX_REPETITION} are allowed (write an unbounded run as `*` or `+`)"
         )
 
 
@@ -135,7 +136,7 @@ class _Unroller:
                 largest = groups.pop()[0]
                 groups[-1][1] = largest
             elif item.kind == "count":
-                counts = [int(digits) if len(digits) <= 9 else 10**9 for digits in _DIGITS.findall(item.value)]
+                counts = [repetition_count(digits) for digits in _DIGITS.findall(item.value)]
                 groups[-1][1] = min(groups[-1][1] * max(counts), _CAP)
             elif item.kind == "regex":
                 groups[-1][1] = largest_repetition(item.value[1 : item.value.rindex("/")])

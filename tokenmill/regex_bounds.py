@@ -52,7 +52,7 @@ def largest_repetition(regex: str) -> int:
             groups[-1][0] = max(groups[-1][0], inner)
             groups[-1][1] = inner
         elif char == "{" and (count := _COUNTED.match(regex, i)) and (count.group(1) or count.group(2)):
-            groups[-1][1] *= _count(count.group(2) or count.group(1))
+            groups[-1][1] *= repetition_count(count.group(2) or count.group(1))
             groups[-1][0] = max(groups[-1][0], groups[-1][1])
             i = count.end()
             continue
@@ -67,7 +67,7 @@ def check_regex(regex: str, where: str) -> None:
     largest = largest_repetition(regex)
     if largest > MAX_REGEX_REPETITION:
         raise RegexTooRepetitive(
-            f"{where} repeats a piece {_shown(largest)} times (nested counts multiplied); at most "
+            f"{where} repeats a piece {shown_count(largest)} times (nested counts multiplied); at most "
             f"{MAX_REGEX_REPETITION} are allowed (write an unbounded run as `*` or `{{m,}}`)"
         )
 
@@ -99,12 +99,12 @@ def _schema_patterns(node: Any, path: str) -> Iterator[tuple[str, str]]:
             yield from _schema_patterns(value, f"{path}.{key}")
 
 
-def _count(digits: str) -> int:
+def repetition_count(digits: str) -> int:
     # Python refuses int() of very long digit strings; anything past nine digits is over the bound anyway
     return int(digits) if len(digits) <= 9 else 10**9
 
 
-def _shown(count: int) -> str:
+def shown_count(count: int) -> str:
     return f"at least {count}" if count >= 10**9 else str(count)
 
 
