@@ -91,7 +91,13 @@ class KVCacheManager:
         past them that the step writes without computing them (the draft model's KV, as vLLM's
         num_lookahead_tokens). Returns the ids of the blocks added to its table, or None, changing nothing, when the
         pool is short."""
-        blocks = self.req_blocks.get(request.request_id, [])
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and not cached_blocks:  # a running request: most steps need no new block
+            num_tokens_after = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+            num_table_blocks = len(blocks) + self.num_freed_blocks.get(request.request_id, 0)
+            if self.num_blocks_for(num_tokens_after) <= num_table_blocks:
+                return []
+        blocks = blocks if blocks is not None else []
         num_tokens_after = (
             request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens + num_lookahead_tokens
         )
@@ -117,12 +123,12 @@ class KVCacheManager:
 
         Under overlap scheduling that may include blocks the step in flight is writing: only later plans can read a
         hit, and the workers run plans in order."""
-        if not self.enable_prefix_caching or request.request_id not in self.req_blocks:
-            return
         request_id = request.request_id
+        start = self.num_indexed_blocks.get(request_id)  # None: no blocks (or prefix caching off, then never set)
+        if not self.enable_prefix_caching or start is None:
+            return
         # overlap scheduling counts a token still being sampled as computed: only blocks of known tokens are indexed
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        start = self.num_indexed_blocks[request_id]
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         parent_id = self.last_indexed_id[request_id]
         if num_full <= start or parent_id is None:
             return

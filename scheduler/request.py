@@ -55,6 +55,7 @@ class Request:
         "deadline",
         "first_scheduled_time",
         "num_output_placeholders",
+        "is_embedding",
     )
 
     def __init__(
@@ -73,6 +74,7 @@ class Request:
         # checked after every sampled token; a request may carry --max-stop-token-ids of them
         self.stop_token_ids = frozenset(engine_request.sampling.stop_token_ids)
         self.task = engine_request.task
+        self.is_embedding = is_pooling_task(self.task)  # read several times per request and step: kept, not derived
         self.priority = engine_request.priority
         self.cache_salt = engine_request.cache_salt
         self.lora_request = engine_request.lora_request
@@ -116,10 +118,6 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def is_embedding(self) -> bool:
-        return is_pooling_task(self.task)
 
     @property
     def remaining_work(self) -> int:

@@ -128,6 +128,7 @@ class Scheduler:
         # speculative decoding (scheduler/spec_decode.py): None when off; the drafts scheduled by the step being planned
         self.speculator = make_speculator(config.speculative)
         self._step_drafts: dict[str, list[int]] = {}
+        self._step_decodes: dict[str, bool] = {}  # request id -> whether it decodes in the step being planned
         # deadlines: the requests that have one, soonest first (deadline, request id); 0 turns the queue limit off
         self._deadlines: list[tuple[float, str]] = []
         # while some request decodes, a step's prefill chunks take at most this many budget tokens (learnt from
@@ -264,7 +265,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in scheduling order
         self._step_drafts = {}
-        num_decodes = sum(map(self._decodes, self.running))
+        # whether each running request decodes, worked out once: planning reads it several times per request, and
+        # nothing it depends on changes before the plan is built
+        self._step_decodes = {r.request_id: self._decodes(r) for r in self.running}
+        num_decodes = sum(self._step_decodes.values())
         self._prefill_room = None
         if num_decodes:
             self._prefill_room = self.prefill_limit.tokens(num_decodes, self._num_prefilling_clients())
@@ -279,7 +283,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.is_embedding:
                 continue
-            num_new = self._chunk(req, min(self._num_unscheduled_tokens(req), budget), budget)
+            decodes = self._step_decodes[req.request_id]
+            num_new = self._chunk(req, min(self._num_unscheduled_tokens(req), budget), budget, decodes)
             if num_new <= 0:
                 continue
             self._free_slid_out_blocks(req)
@@ -305,7 +310,7 @@ class Scheduler:
                 self._step_drafts[req.request_id] = drafts
                 num_new += len(drafts)
             scheduled[req.request_id] = num_new
-            budget -= self._charge(req, num_new)
+            budget -= self._charge(req, num_new, decodes)
 
         # then waiting requests, unless this step had to preempt (they would only take the freed blocks back)
         if not preempted_any:
@@ -320,7 +325,9 @@ class Scheduler:
 
     def _num_prefilling_clients(self) -> int:
         """How many client requests have prompt tokens left to compute (a request's n choices count once)."""
-        prefilling = [r for r in self.running if r.status is RequestStatus.RUNNING and not self._decodes(r)]
+        prefilling = [
+            r for r in self.running if r.status is RequestStatus.RUNNING and not self._step_decodes[r.request_id]
+        ]
         return len({r.client_request_id for r in prefilling + self.waiting})
 
     def _decodes(self, req: Request) -> bool:
@@ -332,16 +339,16 @@ class Scheduler:
             and req.num_tokens + req.num_output_placeholders - req.num_computed_tokens <= 1
         )
 
-    def _charge(self, req: Request, num_new: int) -> int:
+    def _charge(self, req: Request, num_new: int, decodes: bool) -> int:
         """The budget tokens `num_new` of the request's tokens take; a prefill's also spend the step's prefill room."""
         cost = self._budget_cost(req, num_new)
-        if self._prefill_room is not None and not self._decodes(req):
+        if self._prefill_room is not None and not decodes:
             self._prefill_room -= cost
         return cost
 
     def _step_shape(self, scheduled: dict[str, int]) -> tuple[int, int]:
         """(requests decoding, budget tokens of prefill) in a planned step: what its time is learnt against."""
-        decoding = [self._decodes(self.requests[request_id]) for request_id in scheduled]
+        decoding = [self._step_decodes[request_id] for request_id in scheduled]
         prefill_cost = sum(
             self._budget_cost(self.requests[request_id], num_new)
             for (request_id, num_new), decodes in zip(scheduled.items(), decoding)
@@ -453,7 +460,7 @@ class Scheduler:
                     if not self.chunked_prefill and req.num_preemptions == 0:
                         break
                     num_new = budget
-                num_new = self._chunk(req, num_new, budget)
+                num_new = self._chunk(req, num_new, budget, decodes=False)
                 if num_new <= 0:
                     break  # the step's prefill room is spent: it starts next step, in policy order
                 lookahead = self._lookahead_slots(req, num_cached + num_new)  # it has computed none yet
@@ -477,7 +484,9 @@ class Scheduler:
             self.running.append(req)
             loras.add(req)
             scheduled[req.request_id] = num_new
-            budget -= self._charge(req, num_new)
+            # admitted now, it decodes only when resumed with all but its last token cached
+            self._step_decodes[req.request_id] = self._decodes(req)
+            budget -= self._charge(req, num_new, self._step_decodes[req.request_id])
             admitted_any = True
         if admitted_any:
             self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
@@ -499,12 +508,12 @@ class Scheduler:
             return num_new
         return math.ceil(num_new * (1.0 + self.prompt_logprobs_row_cost))
 
-    def _chunk(self, req: Request, num_new: int, budget: int) -> int:
+    def _chunk(self, req: Request, num_new: int, budget: int, decodes: bool) -> int:
         """`num_new`, cut (with chunked prefill on) to what fits in `budget` and, for a prefill while others decode,
         in the step's prefill room (0 once a prefill spent it); prompt positions that ask for logprobs cost more
         (`_budget_cost`), but never fewer than one is scheduled, so such a prompt always advances (a step can then
         exceed its budget by at most one position's LM head: the budget is spent and nothing is scheduled after it)."""
-        if not self.chunked_prefill or self._decodes(req):
+        if not self.chunked_prefill or decodes:
             return num_new
         if self._prefill_room is not None:
             if self._prefill_room <= 0:
@@ -756,12 +765,13 @@ class Scheduler:
         ids (stop_reason names a stop id, never EOS, as vLLM), then max_tokens, then max_model_len (or the whole
         KV cache, when that holds less)."""
         sampling = req.sampling
-        if req.num_output_tokens >= sampling.min_tokens:
+        num_output_tokens = req.num_output_tokens
+        if num_output_tokens >= sampling.min_tokens:
             if not sampling.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", token_id, None
             if token_id in req.stop_token_ids:
                 return "stop", token_id, token_id
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_seq_len:
+        if num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_seq_len:
             return "length", None, None
         return None, None, None
 
