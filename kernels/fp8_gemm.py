@@ -112,6 +112,14 @@ def _fp8_gemm_kernel(
             w = _e4m3_bits_to_float(w).to(x_ptr.dtype.element_ty)  # e4m3 is exact in fp16, bf16 and fp32
         if IEEE_DOT:
             acc += tl.dot(x, w, input_precision="ieee")
+        elif FP8_DOT:
+            # Hopper's fp8 MMA keeps only part of an fp32 mantissa while it accumulates, and Triton lets it run over
+            # the whole K loop by default on sm_90 (max_num_imprecise_acc 2**30): 3e-3 off the float64 reference in
+            # the second device run (2026-11-27). With 0 Triton 3.9 compiles this dot for sm_90 to mma.sync on
+            # operands widened to fp16 (exact for e4m3) into fp32, as precise as torch._scaled_mm without fast
+            # accumulation (the "scaled_mm" path, which takes every shape but odd K or N); 32 would keep wgmma and
+            # add each 32-deep product into fp32, still ~2^-14 relative inside each (PTX read, not timed).
+            acc += tl.dot(x, w, max_num_imprecise_acc=0)
         else:
             acc += tl.dot(x, w)
     acc = acc * tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)[None, :]

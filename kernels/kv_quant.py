@@ -35,11 +35,22 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def saturation_bound(dtype: torch.dtype) -> float:
+    """The magnitude an fp8 cache of `dtype` clamps to before converting (0: none). e4m3fn saturates at its largest
+    finite, 448, as the C++ CPU kernels and vLLM's do; the clamp is explicit because conversions differ (torch's has
+    changed across versions, the GPU's cvt saturates: the second device run, 2026-11-27, found the Triton write and
+    torch's reference apart on out-of-range keys). e5m2 overflows to infinity everywhere, as IEEE."""
+    return float(torch.finfo(dtype).max) if dtype == torch.float8_e4m3fn else 0.0
+
+
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """`x` as it is stored in a cache of `dtype`: fp8 holds `x / scale` (rounded to nearest even, saturating)."""
+    """`x` as it is stored in a cache of `dtype`: fp8 holds `x / scale` (rounded to nearest even; e4m3fn saturating
+    at 448)."""
     if not is_fp8(dtype):
         return x.to(dtype)
-    return (x.float() / scale if scale != 1.0 else x).to(dtype)
+    scaled = x.float() / scale if scale != 1.0 else x
+    bound = saturation_bound(dtype)
+    return (scaled.clamp(-bound, bound) if bound else scaled).to(dtype)
 
 
 def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.kv_quant import is_fp8, quantize
+from tokenmill.kernels.kv_quant import is_fp8, quantize, saturation_bound
 
 
 @triton.jit
@@ -43,6 +43,7 @@ def _write_kv_kernel(
     BLOCK_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    SATURATE_AT: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -67,6 +68,9 @@ def _write_kv_kernel(
         # div_rn: IEEE division, as torch's; `/` compiles to an approximate one on the GPU
         key = tl.math.div_rn(key.to(tl.float32), k_scale)
         value = tl.math.div_rn(value.to(tl.float32), v_scale)
+        if SATURATE_AT > 0:  # e4m3fn: clamped here, not left to the conversion (kv_quant.saturation_bound)
+            key = tl.minimum(tl.maximum(key, -SATURATE_AT), SATURATE_AT)
+            value = tl.minimum(tl.maximum(value, -SATURATE_AT), SATURATE_AT)
     k_dest = k_cache_ptr + block_id * stride_k_block + block_offset * stride_k_offset
     v_dest = v_cache_ptr + block_id * stride_v_block + block_offset * stride_v_offset
     tl.store(
@@ -129,6 +133,7 @@ def write_kv(
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         FP8=is_fp8(k_cache.dtype),
+        SATURATE_AT=saturation_bound(k_cache.dtype),
     )
 
 

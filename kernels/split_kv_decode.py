@@ -15,13 +15,10 @@ shared out evenly), so the split count only sets the grid: it is chosen on the h
 (`choose_num_splits`), needs no device-to-host sync, and a CUDA graph captured with one split count stays correct
 for any context. A partition that gets no tile (a context shorter than the splits) writes lse = -inf and weighs 0.
 
-Query-head groups. A program's rows are the query heads sharing its kv head (GQA), padded to a power of two:
-- groups of up to 4 (MHA, and GQA 2/3/4) use a broadcast multiply-and-sum on the CUDA cores (`_attend_rows`): no
-  padding to `tl.dot`'s 16 rows, so MHA computes one row, not sixteen. Decode is bandwidth-bound, so the dot
-  products need no tensor cores; the key tile is sized so the [rows, keys, dims] product stays within registers;
-- groups of 5 and more use `tl.dot` (the old kernel's tile function) with rows padded to 16, Triton's smallest dot
-  tile: at group 8 half the rows are padding, which costs tensor-core cycles only, never memory traffic (each K/V
-  tile is still read once per kv head), while the broadcast path would need tiles of 8 keys to fit.
+Query-head groups. A program's rows are the query heads sharing its kv head (GQA), padded to tl.dot's 16-row
+minimum: padding costs tensor-core cycles only, never memory traffic (each K/V tile is still read once per kv
+head). A broadcast multiply-and-sum on the CUDA cores for groups up to 4 (no padding) was tried and removed: on an
+H100 it moved 440-470 GB/s where the tl.dot tile moved 1,900-2,700 GB/s at the same sizes (docs/gpu/, 2026-11-27).
 
 Everything else is the old kernel's: paged K/V through block tables (any block size), sliding windows (the key loop
 starts at the window), fp8 caches with per-tensor k/v scales (k_scale folded into the softmax scale, v_scale into
@@ -31,7 +28,6 @@ the output), fp32/fp16/bf16 queries.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -49,9 +45,7 @@ from tokenmill.kernels.paged_attention import (
 )
 
 MIN_DOT_ROWS = 16  # the smallest tile side tl.dot accepts
-MAX_BROADCAST_GROUP = 4  # padded groups up to this use the broadcast path, larger ones tl.dot
-BROADCAST_TILE_ELEMENTS = 8192  # rows x keys x dims of one broadcast product: 32 fp32 per thread at 8 warps
-BROADCAST_NUM_WARPS = 8
+DECODE_NUM_WARPS = 4
 MIN_KEYS_PER_SPLIT = 256  # below this a partition's fixed cost (query load, partial write, reduce) dominates
 MAX_SPLITS = 64
 
@@ -78,86 +72,9 @@ def choose_num_splits(
     return max(1, min(for_two_waves, for_context, max_splits))
 
 
-class DecodeTiles(NamedTuple):
-    rows: int  # query heads per program, padded
-    use_dot: bool  # rows through tl.dot, else broadcast products
-    tile_keys: int  # keys per loop iteration
-    num_warps: int
-
-
-def decode_tile_shape(group: int, head_dim: int) -> DecodeTiles:
-    """How a program of the partial kernel is shaped for a query-head group and head dim.
-
-    The broadcast path runs 8 warps: at 4, its [rows, keys, dims] product spilled registers on sm_90 (group 1 with
-    64 keys of 128 dims: 255 registers and a 464-byte stack; 151 registers and none at 8 warps; cuobjdump
-    -res-usage of the cubins tests/kernels/cuda_compile_check.py builds).
-    """
-    rows = triton.next_power_of_2(group)
-    if rows > MAX_BROADCAST_GROUP:
-        return DecodeTiles(max(MIN_DOT_ROWS, rows), True, DECODE_TILE_KEYS, 4)
-    keys = BROADCAST_TILE_ELEMENTS // (rows * _padded_dims(head_dim))
-    return DecodeTiles(rows, False, max(MIN_DOT_ROWS, min(64, keys)), BROADCAST_NUM_WARPS)
-
-
-@triton.jit
-def _attend_rows(
-    q,
-    running_max,
-    running_sum,
-    acc,
-    k_cache_ptr,
-    v_cache_ptr,
-    table_row,
-    tile_start,
-    num_keys,
-    kv_head,
-    stride_k_block,
-    stride_k_offset,
-    stride_k_head,
-    stride_v_block,
-    stride_v_offset,
-    stride_v_head,
-    dims,
-    dim_mask,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_KEYS: tl.constexpr,
-):
-    """Fold keys [tile_start, tile_start + TILE_KEYS) (< num_keys) into fp32 softmax state by broadcast products.
-
-    A decode query sees every key of its partition (the window was applied to the partition bounds), and the tile's
-    first key is always in range, so every row's max is finite after the first tile.
-    """
-    key_positions = tile_start + tl.arange(0, TILE_KEYS)
-    key_mask = key_positions < num_keys
-    physical_blocks = tl.load(table_row + key_positions // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-    offsets_in_block = key_positions % BLOCK_SIZE
-    kv_mask = key_mask[:, None] & dim_mask[None, :]
-    k = tl.load(
-        k_cache_ptr
-        + physical_blocks[:, None] * stride_k_block
-        + offsets_in_block[:, None] * stride_k_offset
-        + kv_head * stride_k_head
-        + dims[None, :],
-        mask=kv_mask,
-        other=0.0,
-    ).to(tl.float32)
-    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-    scores = tl.where(key_mask[None, :], scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    probs = tl.exp2(scores - new_max[:, None])
-    correction = tl.exp2(running_max - new_max)
-    running_sum = running_sum * correction + tl.sum(probs, axis=1)
-    v = tl.load(
-        v_cache_ptr
-        + physical_blocks[:, None] * stride_v_block
-        + offsets_in_block[:, None] * stride_v_offset
-        + kv_head * stride_v_head
-        + dims[None, :],
-        mask=kv_mask,
-        other=0.0,
-    ).to(tl.float32)
-    acc = acc * correction[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
-    return new_max, running_sum, acc
+def decode_rows(group: int) -> int:
+    """A program's query rows: the group padded to a power of two, at least tl.dot's smallest tile."""
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(group))
 
 
 @triton.jit
@@ -192,7 +109,6 @@ def _split_kv_partial_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_KEYS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    USE_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     SLIDING: tl.constexpr,
 ):
@@ -219,26 +135,18 @@ def _split_kv_partial_kernel(
         other=0.0,
     )
     q = q.to(tl.float32) * scale_log2  # the softmax scale, in log2 units for exp2, folded into q once
-    if USE_DOT:
-        q = q.to(query_ptr.dtype.element_ty)
+    q = q.to(query_ptr.dtype.element_ty)
 
     running_max = tl.full([BLOCK_GROUP], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_GROUP], dtype=tl.float32)
     acc = tl.zeros([BLOCK_GROUP, BLOCK_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     for tile_start in range(split_start, split_end, TILE_KEYS):
-        if USE_DOT:
-            running_max, running_sum, acc = _attend_kv_tile(
-                q, running_max, running_sum, acc, k_cache_ptr, v_cache_ptr, table_row, tile_start, split_end,
-                rows, kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset,
-                stride_v_head, dims, dim_mask, window, False, False, BLOCK_SIZE, TILE_KEYS, IEEE_DOT,
-            )  # fmt: skip
-        else:
-            running_max, running_sum, acc = _attend_rows(
-                q, running_max, running_sum, acc, k_cache_ptr, v_cache_ptr, table_row, tile_start, split_end,
-                kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset,
-                stride_v_head, dims, dim_mask, BLOCK_SIZE, TILE_KEYS,
-            )  # fmt: skip
+        running_max, running_sum, acc = _attend_kv_tile(
+            q, running_max, running_sum, acc, k_cache_ptr, v_cache_ptr, table_row, tile_start, split_end,
+            rows, kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset,
+            stride_v_head, dims, dim_mask, window, False, False, BLOCK_SIZE, TILE_KEYS, IEEE_DOT,
+        )  # fmt: skip
 
     # An empty partition (or sequence) leaves running_sum at 0: its output is 0 rather than NaN.
     out = acc * (v_scale / tl.where(running_sum > 0, running_sum, 1.0))[:, None]
@@ -320,7 +228,6 @@ def split_kv_decode(
     if num_seqs == 0:
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
-    tiles = decode_tile_shape(group, head_dim)
     partial_out = out  # unused with one split (the kernel writes `out` itself)
     partial_lse = out
     if num_splits > 1:
@@ -333,9 +240,9 @@ def split_kv_decode(
         scale * _LOG2E * _kv_scale(k_cache, k_scale), _kv_scale(v_cache, v_scale), sliding_window or 0, num_q_heads,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_GROUP=tiles.rows, HEAD_DIM=head_dim, BLOCK_DIM=_padded_dims(head_dim),
-        BLOCK_SIZE=block_size, TILE_KEYS=tiles.tile_keys, NUM_SPLITS=num_splits, USE_DOT=tiles.use_dot,
-        IEEE_DOT=query.dtype == torch.float32, SLIDING=sliding_window is not None, num_warps=tiles.num_warps,
+        GROUP=group, BLOCK_GROUP=decode_rows(group), HEAD_DIM=head_dim, BLOCK_DIM=_padded_dims(head_dim),
+        BLOCK_SIZE=block_size, TILE_KEYS=DECODE_TILE_KEYS, NUM_SPLITS=num_splits,
+        IEEE_DOT=query.dtype == torch.float32, SLIDING=sliding_window is not None, num_warps=DECODE_NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_seqs, num_q_heads)](

@@ -9,9 +9,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     export PYTHONPATH=/tmp/site || exit
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1; python3 scripts/gpu_check.py --out $OUT
 
-The sections share 470 s, so with the machine's start the call ends in about 9 minutes and leaves some of the 15
-device-minutes for a rerun of what failed: the same command with `--only correctness,memory` (say) appended. Call
-`give_back` unless rerunning at once.
+The sections share 470 s (the kernel tests and the correctness runs side by side: neither is timed), so with the
+machine's start the call ends in about 9 minutes and leaves some of the 15 device-minutes for a rerun of what failed:
+the same command with `--only correctness,memory --total-budget 250` (say) appended. Call `give_back` unless
+rerunning at once. The report is rewritten under $OUT after each group, so a call stopped at its timeout still
+returns the sections done.
 
 Sections, each in its own process with its own time budget (a crash, hang or CUDA error in one never loses the
 others; each records pass / fail / error / timeout with its traceback and log tail):
@@ -52,13 +54,14 @@ from gpucheck.report import environment, markdown_report  # noqa: E402
 
 # name -> (module under gpucheck/, seconds on the GPU); in order: the kernel tests warm Triton's cache for the rest
 SECTIONS = {
-    "kernel_tests": ("kernel_tests", 110),
-    "correctness": ("correctness", 150),
-    "memory": ("memory", 45),
-    "attention_bandwidth": ("attention_bandwidth", 45),
-    "throughput": ("throughput", 110),
+    "kernel_tests": ("kernel_tests", 150),
+    "correctness": ("correctness", 160),
+    "memory": ("memory", 90),
+    "attention_bandwidth": ("attention_bandwidth", 30),
+    "throughput": ("throughput", 150),
     "startup_profile": ("startup_profile", 30),
 }
+DEFAULT_ORDER = "kernel_tests+correctness,memory,attention_bandwidth,throughput,startup_profile"
 TOTAL_BUDGET_S = 470  # inside the run's 540 s timeout, with the wheel install and the start
 DRY_RUN_SECTION_BUDGET_S = 900  # the CPU runs everything interpreted or on two cores: budgets are only a guard
 MIN_SECTION_S = 15
@@ -85,30 +88,36 @@ def run_section_here(name: str, result_file: Path, work_dir: Path, budget_s: flo
     return 0
 
 
-def launch_section(name: str, budget_s: float, work_dir: Path, dry_run: bool, env: dict) -> dict:
-    """Run a section as a child process group, killed at its budget; its record, with the log's tail."""
-    result_file, log_file = work_dir / f"{name}.json", work_dir / f"{name}.log"
+def start_section(name: str, budget_s: float, work_dir: Path, dry_run: bool, env: dict) -> dict:
+    """Start a section as a child process group; `finish_section` waits for it (to its budget) and records it."""
+    log_file = work_dir / f"{name}.log"
     command = [
         sys.executable,
         str(Path(__file__).resolve()),
         "--section",
         name,
         "--result-file",
-        str(result_file),
+        str(work_dir / f"{name}.json"),
         "--work-dir",
         str(work_dir),
         "--budget",
         str(budget_s),
     ] + (["--dry-run"] if dry_run else [])
-    started = time.perf_counter()
     with open(log_file, "w") as log:
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            child.wait(timeout=budget_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)  # the section and the engine processes it started
-            child.wait()
-    seconds = time.perf_counter() - started
+    return {"name": name, "budget_s": budget_s, "child": child, "started": time.perf_counter(), "work_dir": work_dir}
+
+
+def finish_section(running: dict) -> dict:
+    """Wait for a started section up to its budget (then kill its process group); its record, with the log's tail."""
+    name, budget_s, child, work_dir = running["name"], running["budget_s"], running["child"], running["work_dir"]
+    result_file, log_file = work_dir / f"{name}.json", work_dir / f"{name}.log"
+    try:
+        child.wait(timeout=max(budget_s - (time.perf_counter() - running["started"]), 0.1))
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # the section and the engine processes it started
+        child.wait()
+    seconds = time.perf_counter() - running["started"]
     if result_file.exists():
         record = json.loads(result_file.read_text())
     elif seconds >= budget_s:
@@ -120,6 +129,11 @@ def launch_section(name: str, budget_s: float, work_dir: Path, dry_run: bool, en
         record = {"status": "error", "error": f"the section's process exited {child.returncode} with no result"}
     log_tail = log_file.read_text(errors="replace")[-6000:]
     return {"name": name, "budget_s": budget_s, **record, "wall_s": seconds, "log_tail": log_tail}
+
+
+def launch_section(name: str, budget_s: float, work_dir: Path, dry_run: bool, env: dict) -> dict:
+    """Run one section as a child process group, killed at its budget; its record."""
+    return finish_section(start_section(name, budget_s, work_dir, dry_run, env))
 
 
 def child_env(dry_run: bool) -> dict:
@@ -135,21 +149,30 @@ def child_env(dry_run: bool) -> dict:
     return env
 
 
-def run_all(names: list[str], out_dir: Path, dry_run: bool) -> dict:
-    """Every named section in order, within the total budget; the report as a dict."""
-    deadline = time.monotonic() + (len(names) * DRY_RUN_SECTION_BUDGET_S if dry_run else TOTAL_BUDGET_S)
+def run_all(groups: list[list[str]], out_dir: Path, dry_run: bool, total_budget_s: float = TOTAL_BUDGET_S) -> dict:
+    """Every group of sections in order (a group's sections side by side), within the total budget; the report as
+    a dict, also written under `out_dir` after each group (a run stopped from outside still returns what it has)."""
+    deadline = time.monotonic() + (sum(map(len, groups)) * DRY_RUN_SECTION_BUDGET_S if dry_run else total_budget_s)
     env = child_env(dry_run)
-    sections = []
+    report: dict = {"dry_run": dry_run, "environment": environment(), "sections": []}
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch:
-        for name in names:
-            budget = DRY_RUN_SECTION_BUDGET_S if dry_run else min(SECTIONS[name][1], deadline - time.monotonic())
-            if budget < MIN_SECTION_S:
-                sections.append({"name": name, "status": "skipped", "error": "the total time budget ran out"})
-                continue
-            print(f"[gpu_check] {name}: up to {budget:.0f} s", flush=True)
-            sections.append(launch_section(name, budget, Path(scratch), dry_run, env))
-            print(f"[gpu_check] {name}: {sections[-1]['status']} in {sections[-1]['wall_s']:.0f} s", flush=True)
-    return {"dry_run": dry_run, "environment": environment(), "sections": sections}
+        for group in groups:
+            running = []
+            for name in group:
+                budget = DRY_RUN_SECTION_BUDGET_S if dry_run else min(SECTIONS[name][1], deadline - time.monotonic())
+                if budget < MIN_SECTION_S:
+                    report["sections"].append(
+                        {"name": name, "status": "skipped", "error": "the total time budget ran out"}
+                    )
+                    continue
+                print(f"[gpu_check] {name}: up to {budget:.0f} s", flush=True)
+                running.append(start_section(name, budget, Path(scratch), dry_run, env))
+            for started in running:
+                report["sections"].append(finish_section(started))
+                section = report["sections"][-1]
+                print(f"[gpu_check] {section['name']}: {section['status']} in {section['wall_s']:.0f} s", flush=True)
+            write_report(report, out_dir)
+    return report
 
 
 def write_report(report: dict, out_dir: Path) -> str:
@@ -166,7 +189,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu_check_out"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, Triton interpreted")
-    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections, in run order")
+    parser.add_argument(
+        "--only",
+        default=DEFAULT_ORDER,
+        help="comma-separated sections, in run order; a+b runs a and b side by side (neither timed against the other)",
+    )
+    parser.add_argument("--total-budget", type=float, default=TOTAL_BUDGET_S, help="seconds for every section")
     parser.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
@@ -178,11 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.section:
         return run_section_here(args.section, args.result_file, args.work_dir, args.budget, args.dry_run)
-    names = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = [name for name in names if name not in SECTIONS]
+    groups = [[name.strip() for name in group.split("+") if name.strip()] for group in args.only.split(",")]
+    groups = [group for group in groups if group]
+    unknown = [name for group in groups for name in group if name not in SECTIONS]
     if unknown:
         raise SystemExit(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
-    report = run_all(names, args.out, args.dry_run)
+    report = run_all(groups, args.out, args.dry_run, args.total_budget)
     print(write_report(report, args.out), flush=True)
     return 0 if all(section["status"] == "pass" for section in report["sections"]) else 1
 

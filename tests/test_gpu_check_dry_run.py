@@ -99,3 +99,31 @@ def test_pytest_counts_survive_a_run_stopped_at_the_cap(gpu_check):
     counts = counts_from_output(output)
     assert (counts["tests"], counts["failures"], counts["skipped"]) == (3, 1, 1)
     assert counts["failed_tests"] == ["tests/kernels/test_a.py::test_y FAILED    [  2%]"]
+
+
+def test_a_group_runs_side_by_side_and_the_report_is_written_after_each_group(gpu_check, tmp_path, monkeypatch):
+    events: list[str] = []
+
+    def start(name, budget_s, work_dir, dry_run, env):
+        events.append(f"start {name}")
+        return {"name": name}
+
+    def finish(running):
+        events.append(f"finish {running['name']}")
+        return {"name": running["name"], "status": "pass", "wall_s": 1.0, "summary": ["ok"]}
+
+    monkeypatch.setattr(gpu_check, "start_section", start)
+    monkeypatch.setattr(gpu_check, "finish_section", finish)
+    monkeypatch.setattr(gpu_check, "environment", lambda: {"gpus": [], "python": "3", "machine": "x", "packages": {}})
+    written = []
+    real_write = gpu_check.write_report
+    monkeypatch.setattr(
+        gpu_check,
+        "write_report",
+        lambda report, out: written.append(len(report["sections"])) or real_write(report, out),
+    )
+    gpu_check.main(["--only", "kernel_tests+correctness,memory", "--out", str(tmp_path)])
+    assert events == ["start kernel_tests", "start correctness", "finish kernel_tests", "finish correctness",
+                      "start memory", "finish memory"]  # fmt: skip
+    assert written[:2] == [2, 3]  # after each group, before the final report
+    assert "## memory: PASS" in (tmp_path / "gpu_check.md").read_text()

@@ -5,8 +5,9 @@ StepPlan as one pipeline:
     or pipelined, chosen at start-up) -> sample stage (sample_stage.py) -> one StepResult (`step_result` below)
 
 Start-up, as `workers/process.py` drives it: `Worker(config, rank)` -> `load_model()` -> `num_kv_blocks_for_budget()`
-(profiles a worst-case step on CUDA) -> `allocate_kv_cache(n)` -> `warm_up_kernels()` (Triton compiles every kernel a
-step can use, `workers/warm_up.py`) -> `capture_cuda_graphs()`.
+(on CUDA profiles a worst-case step and warms the Triton kernels up over a dummy cache, `workers/warm_up.py`, before
+reading the free memory) -> `allocate_kv_cache(n)` -> `warm_up_kernels()` (where the profile did not run: a fixed
+block count) -> `capture_cuda_graphs()`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Worker:
         self.eos_token_ids: list[int] = []
         self.kv_cache: PagedKVCache | None = None  # set by allocate_kv_cache
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
+        self._kernels_warm = False  # every Triton kernel variant compiled (warm_up_kernels ran, during the profile)
         self.profiled_step: ProfiledStep | None = None  # set by the memory profile (CUDA)
         self.draft: DraftModel | None = None  # speculative decoding's draft model (workers/draft_proposer.py)
         self.lora: LoRAManager | None = None  # with enable_lora: the adapters' slots (workers/lora/)
@@ -279,6 +281,10 @@ class Worker:
                 profile_sample_stage(worst, compute_logits, hidden, attn, self.rank, self.tp, self.eos_token_ids)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - dummy_kv_bytes
+        # Every Triton kernel variant compiles and loads now, over the dummy cache, so what that holds outside
+        # torch's allocator (kernel images, local memory) is gone from the free memory the budget is read from: the
+        # second device run (2026-11-27) peaked 1.6 GiB past 0.9 of the GPU with the warm-up after the budget.
+        self.warm_up_kernels()
         assert self.kv_cache is not None
         self.kv_cache.release()
         del hidden
@@ -342,7 +348,7 @@ class Worker:
     def warm_up_kernels(self) -> None:
         """Where steps run Triton kernels, compile every variant a step can use by running dummy steps that write no
         KV (`workers/warm_up.py`), and log how long it took; nothing elsewhere (nothing compiles at run time)."""
-        if not (runs_triton(self.device.type) and isinstance(self.model, PagedCausalLM)):
+        if self._kernels_warm or not (runs_triton(self.device.type) and isinstance(self.model, PagedCausalLM)):
             return
         from tokenmill.workers.triton_backend import device_sm_count  # imports triton: only where it runs
 
@@ -372,6 +378,7 @@ class Worker:
                 runner.run(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._kernels_warm = True
         log.info(
             "warmed up the Triton kernels with %d dummy steps in %.1f s", len(steps), time.perf_counter() - started
         )

@@ -1,10 +1,11 @@
 """(b) Greedy decoding through the offline `LLM` against transformers on the same device, weights and dtype.
 
-Per model (a SmolLM2-135M-config and a tiny random-weight checkpoint), dtype (float32, bfloat16) and CUDA graphs
-(on, off: `enforce_eager`), with chunked prefill (a 64-token step budget, so prompts take several chunks) and prefix
-caching on (the prompts share a prefix, and the batch runs twice, the second time from the cache). Every output must
-equal transformers' greedy tokens up to the reference's first near tie (top-2 logits within 1e-4, vLLM's
-check_logprobs_close rule; `tests/reference.py`).
+Per dtype (float32, bfloat16) and CUDA graphs (on, off: `enforce_eager`), on a SmolLM2-135M-config checkpoint (a
+tiny random-weight one in a dry run), with chunked prefill (a 64-token step budget, so prompts take several chunks)
+and prefix caching on (the prompts share a prefix, and the batch runs twice, the second time from the cache). In
+float32 every output must equal transformers' greedy tokens up to the reference's first near tie (top-2 logits within
+1e-4); in bfloat16, whose logits tie at a far coarser grain, up to the first difference, where each side's token
+must be among the other's top 5 (vLLM's check_logprobs_close; `tests/helpers/reference.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import numpy as np
 
 from gpucheck.common import CheckContext, SectionResult
 from gpucheck.models import build_checkpoint
-from tests.helpers.reference import assert_greedy_match, hf_greedy_reference
+from tests.helpers.reference import (
+    CLOSE_TOP_K,
+    assert_greedy_close,
+    assert_greedy_match,
+    hf_greedy_reference,
+    hf_greedy_top_ids,
+)
 
 PREFIX_LEN = 40
 STEP_TOKEN_BUDGET = 64  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
@@ -26,12 +33,16 @@ def make_prompts(vocab_size: int, count: int, seed: int = 0) -> list[list[int]]:
     return [prefix + rng.integers(3, vocab_size, int(rng.integers(10, 110))).tolist() for _ in range(count)]
 
 
-def compare(outputs: list[list[int]], references: list[list[tuple[int, float]]]) -> dict:
-    """Tokens compared (up to each first near tie) and the mismatches, per batch of outputs."""
+def compare(dtype: str, outputs: list[dict], references: list[list]) -> dict:
+    """Tokens compared and the mismatches, per batch of outputs (float32: up to each first near tie; else the top-5
+    rule at the first difference)."""
     compared, mismatches = 0, []
     for index, (ours, reference) in enumerate(zip(outputs, references, strict=True)):
         try:
-            compared += assert_greedy_match(ours, reference)
+            if dtype == "float32":
+                compared += assert_greedy_match(ours["tokens"], reference)
+            else:
+                compared += assert_greedy_close(ours["tokens"], ours["top_ids"], reference)
         except AssertionError as mismatch:
             mismatches.append(f"prompt {index}: {str(mismatch)[:300]}")
     return {"tokens_compared": compared, "tokens_in_references": sum(map(len, references)), "mismatches": mismatches}
@@ -43,7 +54,7 @@ def run_engine(
     """Two rounds of greedy generation in one engine: tokens per round and the prefix-cache hits of round two."""
     from tokenmill import LLM, SamplingParams
 
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=CLOSE_TOP_K)
     with LLM(
         path,
         dtype=dtype,
@@ -58,7 +69,16 @@ def run_engine(
     ) as llm:
         rounds = [llm.generate(prompts, greedy, use_tqdm=False) for _ in range(2)]
     return {
-        "outputs": [[list(r.outputs[0].token_ids) for r in results] for results in rounds],
+        "outputs": [
+            [
+                {
+                    "tokens": list(r.outputs[0].token_ids),
+                    "top_ids": [top_ids for _, top_ids, _ in r.outputs[0].logprobs or []],
+                }
+                for r in results
+            ]
+            for results in rounds
+        ],
         "cached_tokens_round_two": sum(r.num_cached_tokens for r in rounds[1]),
     }
 
@@ -69,7 +89,8 @@ def hf_references(path: str, dtype: str, device: str, prompts: list[list[int]], 
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to's argument wrongly
-    references = [hf_greedy_reference(model, prompt, max_tokens) for prompt in prompts]
+    reference = hf_greedy_reference if dtype == "float32" else hf_greedy_top_ids
+    references = [reference(model, prompt, max_tokens) for prompt in prompts]
     del model
     return references
 
@@ -81,13 +102,13 @@ def check_model(ctx: CheckContext, name: str, max_tokens: int, done: list[dict])
 
     prompts = make_prompts(AutoConfig.from_pretrained(path).vocab_size, ctx.pick(6, 3))
     rows = []
-    for dtype in ctx.pick(("float32", "bfloat16"), ("float32",)):
+    for dtype in ("float32", "bfloat16"):
         references = hf_references(path, dtype, ctx.device, prompts, max_tokens)
         for enforce_eager in ctx.pick((False, True), (True,)):
             row: dict = {"model": name, "dtype": dtype, "cuda_graphs": not enforce_eager}
             try:
                 engine = run_engine(ctx, path, dtype, enforce_eager, prompts, max_tokens)
-                rounds = [compare(outputs, references) for outputs in engine["outputs"]]
+                rounds = [compare(dtype, outputs, references) for outputs in engine["outputs"]]
                 row.update(
                     rounds=rounds,
                     cached_tokens_round_two=engine["cached_tokens_round_two"],
@@ -103,7 +124,7 @@ def check_model(ctx: CheckContext, name: str, max_tokens: int, done: list[dict])
 def run(ctx: CheckContext) -> SectionResult:
     max_tokens = ctx.pick(24, 6)
     rows: list[dict] = []
-    for name in ctx.pick(("smollm2-135m", "tiny-llama"), ("tiny-llama",)):
+    for name in ctx.pick(("smollm2-135m",), ("tiny-llama",)):
         rows += check_model(ctx, name, max_tokens, rows)
     summary = [
         "| model | dtype | CUDA graphs | tokens compared (round 1, 2) | prefix-cache hits | result |",

@@ -80,6 +80,17 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def top_events(averages, key: str, count: int = 12) -> list[dict]:
+    """The profiler's `count` largest events by `key` (self device or self CPU time): name, calls, microseconds per
+    profiled step, where the next round of work on the step should look."""
+    ranked = sorted(averages, key=lambda event: getattr(event, key, 0.0), reverse=True)[:count]
+    return [
+        {"name": event.key[:120], "calls": event.count, "us_per_step": getattr(event, key, 0.0) / PROFILED_STEPS}
+        for event in ranked
+        if getattr(event, key, 0.0) > 0
+    ]
+
+
 def profiled_decode_steps(ctx: CheckContext, path: str, batch: int, context: int) -> dict:
     """Decode steps of a `Worker` at `batch` under torch.profiler: host ms per step, GPU busy and idle."""
     import torch
@@ -108,7 +119,10 @@ def profiled_decode_steps(ctx: CheckContext, path: str, batch: int, context: int
     ]
     window_us = 1e6 * sum(host_s)
     busy = busy_us(kernels)
+    averages = profile.key_averages()
     return {
+        "top_kernels": top_events(averages, "self_device_time_total"),
+        "top_host_ops": top_events(averages, "self_cpu_time_total"),
         "batch": batch,
         "context": context,
         "steps": PROFILED_STEPS,
@@ -119,16 +133,30 @@ def profiled_decode_steps(ctx: CheckContext, path: str, batch: int, context: int
     }
 
 
+def profile_line(profile: dict) -> str:
+    line = (
+        f"decode steps at batch {profile['batch']} (context {profile['context']}, the worker's runner in-process): "
+        f"{profile['host_ms_per_step']:.2f} ms host per step"
+    )
+    idle = profile["gpu_idle_fraction"]
+    if idle is None:
+        return line + ", GPU idle not measured (no CUDA)"
+    return line + f", {profile['gpu_busy_ms_per_step']:.2f} ms GPU busy, GPU idle {idle:.1%} of the step"
+
+
 def run(ctx: CheckContext) -> SectionResult:
+    """The decode profile first (the first device run ran out of time before it), then each model's throughput."""
     from transformers import AutoConfig
 
-    rows, summary = (
-        [],
-        [
-            "| model | tokenmill tok/s | transformers tok/s | ratio | steps | ms/step | scheduling ms/step |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-        ],
-    )
+    path = str(build_checkpoint("smollm2-135m", ctx.work_dir / "checkpoints", "bfloat16", ctx.dry_run))
+    profile = profiled_decode_steps(ctx, path, *ctx.pick((256, 256), (4, 16)))
+    print(f"[throughput] {profile_line(profile)}", flush=True)
+    rows: list[dict] = []
+    ctx.save_partial({"throughput": rows, "decode_profile": profile})
+    summary = [
+        "| model | tokenmill tok/s | transformers tok/s | ratio | steps | ms/step | scheduling ms/step |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name in ctx.pick(("smollm2-135m", "qwen2.5-0.5b"), ("smollm2-135m",)):
         path = str(build_checkpoint(name, ctx.work_dir / "checkpoints", "bfloat16", ctx.dry_run))
         config = AutoConfig.from_pretrained(path)
@@ -137,23 +165,18 @@ def run(ctx: CheckContext) -> SectionResult:
         theirs = transformers_run(ctx, path, requests, pad_id=config.eos_token_id)
         ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
         rows.append({"model": name, "tokenmill": ours, "transformers": theirs, "ratio": ratio})
-        ctx.save_partial({"throughput": rows})
+        ctx.save_partial({"throughput": rows, "decode_profile": profile})
         summary.append(
             f"| {name} | {ours['output_tokens_per_s']:.0f} | {theirs['output_tokens_per_s']:.0f} | "
             f"{ratio:.1f}x | {ours['steps']} | {ours['step_ms']:.2f} | "
             f"{ours['scheduling_ms_per_step']:.2f} |"
         )
-    path = str(build_checkpoint("smollm2-135m", ctx.work_dir / "checkpoints", "bfloat16", ctx.dry_run))
-    profile = profiled_decode_steps(ctx, path, *ctx.pick((256, 256), (4, 16)))
-    idle = profile["gpu_idle_fraction"]
-    line = (
-        f"decode steps at batch {profile['batch']} (context {profile['context']}, the worker's runner in-process): "
-        f"{profile['host_ms_per_step']:.2f} ms host per step"
-    )
-    if idle is None:
-        line += ", GPU idle not measured (no CUDA)"
-    else:
-        line += f", {profile['gpu_busy_ms_per_step']:.2f} ms GPU busy, GPU idle {idle:.1%} of the step"
-    summary += ["", line]
+        print(f"[throughput] {summary[-1]}", flush=True)
+    summary += ["", profile_line(profile)]
+    for title, key in (("GPU kernels", "top_kernels"), ("host operators", "top_host_ops")):
+        summary += ["", f"top {title} (self time, us per step):"]
+        summary += [
+            f"- {event['us_per_step']:.0f} us, {event['calls']} calls: {event['name']}" for event in profile[key][:8]
+        ]
     passed = all(row["tokenmill"]["output_tokens"] == row["transformers"]["output_tokens"] for row in rows)
     return SectionResult(passed, {"throughput": rows, "decode_profile": profile}, summary)

@@ -14,11 +14,12 @@ import torch
 from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
 
 NEAR_TIE_MARGIN = 1e-4
+CLOSE_TOP_K = 5  # vLLM's check_logprobs_close default
 
 
 @torch.no_grad()
-def hf_greedy_reference(model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[tuple[int, float]]:
-    """`model.generate(do_sample=False)` from `prompt_ids`: per new token, (token id, top-1 minus top-2 logit)."""
+def hf_greedy_logits(model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[tuple[int, torch.Tensor]]:
+    """`model.generate(do_sample=False)` from `prompt_ids`: per new token, (token id, that step's logits)."""
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
     out = model.generate(
         input_ids,
@@ -29,11 +30,42 @@ def hf_greedy_reference(model, prompt_ids: Sequence[int], max_new_tokens: int) -
         return_dict_in_generate=True,
     )
     tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+    return [(token, step_logits[0]) for token, step_logits in zip(tokens, out.logits)]
+
+
+def hf_greedy_reference(model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[tuple[int, float]]:
+    """Per new greedy token, (token id, top-1 minus top-2 logit)."""
     reference = []
-    for token, step_logits in zip(tokens, out.logits):
-        top2 = step_logits[0].float().topk(2).values
+    for token, logits in hf_greedy_logits(model, prompt_ids, max_new_tokens):
+        top2 = logits.float().topk(2).values
         reference.append((token, float(top2[0] - top2[1])))
     return reference
+
+
+def hf_greedy_top_ids(model, prompt_ids: Sequence[int], max_new_tokens: int, k: int = CLOSE_TOP_K) -> list:
+    """Per new greedy token, (token id, the ids of that step's top `k` logits), for `assert_greedy_close`."""
+    steps = hf_greedy_logits(model, prompt_ids, max_new_tokens)
+    return [(token, logits.float().topk(k).indices.tolist()) for token, logits in steps]
+
+
+def assert_greedy_close(
+    ours: Sequence[int], our_top_ids: Sequence[Sequence[int]], reference: Sequence[tuple[int, Sequence[int]]]
+) -> int:
+    """vLLM's `check_logprobs_close`, for reduced precision (bf16 logits tie at a far coarser grain than 1e-4): the
+    tokens are equal up to the first step where they differ; there each side's token must be among the other's top
+    k, and comparison stops. Returns how many steps were compared (the differing one included)."""
+    for step, (token, reference_top) in enumerate(reference):
+        if step == len(ours) and step == len(reference) - 1:
+            return step  # the reference's EOS, which an engine may not list
+        assert step < len(ours), f"ours stopped after {len(ours)} tokens; the reference continues with {token}"
+        if ours[step] == token:
+            continue
+        assert ours[step] in reference_top and token in our_top_ids[step], (
+            f"token {step} differs beyond the top {len(reference_top)}: ours {ours[step]} (reference top "
+            f"{list(reference_top)}), reference {token} (our top {list(our_top_ids[step])})"
+        )
+        return step + 1
+    return len(reference)
 
 
 def assert_greedy_match(

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels import kv_write, paged_attention, rms_norm, rotary, split_kv_decode
+from tokenmill.kernels import fp8_gemm, kv_write, paged_attention, rms_norm, rotary, split_kv_decode
 
 TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "fp8e4nv": "*fp8e4nv", "fp8e5": "*fp8e5"}
 FP8_CAPABILITY = 89  # Triton converts to and from fp8 from sm_89 (Ada, Hopper) on
@@ -55,21 +55,19 @@ def attention_pointers(dtype: str, cache_dtype: str | None = None) -> dict[str, 
 
 
 def split_kv_configs(dtype: str, cache_dtype: str | None, common: dict, cache_label: str):
-    """The split-KV decode kernels (partials and reduce) at 4 splits, on the broadcast or the tl.dot row path."""
-    tiles = split_kv_decode.decode_tile_shape(common["GROUP"], common["HEAD_DIM"])
+    """The split-KV decode kernels (partials and reduce) at 4 splits."""
     partial = dict(
         common,
-        BLOCK_GROUP=tiles.rows,
-        TILE_KEYS=tiles.tile_keys,
+        BLOCK_GROUP=split_kv_decode.decode_rows(common["GROUP"]),
+        TILE_KEYS=split_kv_decode.DECODE_TILE_KEYS,
         NUM_SPLITS=4,
-        USE_DOT=tiles.use_dot,
         SLIDING=True,
-        num_warps=tiles.num_warps,
+        num_warps=split_kv_decode.DECODE_NUM_WARPS,
     )
     pointers = dict(attention_pointers(dtype, cache_dtype), partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
     label = f"{dtype}{cache_label} G{common['GROUP']} D{common['HEAD_DIM']}"
     yield (
-        f"split_kv partial {label} BS{common['BLOCK_SIZE']} dot={tiles.use_dot}",
+        f"split_kv partial {label} BS{common['BLOCK_SIZE']}",
         split_kv_decode._split_kv_partial_kernel,
         pointers,
         partial,
@@ -136,6 +134,7 @@ def kernel_configs(capability: int):
             BLOCK_DIM=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=16,
             FP8=cache_dtype is not None,
+            SATURATE_AT=448.0 if cache_dtype == "fp8e4nv" else 0.0,  # kv_quant.saturation_bound
         )
         yield (
             f"write_kv {dtype}{f' {cache_dtype} cache' if cache_dtype else ''} D{head_dim}",
@@ -178,6 +177,10 @@ def kernel_configs(capability: int):
             COPY_TAIL=rot_dim < 128,
         )
         yield f"rotary {dtype} neox={neox} rot{rot_dim}", rotary._rotary_kernel, pointers, constexprs, ()
+    if capability >= FP8_CAPABILITY:  # the W8A8 path: fp8 operands on the tensor cores, precise accumulation
+        pointers = {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
+        constexprs = dict(FP8_DOT=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IEEE_DOT=False)
+        yield "fp8_gemm w8a8 fp32 out", fp8_gemm._fp8_gemm_kernel, {**pointers, "out_ptr": "*fp32"}, constexprs, ()
 
 
 def main(capabilities: list[int]) -> int:
@@ -187,6 +190,8 @@ def main(capabilities: list[int]) -> int:
             start = time.perf_counter()
             compiled = compile_kernel(kernel, target, pointers, constexprs, floats)
             assert compiled.asm.get("cubin"), f"{label}: no cubin"
+            if label.startswith("fp8_gemm"):  # precise accumulation: no fp8 wgmma summing all of K in fp8's MMA
+                assert "e4m3.e4m3" not in compiled.asm["ptx"], f"{label}: fp8 MMA accumulating imprecisely"
             shared = compiled.metadata.shared
             print(f"sm_{capability} {label}: ok, {shared} B shared, {time.perf_counter() - start:.1f}s")
     return 0

@@ -35,11 +35,12 @@ def test_write_kv_matches_reference(block_size, head_dim, dtype):
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_fp8_quantizes_with_scales(dtype, cache_dtype):
-    """fp8 caches store value / scale, rounded to nearest even and saturated as torch's conversion (bit-exact)."""
+    """fp8 caches store value / scale, rounded to nearest even (bit-exact with torch's conversion); e4m3fn clamps to
+    its largest finite first, whatever the conversion does past it."""
     num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 4, 16, 2, 64, 29
     key = (torch.randn(num_tokens, num_kv_heads, head_dim) * 100).to(dtype)
     value = (torch.randn(num_tokens, num_kv_heads, head_dim) * 1e-3).to(dtype)
-    key[0, 0, :4] = torch.tensor([1e5, -1e5, 465.0, 2.0**-12])  # past the largest e4m3, a tie, a subnormal
+    key[1, 0, :4] = torch.tensor([1e5, -1e5, 465.0, 2.0**-12])  # past the largest e4m3, a tie, a subnormal
     slots = make_slots(num_tokens, num_blocks, block_size)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
@@ -50,7 +51,14 @@ def test_write_kv_fp8_quantizes_with_scales(dtype, cache_dtype):
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     keep = slots >= 0
     stored = k_ref.view(-1, num_kv_heads, head_dim)[slots[keep]]
-    assert torch.equal(stored.view(torch.uint8), (key[keep].float() / 0.5).to(cache_dtype).view(torch.uint8))
+    scaled = key[keep].float() / 0.5
+    if cache_dtype == torch.float8_e4m3fn:  # saturates at its largest finite; e5m2 overflows to infinity
+        scaled = scaled.clamp(-448.0, 448.0)
+    assert torch.equal(stored.view(torch.uint8), scaled.to(cache_dtype).view(torch.uint8))
+    if cache_dtype == torch.float8_e4m3fn:  # 1e5 / 0.5 and -1e5 / 0.5, and 465 / 0.5 = 930: the largest finite
+        assert slots[1] >= 0  # token 1 is written (make_slots pads every fourth from token 0)
+        special = k_cache.view(-1, num_kv_heads, head_dim)[slots[1], 0, :3]
+        assert special.float().tolist() == [448.0, -448.0, 448.0]
 
 
 def test_slot_arithmetic_and_padding():

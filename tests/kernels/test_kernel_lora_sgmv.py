@@ -11,7 +11,7 @@ from tokenmill.kernels.lora_sgmv import lora_delta_ref, lora_expand, lora_shrink
 
 def _slots(num_tokens: int, num_slots: int, seed: int) -> torch.Tensor:
     """Rows grouped by request as a step's are (runs of one slot, -1 for base requests), plus a few lone tokens."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(seed)
     runs = []
     while sum(len(run) for run in runs) < num_tokens:
         length = int(torch.randint(1, 9, (1,), generator=generator))

@@ -24,7 +24,7 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, unused: set[in
 
 
 def make_case(num_tokens, num_experts, top_k, hidden, inter, dtype, seed, unused=frozenset()):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=g, dtype=torch.float64)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, dtype=torch.float64) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=g, dtype=torch.float64) / inter**0.5

@@ -119,6 +119,7 @@ def test_triton_window_none_is_full_attention():
 CPU_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
+@pytest.mark.cpu_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80])  # the specialised and the general path
 @pytest.mark.parametrize("block_size", [16, 5, 32])
@@ -142,6 +143,7 @@ def test_cpu_decode_window(window, block_size, head_dim, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.cpu_kernel
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_cpu_decode_window_work_split_and_prefetch(num_threads):
     """Many sequences (one item each, prefetching the next item's window) and few (split by kv head)."""

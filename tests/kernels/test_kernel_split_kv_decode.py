@@ -2,7 +2,7 @@
 
 Coverage under the interpreter (kept small: it runs kernels as numpy): contexts 0, 1, tile and partition edges
 (31/32/33, 63/64/65), non-multiples of the block size, 4096 and 8192 (batch 1, one kv head); batch 1 to 64; GQA
-groups 1, 3, 4 (broadcast rows) and 8 (tl.dot rows); 1 to 16 splits, more splits than tiles; block sizes 16 and
+groups 1, 3, 4 and 8 (rows padded to 16); 1 to 16 splits, more splits than tiles; block sizes 16 and
 24; sliding windows across partitions; fp8 e4m3/e5m2 caches with k/v scales; fp32, fp16 and bf16 queries.
 """
 
@@ -14,7 +14,7 @@ import torch
 from tests.helpers.kernels_testutil import make_paged_cache
 from tokenmill.kernels import split_kv_decode as split_kv
 from tokenmill.kernels.paged_attention import paged_attention_decode
-from tokenmill.kernels.split_kv_decode import choose_num_splits, decode_tile_shape, split_kv_decode, split_kv_decode_ref
+from tokenmill.kernels.split_kv_decode import choose_num_splits, decode_rows, split_kv_decode, split_kv_decode_ref
 
 TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=2e-5),
@@ -59,13 +59,11 @@ def test_split_count_rule():
     assert choose_num_splits(1, 8, 0, H100_SMS) == 1
 
 
-def test_rows_are_padded_only_to_the_dot_minimum():
-    # (rows, tl.dot, keys per tile, warps)
-    assert decode_tile_shape(1, 128) == (1, False, 64, 8)  # MHA: one row, no padding
-    assert decode_tile_shape(3, 64) == (4, False, 32, 8)
-    assert decode_tile_shape(4, 128) == (4, False, 16, 8)
-    assert decode_tile_shape(8, 128) == (16, True, 32, 4)  # tl.dot's smallest tile
-    assert decode_tile_shape(16, 128) == (16, True, 32, 4)
+def test_rows_are_padded_to_the_dot_minimum():
+    assert decode_rows(1) == 16  # MHA: tl.dot's smallest tile
+    assert decode_rows(3) == 16
+    assert decode_rows(8) == 16
+    assert decode_rows(24) == 32
 
 
 @pytest.mark.parametrize("group, num_splits", [(1, 1), (1, 16), (3, 3), (4, 5), (8, 1), (8, 16)])

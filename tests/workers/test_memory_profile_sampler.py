@@ -92,3 +92,26 @@ def test_worst_case_takes_the_engine_limits(tiny_checkpoint):
     state = requests[0].sampling
     assert state is not None and len(state.prompt_token_ids) + len(state.output_token_ids) == MAX_MODEL_LEN
     assert worst.grammar_plan(requests).grammar_bitmask == b"\xff" * (4 * 10 * MAX_NUM_SEQS)
+
+
+def test_the_kernels_warm_up_over_the_dummy_cache_before_the_budget_is_read(
+    tiny_checkpoint, cuda_stats_from, monkeypatch
+):
+    """The warm-up's memory outside torch (kernel images, local memory) must be gone from the free memory the KV
+    budget starts from: it runs inside the profile, over the dummy cache."""
+    path, _ = tiny_checkpoint("llama")
+    worker = Worker(profile_config(str(path)))
+    worker.load_model()
+    warmed_with_blocks: list[int] = []
+    real_warm_up = worker.warm_up_kernels
+
+    def warm_up() -> None:
+        assert worker.kv_cache is not None
+        warmed_with_blocks.append(len(worker.kv_cache.layers))
+        real_warm_up()
+
+    monkeypatch.setattr(worker, "warm_up_kernels", warm_up)
+    with LiveBytes() as live:
+        cuda_stats_from(live)
+        worker._profile_peak_memory()
+    assert len(warmed_with_blocks) == 1 and warmed_with_blocks[0] > 0  # during the profile, its dummy cache held
