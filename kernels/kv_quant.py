@@ -48,9 +48,10 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     at 448)."""
     if not is_fp8(dtype):
         return x.to(dtype)
-    scaled = x.float() / scale if scale != 1.0 else x
     bound = saturation_bound(dtype)
-    return (scaled.clamp(-bound, bound) if bound else scaled).to(dtype)
+    if not bound:
+        return (x.float() / scale if scale != 1.0 else x).to(dtype)
+    return (x.float() / scale).clamp(-bound, bound).to(dtype)  # exact in float32 when x is already fp8 or 16-bit
 
 
 def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -25,6 +25,10 @@ from __future__ import annotations
 import os
 
 os.environ["OMP_NUM_THREADS"] = "1"  # one compute thread, set before any OpenMP runtime starts
+# The weight copies are torch tensors and the bound's buffer a numpy array, which numpy already puts in transparent
+# huge pages: torch's allocator does so only with this set, as the engine's children have it (tokenmill/launcher.py).
+# Without it the kernels read 4 KiB pages against a bound read in huge ones, unlike the engine.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import argparse
 import ctypes
