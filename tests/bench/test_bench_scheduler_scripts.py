@@ -121,3 +121,11 @@ def test_priority_policy_serves_high_priority_requests_first(tiny_checkpoints, t
         assert all(waiting > 0 for waiting in policy["low_waiting_when_high_sent"]), policy
     # under fcfs the high-priority requests wait for the queued low-priority ones; under priority, for one slot
     assert priority["high_ttft_ms"]["mean"] < fcfs["high_ttft_ms"]["mean"], data["policies"]
+
+
+def test_scheduler_step_bench_times_every_part_of_full_decode_steps():
+    import bench_scheduler_step
+
+    medians = bench_scheduler_step.run(batch=16, prompt_len=32, steps=8)
+    assert set(medians) == {"schedule", "update", "encode_plan", "decode_result"}  # full-batch decode steps were seen
+    assert all(ms > 0 for ms in medians.values())
