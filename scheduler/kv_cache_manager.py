@@ -91,18 +91,15 @@ class KVCacheManager:
         past them that the step writes without computing them (the draft model's KV, as vLLM's
         num_lookahead_tokens). Returns the ids of the blocks added to its table, or None, changing nothing, when the
         pool is short."""
-        blocks = self.req_blocks.get(request.request_id)
-        if blocks is not None and not cached_blocks:  # a running request: most steps need no new block
-            num_tokens_after = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-            num_table_blocks = len(blocks) + self.num_freed_blocks.get(request.request_id, 0)
-            if self.num_blocks_for(num_tokens_after) <= num_table_blocks:
-                return []
-        blocks = blocks if blocks is not None else []
+        known = self.req_blocks.get(request.request_id)
+        blocks = known if known is not None else []
         num_tokens_after = (
             request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens + num_lookahead_tokens
         )
         num_table_blocks = len(blocks) + self.num_freed_blocks.get(request.request_id, 0)
         num_fresh = self.num_blocks_for(num_tokens_after) - num_table_blocks - len(cached_blocks)
+        if known is not None and num_fresh <= 0 and not cached_blocks:
+            return []  # a running request's usual step: nothing to take, touch or index
         # hits that sit in the free queue stop being allocatable once we take them
         num_free_hits = sum(1 for b in cached_blocks if b.ref_count == 0)
         if max(num_fresh, 0) + num_free_hits > self.pool.num_free_blocks:
