@@ -69,11 +69,17 @@ class SlotRows:
         return SlotRows(order.contiguous(), offsets)
 
 
+# The tile width of B's layout (`kTileColumns` in lora_cpu.cpp): each slice's columns in tiles of this many, each a
+# contiguous [R, tile width] block, so the expand reads B front to back.
+B_TILE_COLUMNS = 64
+
+
 @dataclass(frozen=True)
 class LoRAWeights:
     """One layer's slot weights in the kernel's layout: `a [S, n * R, in]`, and `b [S, R * out]` holding slot s's
-    slice i as a contiguous `[R, width_i]` block (B transposed, scaled) at column offset R * `slice_columns[i]`
-    (`slice_columns [n + 1]` int64: each slice's first output column, then the layer's output size)."""
+    slice i (B transposed, scaled) at offsets [R * first_i, R * (first_i + width_i)) in tiles of `B_TILE_COLUMNS`
+    columns, each tile a contiguous `[R, tile width]` block (`write_b` lays it out); `slice_columns [n + 1]` int64:
+    each slice's first output column, then the layer's output size."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -82,12 +88,28 @@ class LoRAWeights:
     out_features: int
 
     @staticmethod
-    def of(a: torch.Tensor, b: torch.Tensor, slice_columns: list[int], rank: int) -> LoRAWeights:
+    def of(a: torch.Tensor, slice_columns: list[int], rank: int) -> LoRAWeights:
+        """The weights on slot buffers `a`, with B all zeros until `write_b`."""
         num_slots, ranks, _ = a.shape
-        out_features = slice_columns[-1]
-        assert a.is_contiguous() and b.is_contiguous() and ranks == (len(slice_columns) - 1) * rank
-        assert b.shape == (num_slots, rank * out_features) and a.dtype == b.dtype
-        return LoRAWeights(a, b, torch.tensor(slice_columns, dtype=torch.int64), rank, out_features)
+        assert a.is_contiguous() and ranks == (len(slice_columns) - 1) * rank
+        b = torch.zeros(num_slots, rank * slice_columns[-1], dtype=a.dtype, device=a.device)
+        return LoRAWeights(a, b, torch.tensor(slice_columns, dtype=torch.int64), rank, slice_columns[-1])
+
+    def write_b(self, blocks: list[torch.Tensor], slot: int | None = None) -> None:
+        """Lay out each slice's `[S, R, width_i]` block of B (transposed, scaled; any strides) in the tiled `b`: all
+        slots, or only `slot` (the blocks still hold every slot)."""
+        rows = slice(None) if slot is None else slice(slot, slot + 1)
+        columns, rank, tile = self.slice_columns.tolist(), self.rank, B_TILE_COLUMNS
+        for index, block in enumerate(blocks):
+            first, width = columns[index], columns[index + 1] - columns[index]
+            assert block.shape[1:] == (rank, width), "one [S, R, width] block per slice"
+            block, region = block[rows], self.b[rows, rank * first : rank * (first + width)]
+            num_slots, full = block.shape[0], width - width % tile
+            if full:
+                tiles = block[:, :, :full].unflatten(2, (full // tile, tile)).transpose(1, 2)
+                region[:, : rank * full].view(num_slots, full // tile, rank, tile).copy_(tiles)
+            if full < width:
+                region[:, rank * full :].view(num_slots, rank, width - full).copy_(block[:, :, full:])
 
 
 def enabled() -> bool:

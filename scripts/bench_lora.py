@@ -134,9 +134,9 @@ def time_layer_paths(
     weight_packed = packed(weight)
     groups, bt_slices, rows = step.groups, b_slices(bt, widths), step.rows
     assert groups is not None and rows is not None, "the native LoRA kernel did not build"
-    kernel_b = torch.cat([piece.bt.flatten(1) for piece in bt_slices], dim=1)
     columns = [piece.first_column for piece in bt_slices] + [bt.shape[2]]
-    kernel_weights = lora_cpu.LoRAWeights.of(a, kernel_b, columns, a.shape[1] // len(widths))
+    kernel_weights = lora_cpu.LoRAWeights.of(a, columns, a.shape[1] // len(widths))
+    kernel_weights.write_b([piece.bt for piece in bt_slices])
     paths = {
         "native": lambda: lora_cpu.lora_add(x, out, kernel_weights, rows),
         "grouped": lambda: add_lora_grouped(x, out, a, bt_slices, groups),

@@ -45,11 +45,12 @@ def _weights(num_slots: int, rank: int, in_features: int, widths: list[int], dty
     """Random A and per-slice B blocks `[S, R, width_i]`, and the same in the kernel's layout."""
     a = torch.randn(num_slots, len(widths) * rank, in_features) / in_features**0.5
     blocks = [torch.randn(num_slots, rank, width) / rank**0.5 for width in widths]
-    b = torch.cat([block.flatten(1) for block in blocks], dim=1)  # slot s: slice 0's [R, w0], then slice 1's, ...
     columns = [0]
     for width in widths:
         columns.append(columns[-1] + width)
-    return a, blocks, LoRAWeights.of(a.to(dtype), b.to(dtype).contiguous(), columns, rank)
+    weights = LoRAWeights.of(a.to(dtype), columns, rank)
+    weights.write_b([block.to(dtype) for block in blocks])
+    return a, blocks, weights
 
 
 def _reference(x: torch.Tensor, a: torch.Tensor, blocks: list[torch.Tensor], token_slots: list[int]) -> torch.Tensor:
@@ -77,7 +78,9 @@ TOKEN_SLOTS = {
 
 
 @pytest.mark.parametrize("rank", [8, 16, 64])
-@pytest.mark.parametrize("widths", [[40, 16, 16], [130, 130], [72]], ids=["qkv", "gate_up", "single"])
+@pytest.mark.parametrize(
+    "widths", [[40, 16, 16], [130, 130], [72], [100, 64]], ids=["qkv", "gate_up", "single", "partial-tile"]
+)
 @pytest.mark.parametrize("case", list(TOKEN_SLOTS))
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_kernel_matches_the_float64_reference(rank, widths, case, num_threads, threads):
@@ -171,3 +174,19 @@ def test_float32_activations_over_half_precision_slots_match_the_float64_referen
     exact = _reference(x, a, blocks, token_slots)
     torch.testing.assert_close((out - before).double(), exact, atol=tolerance, rtol=tolerance)
     assert out[torch.tensor(token_slots) < 0].equal(before[torch.tensor(token_slots) < 0])
+
+
+def test_writing_one_slot_lays_out_only_that_slot():
+    """`write_b(blocks, slot)` after an adapter load: that slot's tiles equal a full layout of the new blocks, every
+    other slot's bytes stay as they were (an adapter loaded beside running ones must not touch their weights)."""
+    torch.manual_seed(3)
+    _, blocks, weights = _weights(3, 8, 32, [130, 24], torch.float32)
+    before = weights.b.clone()
+    changed = [block.clone() for block in blocks]
+    for block in changed:
+        block[1] = torch.randn_like(block[1])
+    weights.write_b(changed, slot=1)
+    _, _, fresh = _weights(3, 8, 32, [130, 24], torch.float32)
+    fresh.write_b(changed)
+    assert weights.b[1].equal(fresh.b[1]) and not weights.b[1].equal(before[1])
+    assert weights.b[0].equal(before[0]) and weights.b[2].equal(before[2])

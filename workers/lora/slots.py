@@ -3,7 +3,7 @@
 Each LoRA-able layer gets `a [S, n * R, in]` and `bt [S, n * R, out]` (S = max_loras slots, R = max_lora_rank, n the
 checkpoint tensors fused in the layer: 3 for qkv, 2 for gate/up, else 1). Slice i of a fused layer owns ranks
 [i * R, i * R + r) of A and, in B, only its own output rows, so the fused layer's update is one low-rank product
-whose B is block-diagonal (the CUDA path's layout; the CPU path expands each slice's own block, `bt_slices`).
+whose B is block-diagonal (the CUDA path's layout; the CPU paths expand each slice's own block).
 Tensor parallelism shards the pair like its base layer: a column-parallel layer keeps B's rows of this rank's
 outputs (its heads, its MLP columns), a row-parallel one A's columns of this rank's inputs.
 """
@@ -52,12 +52,11 @@ class LoRALinearSlots:
         # on the current default device and dtype (the slots': the model's, or --lora-dtype's)
         self.a = torch.zeros(num_slots, ranks, in_count)
         self.bt = torch.zeros(num_slots, ranks, out_features)
-        # The CPU paths' B: each slice's own ranks and output columns (not the block-diagonal), slot s's slices side
-        # by side in `b_packed [S, R * out]` (the native kernel's layout; `bt_slices` are views of it for the torch
-        # path), rewritten at each load. CUDA reads the block-diagonal bt.
-        self.b_packed = torch.zeros(0 if self.bt.is_cuda else num_slots, max_rank * out_features)
-        self.bt_slices = [] if self.bt.is_cuda else self._b_slices()
+        # The CPU paths' B, each slice's own ranks and output columns (not the block-diagonal), rewritten at each
+        # load: the native kernel's tiled copy (`kernel_weights.b`) and, built on first use where the kernel cannot
+        # run a call, the torch path's per-slice blocks (`_grouped_b`). CUDA reads the block-diagonal bt.
         self.kernel_weights = None if self.bt.is_cuda else self._kernel_weights()
+        self._grouped_b: list[BSlice] | None = None
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         step = self.step
@@ -67,7 +66,7 @@ class LoRALinearSlots:
         if rows is not None and self.kernel_weights is not None and lora_cpu.supports(x, out, self.kernel_weights):
             lora_cpu.lora_add(x, out, self.kernel_weights, rows)
         elif step.groups is not None:
-            add_lora_grouped(x, out, self.a, self.bt_slices, step.groups)
+            add_lora_grouped(x, out, self.a, self._grouped_slices(), step.groups)
         else:
             add_lora(x, out, self.a, self.bt, step)
 
@@ -79,20 +78,27 @@ class LoRALinearSlots:
             pair = adapter.pairs.get((self.layer, piece.projection))
             if pair is not None:
                 self._write_pair(slot, index * self.max_rank, piece, pair, adapter)
-        if not self.bt.is_cuda:
-            self.bt_slices = self._b_slices()
+        if self.kernel_weights is not None:
+            self.kernel_weights.write_b(self._slice_blocks(), slot)
+        self._grouped_b = None
 
-    def _b_slices(self) -> list[BSlice]:
-        """Copy each slice's block of the block-diagonal bt into `b_packed`; returns the slices as views of it."""
-        pieces = []
-        for index, piece in enumerate(self.slices):
-            first_rank, columns = index * self.max_rank, piece.out.rows
-            block = self.bt[:, first_rank : first_rank + self.max_rank].narrow(2, piece.out.dest_row, columns)
-            packed = self.b_packed[:, self.max_rank * piece.out.dest_row :][:, : self.max_rank * columns]
-            bt = packed.view(-1, self.max_rank, columns)
-            bt.copy_(block)
-            pieces.append(BSlice(bt, first_rank, piece.out.dest_row))
-        return pieces
+    def _slice_blocks(self) -> list[torch.Tensor]:
+        """Each slice's own block of the block-diagonal bt, `[S, R, columns]` views."""
+        rank = self.max_rank
+        return [
+            self.bt[:, index * rank : (index + 1) * rank].narrow(2, piece.out.dest_row, piece.out.rows)
+            for index, piece in enumerate(self.slices)
+        ]
+
+    def _grouped_slices(self) -> list[BSlice]:
+        """The torch path's B: each slice's block copied out of bt once after each load."""
+        if self._grouped_b is None:
+            blocks = self._slice_blocks()
+            self._grouped_b = [
+                BSlice(block.contiguous(), index * self.max_rank, piece.out.dest_row)
+                for index, (block, piece) in enumerate(zip(blocks, self.slices, strict=True))
+            ]
+        return self._grouped_b
 
     def _kernel_weights(self) -> LoRAWeights | None:
         """The native kernel's view of the slots, or None where the slices do not tile the output in order."""
@@ -103,7 +109,7 @@ class LoRALinearSlots:
             columns.append(columns[-1] + piece.out.rows)
         if columns[-1] != self.bt.shape[2]:
             return None
-        return LoRAWeights.of(self.a, self.b_packed, columns, self.max_rank)
+        return LoRAWeights.of(self.a, columns, self.max_rank)
 
     def _write_pair(self, slot: int, first_rank: int, piece: LoRASlice, pair: LoRAPair, adapter: LoRAAdapter) -> None:
         rank = pair.a.shape[0]
