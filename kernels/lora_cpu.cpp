@@ -16,7 +16,7 @@
 //     after another, each a contiguous [R, tile width] block (the last tile narrower where the width is not a
 //     multiple), so the expand reads B front to back (row by row over the whole slice, its R rows were R streams
 //     a slice's width apart: with the prefetches below, a decode step's update over SmolLM2's 30 layers, 4 slots of
-//     rank 16, went from 12-15 GB/s to 20 GB/s of slot weights).
+//     rank 16, went from ~15 to 21-22 GB/s of slot weights).
 //   order [L]: the adapter tokens sorted by slot; slot_offsets [S + 1]: slot s's tokens are order[offsets[s]:
 //     offsets[s + 1]] (L = offsets[S]; tokens of the base model appear nowhere).
 // Work is split into items of (slot, slice, a run of the slot's tokens), each its own shrink and expand: no barrier

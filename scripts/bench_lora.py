@@ -170,8 +170,43 @@ def b_slices(bt: torch.Tensor, widths: list[int]) -> list:
     return pieces
 
 
+def time_decode_step(num_slots: int, rank: int, tokens: int, num_layers: int, repeats: int) -> dict[str, float]:
+    """The native kernel over every LoRA layer of a `num_layers`-layer SmolLM2-135M, each layer its own slot weights
+    (as a decode step reads them: from memory, not from cache) and the activations shared: best-of milliseconds and
+    the slot weights' bytes per second."""
+    from tokenmill.kernels import lora_cpu
+
+    rows = lora_cpu.SlotRows.of(torch.arange(tokens) % num_slots, num_slots)
+    buffers = {
+        name: (torch.randn(tokens, size), torch.zeros(tokens, sum(widths))) for name, (size, widths) in LAYERS.items()
+    }
+    calls = []
+    for _ in range(num_layers):
+        for name, (in_features, widths) in LAYERS.items():
+            columns = [0]
+            for width in widths:
+                columns.append(columns[-1] + width)
+            a = torch.randn(num_slots, len(widths) * rank, in_features) * 0.02
+            weights = lora_cpu.LoRAWeights.of(a, columns, rank)
+            weights.write_b([torch.randn(num_slots, rank, width) * 0.02 for width in widths])
+            calls.append((weights, *buffers[name]))
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for weights, x, out in calls:
+            lora_cpu.lora_add(x, out, weights, rows)
+        best = min(best, time.perf_counter() - started)
+    weight_bytes = sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w, _, _ in calls)
+    return {
+        "ms": round(best * 1e3, 3),
+        "slot_weights_MB": round(weight_bytes / 1e6, 1),
+        "GB_per_s": round(weight_bytes / best / 1e9, 1),
+    }
+
+
 def run_kernels(args: argparse.Namespace) -> dict:
-    """Each LoRA layer of SmolLM2-135M with `--num-adapters` slots: the CPU paths side by side."""
+    """Each LoRA layer of SmolLM2-135M with `--num-adapters` slots: the CPU paths side by side; then the native
+    kernel over a whole decode step's layers."""
     timings = {}
     for name, (in_features, widths) in LAYERS.items():
         slots, ranks = args.num_adapters, len(widths) * args.rank
@@ -179,6 +214,8 @@ def run_kernels(args: argparse.Namespace) -> dict:
         for tokens in (32, 512):
             paths = time_layer_paths(tokens, a, bt, widths, args.repeats * 10)
             timings[f"{name} {in_features} -> {sum(widths)}, {tokens} tokens, ms"] = paths
+    step = time_decode_step(args.num_adapters, args.rank, args.num_requests, 30, args.repeats * 10)
+    timings[f"decode step, native, 30 layers, {args.num_requests} tokens"] = step
     threads = f"{args.num_adapters} slots, rank {args.rank}, {torch.get_num_threads()} threads"
     return {"layers": threads, **timings, "load_average": os.getloadavg()}
 
