@@ -40,6 +40,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -167,6 +168,9 @@ struct Activations {
   // For Q4_0 / Q4_1 (else null): the same int8 values with each pair of blocks b, b + 1 stored as the first 16 of b,
   // the first 16 of b + 1, the last 16 of b, the last 16 of b + 1 -- the order of two blocks' low then high nibbles.
   const int8_t* q_pairs;
+  // Which gguf_matmul call these are (unique per call): a kernel that lays the activations out again for its own
+  // use (packed_row_pairs, once per thread and call) knows from it whether its copy is still this call's.
+  uint64_t call = 0;
   const int8_t* qrow(int64_t t) const { return q + t * K; }
   const int8_t* q_pairs_row(int64_t t) const { return q_pairs + t * K; }
   const float* scale_row(int64_t t) const { return scale + t * (K / block); }
@@ -201,6 +205,12 @@ using FloatTileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int
 // The repacked layout (tm_gguf_matmul_repacked): groups [group_begin, group_end) of 8 output rows for all T rows.
 using PackedTileFn = void (*)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t group_begin, int64_t group_end,
                               const Activations& act, int64_t T, float* y);
+// A number no earlier gguf_matmul call had (Activations::call).
+inline uint64_t next_call_number() {
+  static std::atomic<uint64_t> calls{0};
+  return calls.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
 struct Kernels {
   QuantizeFn quantize;
   TileFn tile;
@@ -352,7 +362,7 @@ int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx,
   const int64_t ld_out = dtype == 0 ? ldy : N;
   const Activations act{q.data(), scale.data(), sums16.data(),  sums32.data(),
                        scaled_sums.data(), block == 32 ? bias128.data() : nullptr,
-                       K, block, ld_out, nibble_pairs ? q_pairs.data() : nullptr};
+                       K, block, ld_out, nibble_pairs ? q_pairs.data() : nullptr, next_call_number()};
   const Kernels kernels = kernels_for(active_isa());
   if (T * K < (int64_t{1} << 16)) {
     kernels.quantize(dtype, x, ldx, 0, T, act);
@@ -1902,6 +1912,148 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
 }
 
+#if TM_VNNI
+// Two activation rows per 512-bit vector, for the 4-bit kinds at 4-8 rows. packed_rows<NT> issues a 256-bit
+// vpdpbusd and a vpbroadcastd of the row's 4 activation bytes per row and 4-byte group (64 of each a block at 4 rows:
+// they bound it, at ~60% of the 1-row GEMV's bytes per second). Here a block's 8 weight rows are unpacked once into
+// both 256-bit halves, a pair of activation rows sits in one vector (row a's 32 bytes of the block low, row b's
+// high), each group's bytes are spread to both halves' lanes by one vpermd, and one 512-bit vpdpbusd does both rows.
+// The float steps are packed_rows' on each half in its order, so each row's result is packed_rows<1>'s to the bit
+// (batch-invariant). The rows' per-block scales are laid out as pair vectors once per thread and call.
+// (std::vector drops a vector type's alignment from its template argument: these structs keep it)
+struct alignas(64) Int512 {
+  __m512i v;
+};
+struct alignas(64) Float512 {
+  __m512 v;
+};
+struct PairActivations {
+  uint64_t call = 0;  // whose activations these are (Activations::call), and which rows
+  int64_t first_row = -1, rows = 0, blocks = 0;
+  const int8_t* x[8];  // each row's int8 activations (an odd last row is also its own pair's second)
+  std::vector<Float512> scale, scaled_sum;  // [pair][block]: dx and the block's scaled sum, each half its row's
+  std::vector<Int512> bias;  // [pair][block]: IQ4_NL's bias128
+};
+
+inline __m512 float_halves(float low, float high) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(low)), _mm256_set1_ps(high), 1);
+}
+inline __m512i int_halves(__m256i low, __m256i high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+inline __m512i both_halves(__m256i v) { return int_halves(v, v); }
+inline __m512 both_halves(__m256 v) { return _mm512_insertf32x8(_mm512_castps256_ps512(v), v, 1); }
+
+// Rows t0 .. t0 + rows - 1 of `a` as pairs (an odd last row paired with itself; its copy's results are not stored).
+inline void pair_activations(const Activations& a, int64_t t0, int64_t rows, int64_t nb, PairActivations& p) {
+  if (p.call == a.call && p.first_row == t0 && p.rows == rows) return;  // laid out by this thread for this call
+  p.call = a.call;
+  p.first_row = t0;
+  p.rows = rows;
+  const int64_t pairs = (rows + 1) / 2;
+  p.blocks = nb;
+  p.scale.resize(pairs * nb);
+  p.scaled_sum.resize(pairs * nb);
+  p.bias.resize(a.bias128 != nullptr ? pairs * nb : 0);
+  for (int64_t q = 0; q < pairs; ++q) {
+    const int64_t ta = t0 + 2 * q, tb = std::min(ta + 1, t0 + rows - 1);
+    p.x[2 * q] = a.q + ta * a.K;
+    p.x[2 * q + 1] = a.q + tb * a.K;
+    for (int64_t b = 0; b < nb; ++b) {
+      p.scale[q * nb + b].v = float_halves(a.scale[ta * nb + b], a.scale[tb * nb + b]);
+      p.scaled_sum[q * nb + b].v = float_halves(a.scaled_sums[ta * nb + b], a.scaled_sums[tb * nb + b]);
+      if (a.bias128 == nullptr) continue;
+      p.bias[q * nb + b].v =
+          int_halves(_mm256_set1_epi32(a.bias128[ta * nb + b]), _mm256_set1_epi32(a.bias128[tb * nb + b]));
+    }
+  }
+}
+
+// The kinds packed_row_pairs serves: the 4-bit ones, where it measured 1.05-1.3x packed_rows' speed at 4-8 rows
+// (Q8_0, Q5_0 and Q5_1 within noise of it, or slower: their weight vectors cost more to widen than they save).
+template <int KIND>
+constexpr bool kPairedKind = KIND == 0 || KIND == 1 || KIND == 5;
+
+// y[t * ldy + r] = <row r of the group, activation row t0 + t> for r < 8 and the `rows` (<= 2 * NP) rows of pairs
+// 0 .. NP - 1 of `p`, as packed_rows<rows, KIND>.
+template <int NP, int KIND>
+void packed_row_pairs(const uint8_t* group, const PairActivations& p, int64_t rows, float* y, int64_t ldy) {
+  static_assert(kPairedKind<KIND>, "a 4-bit kind");
+  constexpr bool kSigned = KIND == 5;  // IQ4_NL: signed values (the VNNI bias, as packed_rows)
+  const int64_t nb = p.blocks;
+  const __m512i kHalves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);  // vpermd's half
+  __m512 acc[NP];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * kGroupBytes<KIND>;
+    prefetch_ahead<kGroupBytes<KIND>>(blk);
+    const uint8_t* qs = blk + kGroupScales<KIND>;
+    __m512i sum[NP];  // each pair's integer dot products over the block (one chain: 2-4 pairs interleave)
+    for (int q = 0; q < NP; ++q) sum[q] = kSigned ? p.bias[q * nb + b].v : _mm512_setzero_si512();
+    __m512i rows_x[NP];  // [row a's 32 bytes of block b | row b's]
+    for (int q = 0; q < NP; ++q) {
+      const auto* row_a = reinterpret_cast<const uint8_t*>(p.x[2 * q] + b * 32);
+      const auto* row_b = reinterpret_cast<const uint8_t*>(p.x[2 * q + 1] + b * 32);
+      rows_x[q] = int_halves(load32(row_a), load32(row_b));
+    }
+    // a pair's 4-byte group g of the block: row a's in every low lane, row b's in every high one
+    auto group_of = [&](int q, int g) {
+      return _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(g), kHalves), rows_x[q]);
+    };
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo, hi;  // the 8 weight rows' elements 4j.. and 16 + 4j.. in both halves
+      if constexpr (KIND != 5) {
+        const __m512i v = _mm512_broadcast_i64x4(load32(qs + 32 * j));
+        const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+        lo = _mm512_and_si512(v, low_nibbles);
+        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+      } else {
+        __m256i lo8, hi8;
+        packed_weights<KIND>(blk, j, lo8, hi8);
+        lo = both_halves(lo8);
+        hi = both_halves(hi8);
+      }
+      for (int q = 0; q < NP; ++q) {
+        sum[q] = _mm512_dpbusd_epi32(sum[q], lo, group_of(q, j));
+        sum[q] = _mm512_dpbusd_epi32(sum[q], hi, group_of(q, 4 + j));
+      }
+    }
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m512 d = both_halves(d8);
+    for (int q = 0; q < NP; ++q)
+      acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[q]), _mm512_mul_ps(d, p.scale[q * nb + b].v), acc[q]);
+    if constexpr (kHasOffset<KIND>) {
+      const __m256 m8 = kOffsetPerD<KIND> != 0.0f
+                            ? _mm256_mul_ps(d8, _mm256_set1_ps(kOffsetPerD<KIND>))
+                            : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+      const __m512 m = both_halves(m8);
+      for (int q = 0; q < NP; ++q) acc[q] = _mm512_fmadd_ps(m, p.scaled_sum[q * nb + b].v, acc[q]);
+    }
+  }
+  for (int q = 0; q < NP; ++q) {
+    _mm256_storeu_ps(y + 2 * q * ldy, _mm512_castps512_ps256(acc[q]));
+    if (2 * q + 1 < rows) _mm256_storeu_ps(y + (2 * q + 1) * ldy, _mm512_extractf32x8_ps(acc[q], 1));
+  }
+}
+
+// packed_tile_rows' groups for the `rows` (4-8) activation rows from t0, in pairs (packed_row_pairs).
+template <int KIND>
+void packed_pairs_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
+                       const Activations& a, int64_t t0, int64_t rows, float* y) {
+  thread_local PairActivations pairs;
+  pair_activations(a, t0, rows, nb, pairs);
+  for (int64_t g = group_begin; g < group_end; ++g) {
+    const uint8_t* group = w + g * 8 * row_bytes;
+    float* out = y + t0 * a.ldy + g * 8;
+    switch ((rows + 1) / 2) {
+      case 4: packed_row_pairs<4, KIND>(group, pairs, rows, out, a.ldy); break;
+      case 3: packed_row_pairs<3, KIND>(group, pairs, rows, out, a.ldy); break;
+      default: packed_row_pairs<2, KIND>(group, pairs, rows, out, a.ldy); break;
+    }
+  }
+}
+#endif
+
 #if !TM_VNNI
 // Q4_1 on AVX2 at 2 to 8 activation rows (a speculative-decoding verification step): packed_rows<NT, 1>'s integer
 // products and float steps with fewer loads, which bound it there (AVX2 has no vpdpbusd, so a block costs two
@@ -1983,6 +2135,14 @@ void packed_tile_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g
 #endif
   for (int64_t t0 = 0; t0 < T; t0 += kPackedTokens) {
     const int64_t nt = std::min<int64_t>(kPackedTokens, T - t0);
+#if TM_VNNI
+    if constexpr (kPairedKind<KIND>) {
+      if (nt >= 4) {
+        packed_pairs_tile<KIND>(w, row_bytes, nb, group_begin, group_end, a, t0, nt, y);
+        continue;
+      }
+    }
+#endif
     for (int64_t g = group_begin; g < group_end; ++g) {
       const uint8_t* group = w + g * 8 * row_bytes;
       float* out = y + t0 * a.ldy + g * 8;

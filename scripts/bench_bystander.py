@@ -17,6 +17,14 @@ whichever of the two idle windows has the lower p99 (both are reported), so a st
 cannot inflate the baseline and flatter the ratio. Every kind runs against one server, in turn, each with a fresh
 bystander. The limits given here must be the server's (they are passed to a launched server).
 
+Those idle windows are at other context lengths than the window: the one before it covers the bystander's first
+--idle-tokens tokens, and a decode step's attention grows with the context (float32 K/V: at 1,000 tokens the default
+model reads ~46 MB of cache per step, half its weights' bytes). So each kind also streams the same bystander alone,
+--control-runs times, before its hostile run (`control_gaps`): the idle gap at each token position, the smallest over
+those runs (a stall in one cannot raise it). The window's gaps are then compared with the idle gaps at the same
+positions (`same_positions`: "ctl p99", "p99/ctl" in the table), the work the bystander's steps do apart from the
+hostile request being the same.
+
     python scripts/bench_bystander.py                      # launches `tokenmill serve` on the default model
     python scripts/bench_bystander.py --serve-args "/path/to/tiny --dtype float32" --max-model-len 1024
 """
@@ -69,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-logit-bias", type=int, default=1024)
     parser.add_argument("--idle-tokens", type=int, default=24, help="bystander tokens before the hostile request")
     parser.add_argument("--bystander-tokens", type=int, default=400, help="the bystander's max_tokens")
+    parser.add_argument(
+        "--control-runs", type=int, default=2, help="runs of the bystander alone per kind (the per-position baseline)"
+    )
     parser.add_argument(
         "--server-threads",
         type=int,
@@ -145,16 +156,45 @@ async def send_hostile(session: aiohttp.ClientSession, url: str, body: dict) -> 
         return response.status, (await response.text())[:200]
 
 
+def gaps_by_position(timing: StreamTiming) -> list[tuple[int, float, float]]:
+    """Each gap between token chunks as (the token count at its end, its start, its end)."""
+    positions = np.cumsum(timing.chunk_num_tokens)
+    return [(int(positions[i + 1]), start, end) for i, (start, end) in enumerate(timing.itl_intervals())]
+
+
+async def control_gaps(session: aiohttp.ClientSession, url: str, payload: dict, runs: int) -> dict[int, float]:
+    """The bystander streamed alone `runs` times: each token position's gap in seconds, the smallest over the runs."""
+    best: dict[int, float] = {}
+    for run in range(runs):
+        timing = await stream_completion(session, url, payload, f"control-{run}")
+        if timing.error:
+            raise RuntimeError(f"the control bystander failed: {timing.error}")
+        for position, start, end in gaps_by_position(timing):
+            best[position] = min(best.get(position, float("inf")), end - start)
+    return best
+
+
+def same_positions(bystander: StreamTiming, start: float, end: float, control: dict[int, float]) -> dict | None:
+    """The window's gaps and the idle gaps at the same token positions (those both runs have), in ms."""
+    pairs = [
+        (gap_end - gap_start, control[position])
+        for position, gap_start, gap_end in gaps_by_position(bystander)
+        if gap_end > start and gap_start < end and position in control
+    ]
+    if not pairs:
+        return None
+    during, idle = zip(*pairs, strict=True)
+    return {"during_ms": gap_summary(list(during)), "idle_ms": gap_summary(list(idle))}
+
+
 async def one_kind(
     session: aiohttp.ClientSession, url: str, model: str, body: dict, args: argparse.Namespace, rng: np.random.Generator
 ) -> dict:
-    """The bystander's gaps before and during one hostile request."""
+    """The bystander's gaps before and during one hostile request, and alone at the same positions."""
+    payload = completion_payload(model, random_token_ids(rng, 16), args.bystander_tokens)
+    control = await control_gaps(session, url, payload, args.control_runs) if args.control_runs > 0 else {}
     bystander = StreamTiming("bystander", 0.0)
-    task = asyncio.create_task(
-        stream_completion(
-            session, url, completion_payload(model, random_token_ids(rng, 16), args.bystander_tokens), timing=bystander
-        )
-    )
+    task = asyncio.create_task(stream_completion(session, url, payload, timing=bystander))
     while bystander.num_tokens < args.idle_tokens:
         if task.done():
             raise RuntimeError(f"the bystander ended early: {bystander.error}")
@@ -179,6 +219,7 @@ async def one_kind(
         "idle_ms": strict_idle(idle_windows),
         "idle_windows_ms": idle_windows,
         "during_ms": gap_summary(during),
+        "same_positions": same_positions(bystander, start, min(end, bystander.chunk_times[-1]), control),
     }
 
 
@@ -221,14 +262,16 @@ def report(results: dict[str, dict], print_line: Callable[[str], None] = print) 
     """One line per kind: the bystander's gaps (ms) idle and during the hostile request, and their ratios."""
     print_line(
         f"{'kind':<20}{'status':>7}{'window s':>10}{'idle mean':>10}{'idle p99':>10}{'during mean':>12}"
-        f"{'during p99':>12}{'max':>9}{'mean ratio':>11}{'p99 ratio':>11}"
+        f"{'during p99':>12}{'max':>9}{'mean ratio':>11}{'p99 ratio':>11}{'ctl p99':>9}{'p99/ctl':>9}"
     )
     for kind, r in results.items():
-        idle, during = r["idle_ms"], r["during_ms"]
+        idle, during, matched = r["idle_ms"], r["during_ms"], r.get("same_positions")
+        control = "" if matched is None else f"{matched['idle_ms']['p99']:>9.1f}"
+        control += "" if matched is None else f"{matched['during_ms']['p99'] / matched['idle_ms']['p99']:>9.2f}"
         print_line(
             f"{kind:<20}{r['status']:>7}{r['window_s']:>10.2f}{idle['per_token']:>10.1f}{idle['p99']:>10.1f}"
             f"{during['per_token']:>12.1f}{during['p99']:>12.1f}{during['max']:>9.1f}"
-            f"{during['per_token'] / idle['per_token']:>11.2f}{during['p99'] / idle['p99']:>11.2f}"
+            f"{during['per_token'] / idle['per_token']:>11.2f}{during['p99'] / idle['p99']:>11.2f}{control}"
         )
 
 

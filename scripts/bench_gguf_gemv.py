@@ -18,6 +18,7 @@ ratios are those bests' quotients. Only ratios mean anything on a noisy machine.
 
     python scripts/bench_gguf_gemv.py                            # every type, both models, every x86 version
     python scripts/bench_gguf_gemv.py --types Q4_0 Q5_0 --models qwen2.5-0.5b --isa avx2
+    python scripts/bench_gguf_gemv.py --types Q4_1 --models smollm2-135m --rows 4   # a batch of 4 (weight bytes/s)
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ def measure(
     """The stream and GEMV rates of one type and shape, timed alternately."""
     pool, repacked = weight_pool(type_name, n, k, int(args.pool_mb * 2**20), rng)
     pointers = (ctypes.c_void_p * len(pool))(*[blocks.data_ptr() for blocks in pool])
-    x = rng.standard_normal(k).astype(np.float32)
-    y = np.empty(n, dtype=np.float32)
+    x = rng.standard_normal(args.rows * k).astype(np.float32)
+    y = np.empty(args.rows * n, dtype=np.float32)
     passes = max(1, int(args.min_bytes * 2**20 // (len(pool) * pool[0].numel())))
     calls = passes * len(pool)
 
@@ -197,7 +198,7 @@ def measure(
             pointers,
             len(pool),
             calls,
-            1,
+            args.rows,
             n,
             k,
             y.ctypes.data,
@@ -234,6 +235,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="alternated timings of bandwidth and GEMV, best kept")
     parser.add_argument("--pool-mb", type=float, default=128.0, help="weight bytes cycled through per GEMV timing")
     parser.add_argument("--min-bytes", type=float, default=256.0, help="MiB of weights read per GEMV timing")
+    parser.add_argument(
+        "--rows", type=int, default=1, help="activation rows per matmul (a decode batch; the target is for 1)"
+    )
     args = parser.parse_args()
 
     lib = gguf_ops.library()
