@@ -1914,8 +1914,8 @@ void packed_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t
 
 #if TM_VNNI
 // Two activation rows per 512-bit vector, for the 4-bit kinds at 4-8 rows. packed_rows<NT> issues a 256-bit
-// vpdpbusd and a vpbroadcastd of the row's 4 activation bytes per row and 4-byte group (64 of each a block at 4 rows:
-// they bound it, at ~60% of the 1-row GEMV's bytes per second). Here a block's 8 weight rows are unpacked once into
+// vpdpbusd and a vpbroadcastd of the row's 4 activation bytes per row and 4-byte group (32 of each a block at 4 rows,
+// ~105 instructions in all: their issue bound it, at ~60% of the 1-row GEMV's bytes per second). Here a block's 8 weight rows are unpacked once into
 // both 256-bit halves, a pair of activation rows sits in one vector (row a's 32 bytes of the block low, row b's
 // high), each group's bytes are spread to both halves' lanes by one vpermd, and one 512-bit vpdpbusd does both rows.
 // The float steps are packed_rows' on each half in its order, so each row's result is packed_rows<1>'s to the bit
