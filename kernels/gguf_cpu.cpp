@@ -1944,8 +1944,10 @@ inline __m512i int_halves(__m256i low, __m256i high) {
 inline __m512i both_halves(__m256i v) { return int_halves(v, v); }
 inline __m512 both_halves(__m256 v) { return _mm512_insertf32x8(_mm512_castps256_ps512(v), v, 1); }
 
-// Rows t0 .. t0 + rows - 1 of `a` as pairs (an odd last row paired with itself; its copy's results are not stored).
-inline void pair_activations(const Activations& a, int64_t t0, int64_t rows, int64_t nb, PairActivations& p) {
+// Rows t0 .. t0 + rows - 1 of `a` as pairs (an odd last row paired with itself; its copy's results are not stored);
+// the bias vectors only for a kind that reads them (`with_bias`: IQ4_NL).
+inline void pair_activations(const Activations& a, int64_t t0, int64_t rows, int64_t nb, bool with_bias,
+                             PairActivations& p) {
   if (p.call == a.call && p.first_row == t0 && p.rows == rows) return;  // laid out by this thread for this call
   p.call = a.call;
   p.first_row = t0;
@@ -1954,7 +1956,8 @@ inline void pair_activations(const Activations& a, int64_t t0, int64_t rows, int
   p.blocks = nb;
   p.scale.resize(pairs * nb);
   p.scaled_sum.resize(pairs * nb);
-  p.bias.resize(a.bias128 != nullptr ? pairs * nb : 0);
+  with_bias = with_bias && a.bias128 != nullptr;
+  p.bias.resize(with_bias ? pairs * nb : 0);
   for (int64_t q = 0; q < pairs; ++q) {
     const int64_t ta = t0 + 2 * q, tb = std::min(ta + 1, t0 + rows - 1);
     p.x[2 * q] = a.q + ta * a.K;
@@ -1962,7 +1965,7 @@ inline void pair_activations(const Activations& a, int64_t t0, int64_t rows, int
     for (int64_t b = 0; b < nb; ++b) {
       p.scale[q * nb + b].v = float_halves(a.scale[ta * nb + b], a.scale[tb * nb + b]);
       p.scaled_sum[q * nb + b].v = float_halves(a.scaled_sums[ta * nb + b], a.scaled_sums[tb * nb + b]);
-      if (a.bias128 == nullptr) continue;
+      if (!with_bias) continue;
       p.bias[q * nb + b].v =
           int_halves(_mm256_set1_epi32(a.bias128[ta * nb + b]), _mm256_set1_epi32(a.bias128[tb * nb + b]));
     }
@@ -1979,7 +1982,7 @@ constexpr bool kPairedKind = KIND == 0 || KIND == 1 || KIND == 5;
 template <int NP, int KIND>
 void packed_row_pairs(const uint8_t* group, const PairActivations& p, int64_t rows, float* y, int64_t ldy) {
   static_assert(kPairedKind<KIND>, "a 4-bit kind");
-  constexpr bool kSigned = KIND == 5;  // IQ4_NL: signed values (the VNNI bias, as packed_rows)
+  constexpr bool kSigned = KIND == 5;  // IQ4_NL: signed values (the VNNI bias, as packed_rows; pair_activations')
   const int64_t nb = p.blocks;
   const __m512i kHalves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);  // vpermd's half
   __m512 acc[NP];
@@ -2041,7 +2044,7 @@ template <int KIND>
 void packed_pairs_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
                        const Activations& a, int64_t t0, int64_t rows, float* y) {
   thread_local PairActivations pairs;
-  pair_activations(a, t0, rows, nb, pairs);
+  pair_activations(a, t0, rows, nb, KIND == 5, pairs);
   for (int64_t g = group_begin; g < group_end; ++g) {
     const uint8_t* group = w + g * 8 * row_bytes;
     float* out = y + t0 * a.ldy + g * 8;

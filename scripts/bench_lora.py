@@ -14,6 +14,7 @@ default model is the shipped SmolLM2-135M (its GGUF weights, kept quantized).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import tempfile
@@ -183,9 +184,7 @@ def time_decode_step(num_slots: int, rank: int, tokens: int, num_layers: int, re
     calls = []
     for _ in range(num_layers):
         for name, (in_features, widths) in LAYERS.items():
-            columns = [0]
-            for width in widths:
-                columns.append(columns[-1] + width)
+            columns = [0, *itertools.accumulate(widths)]
             a = torch.randn(num_slots, len(widths) * rank, in_features) * 0.02
             weights = lora_cpu.LoRAWeights.of(a, columns, rank)
             weights.write_b([torch.randn(num_slots, rank, width) * 0.02 for width in widths])
