@@ -241,8 +241,8 @@ inline f32x16 sum_lanes16(f32x16 v[16]) {
 #if defined(TM_AVX2_ATTENTION)
 // AVX2: a 16-lane vector is a pair of ymm registers, and GCC lowers the 16-lane two-source shuffles of
 // `sum_lanes16` lane by lane (inserts and extracts), which made scoring keys ~7x slower than with AVX-512. Keys are
-// scored four at a time instead: each 8-float chunk of the query is loaded once for the four keys (4 FMAs per load
-// of q), and the four sums are reduced together by horizontal adds.
+// scored eight at a time instead (`dot8`; `dot4` for a block's last few): each 8-float chunk of the query is loaded
+// once for the eight keys, and their sums are reduced together by horizontal adds.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {
   const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
