@@ -10,11 +10,14 @@ design, and any noise on top (a busier step, a shared core) took it past the 2x 
 vLLM's `--long-prefill-token-threshold` and SGLang's `--chunked-prefill-size` are fixed numbers; the right number
 differs a hundredfold between a small model on CPU (a few tokens: a decode step reads the weights once, a prefill
 token computes through them) and a large one on a GPU (hundreds), so by default it is learnt from the workers' own
-step times (`StepResult.model_time_s`): the median of the recent decode-only steps, and of the recent
-per-token cost of steps with prefill (a prefill-only step's whole time counts, overhead included, which errs toward
-smaller chunks). Until both are known, nothing is limited; a fixed `--long-prefill-token-threshold` replaces the
-estimate, and 0 turns the limit off (vLLM's default). Medians over a short window follow a change of load while one
-slow step (a preempted core) moves nothing.
+step times (`StepResult.model_time_s`): the median of the recent decode-only steps, and of the last few steps'
+per-token cost of prefill (a prefill-only step's whole time counts, overhead included, which errs toward smaller
+chunks). Until both are known, nothing is limited; a fixed `--long-prefill-token-threshold` replaces the estimate,
+and 0 turns the limit off (vLLM's default). Medians follow a change of load while one slow step (a preempted core)
+moves nothing. The prefill median is over `PREFILL_WINDOW` steps only: a prompt's later chunks cost more a token
+than its first (each attends over the whole prefix: at 1,000 tokens of context about twice the first chunk's cost on
+a 2-vCPU AVX2 host), and a median over 32 chunks lagged ~16 chunks behind, so a long prompt's last chunks took a
+bystander's step to ~1.9x its decode-only one instead of 1.6x.
 
 A CPU worker replays recorded steps of a few sequences and tokens (`workers/cpu_verify_graphs.py`: `WorkerReady.
 replayed_step_seqs` / `replayed_step_tokens`); a step one token larger runs eagerly at ~2x the cost per token (a 9-token
@@ -34,7 +37,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-WINDOW = 32  # recent steps each median is taken over
+WINDOW = 32  # recent decode-only steps the decode step's median is taken over
+PREFILL_WINDOW = 5  # recent steps with prefill the per-token median is taken over: 2 outliers move nothing
 # the share of a decode step's time a step's prefill may add while others decode: the bystander's margin below 2x
 # for the step-to-step noise, paid for with more, shorter prefill chunks (a prompt's first token comes later)
 MIXED_STEP_EXTRA = 0.6
@@ -44,14 +48,19 @@ class PrefillLimit:
     """The prefill budget tokens a step may take while some request decodes; learnt from observed steps."""
 
     def __init__(
-        self, threshold: int | None = None, window: int = WINDOW, replayed_seqs: int = 0, replayed_tokens: int = 0
+        self,
+        threshold: int | None = None,
+        window: int = WINDOW,
+        replayed_seqs: int = 0,
+        replayed_tokens: int = 0,
+        prefill_window: int = PREFILL_WINDOW,
     ) -> None:
         self.threshold = threshold  # --long-prefill-token-threshold: > 0 fixed, 0 no limit (vLLM's), None learnt
         # the largest multi-token step the workers replay (0: none): sequences, and tokens over them all
         self.replayed_seqs = replayed_seqs
         self.replayed_tokens = replayed_tokens
         self._decode_step_s: deque[float] = deque(maxlen=window)
-        self._prefill_token_s: deque[float] = deque(maxlen=window)
+        self._prefill_token_s: deque[float] = deque(maxlen=prefill_window)
 
     def observe(self, num_decodes: int, prefill_cost: int, model_time_s: float) -> None:
         """One finished step: how many requests decoded in it, the budget tokens its prefill chunks took, and the

@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"| workload | batch | off (tok/s) | {spec_config.get('method', 'ngram')} (tok/s) | speed-up "
-        "| draft acceptance | mean acceptance length "
+        "| CPU-time speed-up | draft acceptance | mean acceptance length "
         "| verifying requests / step | identical outputs | ms / step off, ngram | steps / round off, ngram |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['speedup']:.2f}x "

@@ -93,6 +93,37 @@ def test_a_long_prompt_beside_a_decoder_is_chunked_so_the_decoders_step_stays_wi
     assert max(scheduled.get("long", 0) for scheduled, _ in worker.step_times[2:]) >= 3  # not starved to one token
 
 
+class ContextTimedWorker(TimedWorker):
+    """A TimedWorker whose prefill tokens cost more the longer the prefix before them (each attends over it): a
+    token at position p costs PREFIX_TOKEN_S * (1 + p / 1000), twice as much at 1,000 as at 0 (as on a 2-vCPU AVX2
+    host); a decode step is worth 40 of the first tokens."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = FakeWorker.execute(self, plan)
+        chunks = [(n.request_id, n.num_computed_tokens, n.num_scheduled_tokens) for n in plan.new_requests]
+        chunks += [(r.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in plan.running]
+        prefill = [(start, count) for request_id, start, count in chunks if request_id != "decoder"]
+        model_time_s = DECODE_STEP_S + sum(
+            PREFIX_TOKEN_S * (1 + (start + i) / 1000) for start, count in prefill for i in range(count)
+        )
+        self.step_times.append((self.state_scheduled(plan), model_time_s))
+        return msgspec.structs.replace(result, model_time_s=model_time_s)
+
+
+PREFIX_TOKEN_S = 0.0005
+
+
+def test_a_prompt_whose_tokens_cost_more_as_its_prefix_grows_still_keeps_the_decoder_within_1_6x():
+    cfg = make_config(max_num_batched_tokens=64, max_model_len=1024)
+    sched, worker = Scheduler(cfg, 512, [2]), ContextTimedWorker(cfg.cache.block_size)
+    prompt_beside_a_decoder(sched, worker, 900)
+    with_decoder = [seconds for scheduled, seconds in worker.step_times if "decoder" in scheduled]
+    assert len(with_decoder) > 30 and max(scheduled.get("long", 0) for scheduled, _ in worker.step_times) >= 20
+    # the per-token estimate follows the last few chunks, a step or two behind the growing cost (a median over 32
+    # chunks lagged ~16 behind: 1.74x here)
+    assert max(with_decoder[2:]) <= 1.65 * DECODE_STEP_S
+
+
 def test_alone_a_prompt_takes_the_whole_budget():
     cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
     sched, worker = Scheduler(cfg, 256, [2]), TimedWorker(cfg.cache.block_size)
