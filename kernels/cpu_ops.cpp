@@ -241,7 +241,7 @@ inline f32x16 sum_lanes16(f32x16 v[16]) {
 #if defined(TM_AVX2_ATTENTION)
 // AVX2: a 16-lane vector is a pair of ymm registers, and GCC lowers the 16-lane two-source shuffles of
 // `sum_lanes16` lane by lane (inserts and extracts), which made scoring keys ~7x slower than with AVX-512. Keys are
-// scored eight at a time instead (`dot8`; `dot4` for a block's last few): each 8-float chunk of the query is loaded
+// scored eight at a time instead (`dot_keys`; four for a block's last few): each 8-float chunk of the query is loaded
 // once for the eight keys, and their sums are reduced together by horizontal adds.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {
@@ -261,46 +261,41 @@ inline __m256 load8(const C* p) {  // fp8: the 16-value conversion on a copy (re
 
 constexpr bool kScoresFourKeysAtATime = true;
 
-// s[i] = q . key_i for 4 keys `token_stride` elements apart; q is HEAD_DIM floats. A key's sum runs over its 8-float
-// chunks in order, then over the chunk's lanes by a fixed tree, so a row's score never depends on the other rows.
-template <typename T, int HEAD_DIM>
-inline void dot4(const float* q, const T* keys, int64_t token_stride, float* s) {
-  static_assert(HEAD_DIM % 8 == 0);
-  __m256 acc[4];
+// s[i] = q . key_i for KEYS (4 or 8) keys `token_stride` elements apart; q is HEAD_DIM floats. A key's sum runs over
+// its 8-float chunks in order, then over the chunk's lanes by a fixed tree, so a row's score never depends on the
+// other rows, nor on KEYS. 8 keys keep 8 FMA chains in flight (a chain waits out the FMA's latency: with 4 the FMA
+// units sat half idle); 4 serve a block's last few keys.
+template <typename T, int HEAD_DIM, int KEYS>
+inline void dot_keys(const float* q, const T* keys, int64_t token_stride, float* s) {
+  static_assert(HEAD_DIM % 8 == 0 && (KEYS == 4 || KEYS == 8));
+  __m256 acc[KEYS];
   const __m256 q0 = _mm256_loadu_ps(q);
-  for (int i = 0; i < 4; ++i) acc[i] = _mm256_mul_ps(q0, load8(keys + i * token_stride));
+  for (int i = 0; i < KEYS; ++i) acc[i] = _mm256_mul_ps(q0, load8(keys + i * token_stride));
   for (int c = 8; c < HEAD_DIM; c += 8) {
     const __m256 qc = _mm256_loadu_ps(q + c);
-    for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(qc, load8(keys + i * token_stride + c), acc[i]);
+    for (int i = 0; i < KEYS; ++i) acc[i] = _mm256_fmadd_ps(qc, load8(keys + i * token_stride + c), acc[i]);
   }
   // [k0 lo, k1 lo, k2 lo, k3 lo | k0 hi, k1 hi, k2 hi, k3 hi]: each the sum of 4 lanes of its key's 128-bit half
-  const __m256 halves = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1)));
+  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  if constexpr (KEYS == 4) {
+    _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(first), _mm256_extractf128_ps(first, 1)));
+  } else {
+    const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    // [k0..k3 lo | k4..k7 lo] + [k0..k3 hi | k4..k7 hi]
+    const __m256 low_halves = _mm256_permute2f128_ps(first, second, 0x20);
+    const __m256 high_halves = _mm256_permute2f128_ps(first, second, 0x31);
+    _mm256_storeu_ps(s, _mm256_add_ps(low_halves, high_halves));
+  }
 }
 
-// dot4 for 8 keys: 8 independent FMA chains instead of 4 (a chain waits out the FMA's latency, so 4 of them left
-// the FMA units half idle), each key's sum in the same order and by the same lane tree as dot4's, so the same bits.
 template <typename T, int HEAD_DIM>
-inline void dot8(const float* q, const T* keys, int64_t token_stride, float* s) {
-  static_assert(HEAD_DIM % 8 == 0);
-  __m256 acc[8];
-  const __m256 q0 = _mm256_loadu_ps(q);
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_mul_ps(q0, load8(keys + i * token_stride));
-  for (int c = 8; c < HEAD_DIM; c += 8) {
-    const __m256 qc = _mm256_loadu_ps(q + c);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, load8(keys + i * token_stride + c), acc[i]);
-  }
-  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  // [k0..k3 lo | k4..k7 lo] + [k0..k3 hi | k4..k7 hi]
-  const __m256 low_halves = _mm256_permute2f128_ps(first, second, 0x20);
-  const __m256 high_halves = _mm256_permute2f128_ps(first, second, 0x31);
-  _mm256_storeu_ps(s, _mm256_add_ps(low_halves, high_halves));
+inline void dot4(const float* q, const T* keys, int64_t token_stride, float* s) {
+  dot_keys<T, HEAD_DIM, 4>(q, keys, token_stride, s);
 }
 
 template <typename T, int HEAD_DIM>
 inline void dot16(const float* q, const T* keys, int64_t token_stride, float* s) {
-  for (int i = 0; i < 16; i += 8) dot8<T, HEAD_DIM>(q, keys + i * token_stride, token_stride, s + i);
+  for (int i = 0; i < 16; i += 8) dot_keys<T, HEAD_DIM, 8>(q, keys + i * token_stride, token_stride, s + i);
 }
 #else
 constexpr bool kScoresFourKeysAtATime = false;
