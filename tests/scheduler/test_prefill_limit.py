@@ -113,7 +113,6 @@ class ContextTimedWorker(TimedWorker):
         return msgspec.structs.replace(result, model_time_s=model_time_s)
 
 
-
 def test_a_prompt_whose_tokens_cost_more_as_its_prefix_grows_still_keeps_the_decoder_within_1_65x():
     cfg = make_config(max_num_batched_tokens=64, max_model_len=1024)
     sched, worker = Scheduler(cfg, 512, [2]), ContextTimedWorker(cfg.cache.block_size)
