@@ -33,11 +33,13 @@ QUESTIONS = [
 # With int8 activations (llama.cpp's scheme) the kernels round each activation row to int8 per block, which moves
 # logits by up to ~1.7 (of ~25-30; the max over the vocabulary where the runs part): where the quantized model picks
 # another token than the reference, the reference's top two logits must be within 0.5, a near tie that this rounding
-# decides. Measured on these prompts (docs/benchmarks.md): 3 of 8 diverge within 32 tokens, at reference margins of
-# 0.08, 0.15 and 0.44, each time to the reference's runner-up. With float activations (weights dequantized in
+# decides. Measured on these prompts (docs/benchmarks.md): 3 of 8 diverge within 32 tokens on AVX-512, at reference
+# margins of 0.08, 0.15 and 0.44, each time to the reference's runner-up; 5 of 8 on an AVX2 host (its kernels sum the
+# blocks' float products in another order), at margins of 0.009 to 0.22, each to the runner-up too. The count is a
+# floor under that; the near-tie rule below is the check. With float activations (weights dequantized in
 # registers, float32 sums) the logits move by ~2e-4 and all 8 matched: the issue's criterion, >= 7 of 8.
 NEAR_TIE_LOGITS = 0.5
-MIN_EQUAL_PROMPTS = {"int8": 4, "float": 7}
+MIN_EQUAL_PROMPTS = {"int8": 3, "float": 7}
 KL_TOKENS = 256
 # scripts/bench_quant.py --kl measures the mean over 2,000 tokens (target < 0.01, docs/benchmarks.md); a 256-token
 # window of other text is noisier, so the bound here is twice the target.
