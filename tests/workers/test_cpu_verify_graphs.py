@@ -147,7 +147,9 @@ def test_greedy_outputs_with_recorded_verification_equal_plain_decoding(spec_wor
         worker.forward = worker._choose_forward()
     assert spec == plain
     stats = scheduler.stats()
-    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # drafts accepted and rejected
+    # drafts accepted (on AVX-512 some are rejected too; an AVX2 host's greedy text copied the code exactly and
+    # accepted all 29: rejection is covered by tests/workers/test_spec_decode_runner.py)
+    assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
     # every verification without a prompt chunk in its step replayed (one of them holds both requests' tokens)
     assert 0 < len(replays) <= stats.spec_num_drafts
     assert graphs.verify.recorded_shapes and max(replays) > 2
