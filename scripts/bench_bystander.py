@@ -123,12 +123,10 @@ def hostile_body(kind: str, model: str, args: argparse.Namespace, rng: np.random
         num_prompt = min(args.max_model_len - 2, args.max_prompt_logprobs_elements // (args.max_logprobs + 1))
         body = {"prompt": whole_context[:num_prompt], "prompt_logprobs": args.max_logprobs, "max_tokens": 1}
     elif kind == "structured_outputs":
-        properties = {f"field_{i}": {"type": "string", "maxLength": 8, "description": "d" * 10_000} for i in range(200)}
-        schema = {"type": "object", "properties": properties, "required": list(properties)[:20]}
         body = {
             "prompt": whole_context[:64],
             "max_tokens": HOSTILE_DECODE_TOKENS,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": big_schema()}},
         }
     elif kind == "stop_and_bias":
         body = {
@@ -142,6 +140,12 @@ def hostile_body(kind: str, model: str, args: argparse.Namespace, rng: np.random
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return {"model": model, "temperature": 1.0, **body}
+
+
+def big_schema() -> dict:
+    """The structured kind's schema: 200 string properties with long descriptions, 20 of them required."""
+    properties = {f"field_{i}": {"type": "string", "maxLength": 8, "description": "d" * 10_000} for i in range(200)}
+    return {"type": "object", "properties": properties, "required": list(properties)[:20]}
 
 
 def stop_and_bias_logit_bias(num_stop_ids: int, num_entries: int) -> dict[str, float]:

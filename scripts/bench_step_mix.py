@@ -1,4 +1,5 @@
-"""What a decode step costs with each kind of neighbour beside one greedy request (issue 28's decoding kinds).
+"""What a decode step costs with each kind of neighbour beside one greedy request (issue 28's decoding kinds, as
+scripts/bench_bystander.py sends them).
 
 One greedy request decodes beside other requests of one kind at a time (greedy ones, temperature-1 ones, n = 2 with
 --max-logit-bias biases and stop ids, one structured-output request with a 200-property schema), every request with a
@@ -20,18 +21,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from bench_bystander import big_schema, stop_and_bias_logit_bias
 
 from tokenmill.llm import LLM
 from tokenmill.messages import SamplingParams, StructuredOutputsParams
 
 PROMPT_TOKENS = 64
 SKIPPED_GAPS = 5  # the first and last gaps of a run: prefill and the end of requests
-
-
-def big_schema() -> dict:
-    """bench_bystander.py's structured kind: 200 string properties with long descriptions, 20 of them required."""
-    properties = {f"field_{i}": {"type": "string", "maxLength": 8, "description": "d" * 10_000} for i in range(200)}
-    return {"type": "object", "properties": properties, "required": list(properties)[:20]}
 
 
 def mixes(max_tokens: int, num_biases: int, num_stop_ids: int) -> dict[str, list[SamplingParams]]:
@@ -42,8 +38,7 @@ def mixes(max_tokens: int, num_biases: int, num_stop_ids: int) -> dict[str, list
         return SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True, **fields)
 
     stop_ids = list(range(1, num_stop_ids + 1))
-    bias = {token_id: -100.0 for token_id in stop_ids[:num_biases]}
-    bias |= {1000 + i: 0.5 for i in range(num_biases - len(bias))}
+    bias = {int(token_id): value for token_id, value in stop_and_bias_logit_bias(num_stop_ids, num_biases).items()}
     structured = StructuredOutputsParams(json=big_schema())
     return {
         "1 greedy": [greedy],
