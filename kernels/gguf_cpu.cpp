@@ -2074,6 +2074,7 @@ void packed_q4_1_rows(const uint8_t* group, int64_t nb, const Activations& a, in
   for (auto& v : acc) v = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = group + b * kGroupBytes<1>;
+    prefetch_ahead<kGroupBytes<1>>(blk);
     __m256i lo[4], hi[4];
     for (int j = 0; j < 4; ++j) {
       const __m256i v = load32(blk + kGroupScales<1> + 32 * j);
