@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.gc_heap import freeze_startup_heap
 from tokenmill.messages import (
     AbortRequest,
     EngineReady,
@@ -321,6 +322,7 @@ def run_scheduler_process(config_bytes: bytes) -> None:
     loop = SchedulerLoop(config, log)
     try:
         loop.start()
+        freeze_startup_heap()
         loop.run()
     except WorkerFailed as exc:
         log.error("%s", exc)

@@ -30,6 +30,7 @@ from tokenmill.frontend.engine_protocol import EngineClient
 from tokenmill.frontend.lifecycle import ServerLifecycle
 from tokenmill.frontend.redaction import RedactingAccessLogger
 from tokenmill.frontend.restarting_client import EngineHandle, RestartingEngineClient
+from tokenmill.gc_heap import freeze_startup_heap
 from tokenmill.launcher import EngineProcesses, kv_capacity_error, log_capacity
 
 log = logging.getLogger("tokenmill.serve")
@@ -117,6 +118,7 @@ async def serve(config: EngineConfig) -> int:
         if (error := kv_capacity_error(config, ready)) is not None:
             log.error("%s", error)
             return 1
+        freeze_startup_heap()
         lifecycle.phase = "ready"
         log.info(
             "ready: serving %s on http://%s:%d", config.model.served_model_name, config.server.host, config.server.port

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.gc_heap import freeze_startup_heap
 from tokenmill.messages import Shutdown, StepPlan, WorkerCommand, WorkerError, WorkerReady, decoder, encode
 from tokenmill.processes import become_child_process, decode_or_drop, worker_socket
 
@@ -43,6 +44,7 @@ def serve_worker(config: EngineConfig, rank: int, log: logging.Logger) -> None:
         runner.allocate_kv_cache(num_blocks)
         runner.warm_up_kernels()  # before WorkerReady: /health answers 200 only once the kernels are compiled
         runner.capture_cuda_graphs()
+        freeze_startup_heap()
         results.send(
             encode(
                 WorkerReady(
