@@ -1,11 +1,14 @@
 """Per-row CPU kernels at a decode step's two ends (`row_ops.cpp`): GGUF embedding rows dequantized, greedy argmax;
-and a quantized linear layer's bias added in place (torch's `out + bias` is an operation a recorded CPU decode step,
-`workers/cpu_graphs.py`, cannot replay, so Qwen2's q/k/v bias kept its decode steps eager).
+a quantized linear layer's bias added in place (torch's `out + bias` is an operation a recorded CPU decode step,
+`workers/cpu_graphs.py`, cannot replay, so Qwen2's q/k/v bias kept its decode steps eager); and the sampler's
+exponential race over a row's scaled logits with hashed noise (`race_rows`: torch's noise tensor, softmax and divide
+cost ~0.7 ms a sampled row a step over a 49k vocabulary).
 
 Built and loaded as the other CPU kernels (`cpu_ops.load`: cached, private, compiled once per machine). Each wrapper
 returns None where the kernel does not take its arguments (no compiler, `TOKENMILL_CPU_KERNELS=0`, a GGUF type it
 does not know, a tensor off the CPU), and the caller keeps its own code: the `gguf` package's numpy dequantizer,
-torch's argmax. Both kernels give those same results, bit for bit (tests/kernels/test_row_ops.py).
+torch's argmax, torch's race. The first three give those same results, bit for bit (tests/kernels/test_row_ops.py);
+the race draws other noise of the same distribution.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ _SIGNATURES = {
     "tm_dequantize_rows": [_I32, _PTR, _I64, _I64, _PTR],
     "tm_argmax_rows": [_PTR, _I64, _I64, _I64, _PTR],
     "tm_add_bias_rows": [_I32, _PTR, _I64, _I64, _I64, _PTR],
+    "tm_race_rows": [_PTR, _I64, _I64, _I64, _PTR, _PTR],
 }
 _BIAS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -102,3 +106,22 @@ def add_bias_(out: torch.Tensor, bias: torch.Tensor) -> bool:
         return False
     row_stride = rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
     return lib.tm_add_bias_rows(dtype, rows.data_ptr(), rows.shape[0], rows.shape[1], row_stride, bias.data_ptr()) == 0
+
+
+def race_rows(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """int64 `[rows]`: each row's token by the exponential race over `scaled` (`[rows, vocab]` float32 logits with
+    temperature and filters applied), its noise drawn from a hash of the row's key (`keys`: `[rows]` int64, read as
+    64-bit patterns) and the token id; None where the kernel does not take them (not CPU float32 rows with unit
+    column stride)."""
+    lib = library()
+    if lib is None or scaled.dim() != 2 or scaled.dtype != torch.float32 or not scaled.is_cpu:
+        return None
+    if scaled.shape[1] == 0 or scaled.stride(1) != 1 or keys.shape != (scaled.shape[0],) or keys.dtype != torch.int64:
+        return None
+    keys = keys.contiguous()
+    out = torch.empty(scaled.shape[0], dtype=torch.int64)
+    row_stride = scaled.stride(0) if scaled.shape[0] > 1 else scaled.shape[1]
+    status = lib.tm_race_rows(
+        scaled.data_ptr(), scaled.shape[0], scaled.shape[1], row_stride, keys.data_ptr(), out.data_ptr()
+    )
+    return out if status == 0 else None

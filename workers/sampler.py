@@ -258,6 +258,9 @@ def _sample_random(
         all_rows = len(filter_rows) == len(params)
         filter_params = row_params if all_rows else row_params.index_select(1, filter_index)
         scaled = _filter_rows(scaled, [params[row] for row in filter_rows], filter_params, filter_index)
+    native = row_ops.race_rows(scaled, _race_keys(states)) if scaled.is_cpu else None
+    if native is not None:
+        return native
     probs = scaled.softmax(dim=-1)
     return probs.div_(_exponential_noise(probs, states)).argmax(dim=-1)
 
@@ -399,6 +402,18 @@ def _exponential_noise(probs: torch.Tensor, states: Sequence[RequestSamplingStat
     noise = uniform.neg_().log1p_().neg_()
     # u = 0 gives exactly 0; 0 / 0 would be NaN, which argmax picks.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _race_keys(states: Sequence[RequestSamplingState]) -> torch.Tensor:
+    """The CPU race's noise key of each row (`row_ops.race_rows` hashes it with each token id): a seeded row's from
+    (seed, number of outputs so far), as its generator's seed on the torch path; the others' drawn from torch's global
+    generator, so `torch.manual_seed` still fixes an unseeded run."""
+    keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(states),), dtype=torch.int64)
+    for row, state in enumerate(states):
+        if state.params.seed is not None:
+            key = position_seed(state.params.seed, len(state.output_token_ids))
+            keys[row] = key - (1 << 64) if key >= 1 << 63 else key
+    return keys
 
 
 def position_seed(seed: int, position: int) -> int:

@@ -111,3 +111,48 @@ def test_bias_it_does_not_take_is_left_to_the_caller():
     assert not row_ops.add_bias_(torch.randn(2, 8, dtype=torch.float16), torch.randn(8, dtype=torch.float16))
     assert not row_ops.add_bias_(torch.randn(2, 3, 8).transpose(0, 1), torch.randn(8))  # not one 2-D array
     assert torch.equal(out, before)
+
+
+@needs_row_kernels
+def test_the_race_samples_each_token_with_its_softmax_probability():
+    # 200k rows, one key each: a 1e-4 token's share and a -inf token's zero are what the race must get right
+    probs = torch.tensor([0.7, 0.2999, 0.0001, 0.0])
+    draws = 200_000
+    keys = torch.randint(-(1 << 62), 1 << 62, (draws,), generator=torch.Generator().manual_seed(1))
+    tokens = row_ops.race_rows(probs.log().repeat(draws, 1), keys)
+    assert tokens is not None
+    shares = torch.bincount(tokens, minlength=4).double() / draws
+    assert shares[0].item() == pytest.approx(0.7, abs=0.005)
+    assert shares[1].item() == pytest.approx(0.2999, abs=0.005)
+    assert 0.4e-4 < shares[2].item() < 1.8e-4
+    assert shares[3].item() == 0.0
+
+
+@needs_row_kernels
+def test_the_race_is_uniform_over_equal_logits_of_a_large_vocabulary():
+    vocab, draws = 49_152, 64
+    keys = torch.arange(draws, dtype=torch.int64) * 7919
+    tokens = row_ops.race_rows(torch.zeros(draws, vocab), keys)
+    assert tokens is not None
+    assert len(set(tokens.tolist())) > draws - 4  # distinct keys draw (almost always) distinct tokens
+    # tokens from all over the vocabulary, not from its first chunk only
+    assert tokens.min().item() < vocab // 4 and tokens.max().item() > 3 * vocab // 4
+
+
+@needs_row_kernels
+def test_a_rows_token_depends_on_its_key_and_logits_alone():
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(2)) * 3
+    keys = torch.tensor([5, -5, 1 << 40, -(1 << 62), 12345, 5], dtype=torch.int64)
+    together = row_ops.race_rows(logits, keys)
+    assert together is not None
+    alone = [row_ops.race_rows(logits[i : i + 1], keys[i : i + 1]) for i in range(6)]
+    assert together.tolist() == [int(t.item()) for t in alone]
+    assert together.tolist() != row_ops.race_rows(logits, keys + 1).tolist()  # another key, other draws
+
+
+@needs_row_kernels
+def test_the_race_leaves_what_it_does_not_take_to_the_caller():
+    keys = torch.zeros(2, dtype=torch.int64)
+    assert row_ops.race_rows(torch.zeros(2, 8, dtype=torch.float64), keys) is None
+    assert row_ops.race_rows(torch.zeros(8, 2).t(), keys) is None  # column stride 8
+    assert row_ops.race_rows(torch.zeros(2, 8), keys[:1]) is None

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from tokenmill.kernels import row_ops
 from tokenmill.messages import SamplingParams
 from tokenmill.workers.sampler import (
     RequestSamplingState,
@@ -19,6 +20,18 @@ from tokenmill.workers.sampler import (
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NEG_INF = float("-inf")
+
+
+@pytest.fixture(params=["native", "torch"])
+def race_path(request, monkeypatch):
+    """The sampled rows' exponential race on the CPU: the native kernel (hashed noise, `row_ops.race_rows`), or the
+    torch ops a GPU runs (noise tensor, softmax, divide), the kernel switched off."""
+    if request.param == "native":
+        if row_ops.library() is None:
+            pytest.skip("the CPU row kernels are not built here")
+    else:
+        monkeypatch.setattr(row_ops, "race_rows", lambda scaled, keys: None)
+    return request.param
 
 
 def make_state(
@@ -208,7 +221,7 @@ def test_greedy_follows_the_processed_logits():
 # ---------------------------------------------------------------- randomness
 
 
-def test_same_seed_same_tokens_alone_or_inside_any_batch():
+def test_same_seed_same_tokens_alone_or_inside_any_batch(race_path):
     vocab = 64
     steps = [random_logits(1, vocab, seed=10 + step) for step in range(6)]
 
@@ -233,7 +246,7 @@ def test_same_seed_same_tokens_alone_or_inside_any_batch():
     assert len(set(alone)) > 1  # the seeded request really samples
 
 
-def test_a_seed_fixes_the_stream_and_another_seed_changes_it():
+def test_a_seed_fixes_the_stream_and_another_seed_changes_it(race_path):
     logits = torch.zeros(1, 1000)
 
     def stream(seed: int) -> list[int]:
@@ -247,7 +260,7 @@ def test_a_seed_fixes_the_stream_and_another_seed_changes_it():
     assert len(set(stream(1))) > 1  # each position draws afresh
 
 
-def test_a_seeded_request_resumed_after_preemption_continues_its_stream():
+def test_a_seeded_request_resumed_after_preemption_continues_its_stream(race_path):
     # The model runner rebuilds a preempted request's state with the outputs it already has; the draw for output
     # position i depends only on (seed, i), so the resumed request samples what it would have had it kept running.
     vocab = 500
@@ -273,7 +286,7 @@ def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
 
 
-def test_sampled_distribution_matches_softmax_with_temperature():
+def test_sampled_distribution_matches_softmax_with_temperature(race_path):
     torch.manual_seed(3)
     draws = 40_000
     base = torch.tensor([1.0, 0.5, 0.0, -1.0])
@@ -287,7 +300,7 @@ def test_sampled_distribution_matches_softmax_with_temperature():
     assert chi_square(counts, base.softmax(-1)) > 100
 
 
-def test_sampled_distribution_after_top_p_is_renormalised():
+def test_sampled_distribution_after_top_p_is_renormalised(race_path):
     torch.manual_seed(4)
     draws = 20_000
     probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
@@ -297,7 +310,7 @@ def test_sampled_distribution_after_top_p_is_renormalised():
     assert chi_square(counts, torch.tensor([0.0, 0.5, 0.0, 0.3]) / 0.8) < 20
 
 
-def test_seeded_rows_sample_the_right_distribution():
+def test_seeded_rows_sample_the_right_distribution(race_path):
     # A seeded request's own generator must give an unbiased stream too.
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     state = make_state(seed=99)
