@@ -16,11 +16,12 @@ decode step on the default model (34 ms against 12.7), replayed ~2x (21 ms again
 worker records these shapes with or without speculation, all of them at start-up (`record_every_shape`: ~1 s more
 there on the default model), since recording one in a live step stalls it ~0.1 s.
 
-Shapes are bounded as the scheduler bounds speculation (`scheduler/spec_decode.py`): at most
-`MAX_VERIFY_SEQS` sequences (MAX_SPECULATING_BATCH: with more running, none speculates) and `MAX_VERIFY_TOKENS`
-tokens (STEP_TOKEN_BUDGET), i.e. at most 13 recordings; each keeps its step's activations alive (a few MiB for the
-default model). Recording a shape runs the forward three times over inert inputs (no slot written, block 0 read),
-once per shape per worker; a forward that cannot be recorded (`NotCapturable`) stays eager for that shape.
+Shapes are bounded in tokens as the scheduler bounds speculation (`scheduler/spec_decode.py`): `MAX_VERIFY_TOKENS`
+tokens (STEP_TOKEN_BUDGET); in sequences by `MAX_REPLAYED_SEQS` (4, or the batch's bound if smaller), more than the
+`MAX_VERIFY_SEQS` a verification takes (MAX_SPECULATING_BATCH: with more running, none speculates), so that a prefill
+chunk beside up to 3 decoders replays too: at most 22 recordings; each keeps its step's activations alive (a few MiB
+for the default model). Recording a shape runs the forward three times over inert inputs (no slot written, block 0
+read), once per shape per worker; a forward that cannot be recorded (`NotCapturable`) stays eager for that shape.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 # verification step the scheduler plans by default
 MAX_VERIFY_SEQS = 2
 MAX_VERIFY_TOKENS = 8
+# the most sequences a recorded multi-token step holds: a prefill chunk beside up to 3 decoders (issue 28's n = 2
+# request beside a bystander: its second choice prefills the prompt's last block while the first choice and the
+# bystander decode, a 3-sequence step that ran eagerly at 29-33 ms, ~2x a 3-sequence decode step), within the
+# batch's bound
+MAX_REPLAYED_SEQS = 4
 
 Recording = tuple[Callable[[], None], torch.Tensor]  # (replay, the output it refills)
 
@@ -100,7 +106,7 @@ class CpuVerifyGraphs:
         )
 
     def record_every_shape(self) -> None:
-        """Record every shape within the bounds now (13 by default), not on its first step: a recording runs the
+        """Record every shape within the bounds now (22 by default), not on its first step: a recording runs the
         forward three times (~0.1 s on the default model), a stall a live step would otherwise take once per shape."""
         for num_seqs in range(1, self.max_seqs + 1):
             for num_tokens in range(num_seqs + 1, self.max_tokens + 1):  # each sequence one token: a decode step
@@ -185,7 +191,10 @@ class CpuSpeculativeGraphs(CpuDecodeGraphs):
         dtype: torch.dtype,
     ) -> None:
         super().__init__(model, kv_caches, batch_sizes, max_blocks_per_seq, block_size, hidden_size, dtype)
-        self.verify = CpuVerifyGraphs(model, kv_caches, max_blocks_per_seq, block_size, hidden_size, dtype)
+        max_seqs = min(MAX_REPLAYED_SEQS, max(batch_sizes, default=1))
+        self.verify = CpuVerifyGraphs(
+            model, kv_caches, max_blocks_per_seq, block_size, hidden_size, dtype, max_seqs=max(1, max_seqs)
+        )
         self.verify.record_every_shape()  # at start-up: in a live step each first recording stalled ~0.1 s
 
     def can_run(self, attn: AttentionMetadata) -> bool:

@@ -25,6 +25,7 @@ from tokenmill.scheduler import spec_decode
 from tokenmill.workers import worker as worker_module
 from tokenmill.workers.attention import build_attention_metadata
 from tokenmill.workers.cpu_verify_graphs import (
+    MAX_REPLAYED_SEQS,
     MAX_VERIFY_SEQS,
     MAX_VERIFY_TOKENS,
     CpuSpeculativeGraphs,
@@ -73,9 +74,16 @@ def test_recorded_verification_equals_the_eager_forward_bit_for_bit(spec_worker)
     rng = np.random.default_rng(5)
     with torch.inference_mode():
         graphs = CpuVerifyGraphs(
-            worker.model, worker.kv_caches, 8, BLOCK_SIZE, worker.text_config.hidden_size, worker.dtype
+            worker.model,
+            worker.kv_caches,
+            8,
+            BLOCK_SIZE,
+            worker.text_config.hidden_size,
+            worker.dtype,
+            max_seqs=MAX_REPLAYED_SEQS,
         )
-        shapes = [(1, 2), (1, 8), (2, 5), (1, 2)]  # the last one again: replayed, not recorded anew
+        # (3, 4): a prefill chunk of 2 beside two decodes; the last shape again: replayed, not recorded anew
+        shapes = [(1, 2), (1, 8), (2, 5), (3, 4), (4, 8), (1, 2)]
         for num_seqs, num_tokens in shapes:
             query_lens = np.ones(num_seqs, dtype=np.int64)
             query_lens[rng.integers(num_seqs)] += num_tokens - num_seqs
@@ -95,7 +103,25 @@ def test_recorded_verification_equals_the_eager_forward_bit_for_bit(spec_worker)
             assert torch.equal(got, expected), f"{num_tokens} tokens in {num_seqs} sequences"
             for (k, v), (k1, v1) in zip(worker.kv_caches, expected_caches, strict=True):
                 assert torch.equal(k, k1) and torch.equal(v, v1)  # the same KV written, to the same slots
-        assert graphs.recorded_shapes == [(1, 2), (1, 8), (2, 5)]
+        assert graphs.recorded_shapes == [(1, 2), (1, 8), (2, 5), (3, 4), (4, 8)]
+
+
+def test_chunks_beside_up_to_three_decoders_are_recorded_within_the_batch_bound(spec_worker):
+    """Issue 28: an n = 2 request's second choice prefills beside its first choice and a bystander, a 3-sequence
+    step, which ran eagerly at ~2x a decode step; with 4 sequences allowed a batch every shape of up to 4 sequences
+    and 8 tokens is recorded at start-up, and with 2 only the 2-sequence ones."""
+    worker = spec_worker
+    max_blocks, hidden_size = 8, worker.text_config.hidden_size
+    with torch.inference_mode():
+        wide = CpuSpeculativeGraphs(
+            worker.model, worker.kv_caches, [1, 2, 3, 4], max_blocks, BLOCK_SIZE, hidden_size, worker.dtype
+        )
+        narrow = CpuSpeculativeGraphs(
+            worker.model, worker.kv_caches, [1, 2], max_blocks, BLOCK_SIZE, hidden_size, worker.dtype
+        )
+    assert MAX_REPLAYED_SEQS == 4 and wide.verify.max_seqs == 4 and narrow.verify.max_seqs == 2
+    assert (3, 4) in wide.verify.recorded_shapes and len(wide.verify.recorded_shapes) == 22
+    assert max(shape[0] for shape in narrow.verify.recorded_shapes) == 2 and len(narrow.verify.recorded_shapes) == 13
 
 
 def test_steps_outside_the_bounds_are_left_to_the_eager_forward(spec_worker):
