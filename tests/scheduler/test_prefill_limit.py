@@ -238,3 +238,22 @@ def test_a_burst_of_prompts_beside_a_decoder_gets_a_share_each_but_n_choices_cou
     assert max(four[2:]) >= 4 * 3  # four clients waiting: four shares a step, not a few tokens each
     # one share a step would take four times the steps of one prompt; the shares shrink as prompts finish (4, 3, 2, 1)
     assert len(four) <= 2 * len(single)
+
+
+def test_steps_of_a_token_or_two_whose_prefill_cost_nothing_do_not_lift_the_limit():
+    """An n = 2 request's second choice recomputes its cached prompt's last token: a step of 1 prefill token whose
+    time is a decode step's. Three of them among the last 5 made the plain median 0, and the limit None (none)."""
+    limit = PrefillLimit()
+    for _ in range(3):
+        limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
+    for _ in range(2):
+        limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.020 + 5 * 0.004)
+    for _ in range(3):
+        limit.observe(num_decodes=1, prefill_cost=1, model_time_s=0.020)
+    assert limit.prefill_token_s() == 0.004  # 10 tokens at 4 ms outweigh 3 at nothing
+    assert limit.tokens() == 3
+    # measured free only: unbounded by the estimate, still within a replayed step's shape where one could replay
+    free = PrefillLimit(replayed_seqs=4, replayed_tokens=8)
+    free.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
+    free.observe(num_decodes=1, prefill_cost=1, model_time_s=0.020)
+    assert free.prefill_token_s() == 0.0 and free.tokens(num_decodes=2) == 6
