@@ -9,7 +9,10 @@ The order follows vLLM V1:
    (one descending sort serves all three, or a cheaper `topk` when every such row has a top-k); softmax; and the
    exponential race `argmax(p / q)`, q ~ Exp(1). A seeded request draws the q of its i-th output token from its own
    generator re-seeded with (seed, i), so the same seed gives the same tokens whatever else shares the batch and
-   however often the request is preempted and resumed; unseeded rows draw from torch's global generator.
+   however often the request is preempted and resumed; unseeded rows draw from torch's global generator. On the CPU
+   the race runs natively (`row_ops.race_rows`: q from a hash of the row's key, (seed, i) or a draw from torch's
+   generator, and the token id; no noise tensor, no softmax), ~3x cheaper a step for two sampled rows of a 49k
+   vocabulary; a GPU keeps the torch ops.
 
 Per-row parameters travel to the device as one packed tensor per stage, work no row needs is skipped, and the
 only host sync is the single `.tolist()` at the end.
