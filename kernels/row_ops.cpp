@@ -124,13 +124,12 @@ uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept quiet: tor
     return static_cast<uint16_t>(bits >> 16);
 }
 
-
 // ---------------------------------------------------------------- the sampler's exponential race (tm_race_rows)
 // A sampled row's token is argmax_v p_v / q_v with q_v ~ Exp(1) (workers/sampler.py), i.e. argmax_v s_v - log q_v for
 // its scaled logits s (the softmax's normalisation does not move the argmax). Here q_v = -log u_v, with u_v drawn
 // from a counter-based hash of (the row's 64-bit key, v): no noise tensor, no softmax, and a row's draws depend on its
 // key alone, so a seeded request's tokens do not depend on its batch. torch's uniform_ + log1p + softmax + divide
-// took ~1.5 ms a step for two rows of a 49k vocabulary on one thread; this pass, ~0.15.
+// took ~1.5 ms a step for two rows of a 49k vocabulary on one thread; this pass, ~0.4 (two dependent logs a token).
 
 // Chris Wellons' lowbias32: a bijective 32-bit mixer with good avalanche, on 32-bit lanes (vectorizes on AVX2).
 inline uint32_t lowbias32(uint32_t x) {
