@@ -79,8 +79,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     if logits.shape[1] == 0 or logits.stride(1) != 1:
         return None
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    row_stride = logits.stride(0) if logits.shape[0] > 1 else logits.shape[1]  # one row's stride may be anything
-    status = lib.tm_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], row_stride, out.data_ptr())
+    status = lib.tm_argmax_rows(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], _row_stride(logits), out.data_ptr()
+    )
     return out if status == 0 else None
 
 
@@ -104,7 +105,7 @@ def add_bias_(out: torch.Tensor, bias: torch.Tensor) -> bool:
         return False
     if rows.stride(1) != 1:
         return False
-    row_stride = rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
+    row_stride = _row_stride(rows)
     return lib.tm_add_bias_rows(dtype, rows.data_ptr(), rows.shape[0], rows.shape[1], row_stride, bias.data_ptr()) == 0
 
 
@@ -120,8 +121,12 @@ def race_rows(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
         return None
     keys = keys.contiguous()
     out = torch.empty(scaled.shape[0], dtype=torch.int64)
-    row_stride = scaled.stride(0) if scaled.shape[0] > 1 else scaled.shape[1]
     status = lib.tm_race_rows(
-        scaled.data_ptr(), scaled.shape[0], scaled.shape[1], row_stride, keys.data_ptr(), out.data_ptr()
+        scaled.data_ptr(), scaled.shape[0], scaled.shape[1], _row_stride(scaled), keys.data_ptr(), out.data_ptr()
     )
     return out if status == 0 else None
+
+
+def _row_stride(rows: torch.Tensor) -> int:
+    """The stride between the rows of a 2-D tensor as the kernels read it: a lone row's stride may be anything."""
+    return rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]

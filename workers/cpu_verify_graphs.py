@@ -193,7 +193,7 @@ class CpuSpeculativeGraphs(CpuDecodeGraphs):
         super().__init__(model, kv_caches, batch_sizes, max_blocks_per_seq, block_size, hidden_size, dtype)
         max_seqs = min(MAX_REPLAYED_SEQS, max(batch_sizes, default=1))
         self.verify = CpuVerifyGraphs(
-            model, kv_caches, max_blocks_per_seq, block_size, hidden_size, dtype, max_seqs=max(1, max_seqs)
+            model, kv_caches, max_blocks_per_seq, block_size, hidden_size, dtype, max_seqs=max_seqs
         )
         self.verify.record_every_shape()  # at start-up: in a live step each first recording stalled ~0.1 s
 
