@@ -91,7 +91,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool | None = None
     # while some request decodes, a step's prefill chunks take at most this many tokens of the budget, so the
     # decoders' steps stay short (vLLM's --long-prefill-token-threshold; 0: no limit, as there); None: learnt from
-    # the step times so that such a step takes about two decode steps (scheduler/prefill_limit.py)
+    # the step times so that such a step takes at most 1.5 decode steps (scheduler/prefill_limit.py)
     long_prefill_token_threshold: int | None = None
 
 

@@ -1,8 +1,9 @@
 """A long prefill beside a decoding request: its chunks shrink while the other decodes, so the decoder's step stays
-within 1.6 times its decode-only step (issue 28); the limit is learnt from the workers' step times, or fixed by
+within 1.5 times its decode-only step (issue 28); the limit is learnt from the workers' step times, or fixed by
 --long-prefill-token-threshold."""
 
 import msgspec
+import pytest
 
 from tests.helpers.sched_testing import FakeWorker, make_config, make_request, step
 from tokenmill.config import SchedulerConfig
@@ -11,7 +12,7 @@ from tokenmill.scheduler.prefill_limit import PrefillLimit
 from tokenmill.scheduler.scheduler import Scheduler
 
 DECODE_STEP_S = 0.020  # a step's fixed cost: what a decode-only step takes
-TOKEN_S = 0.004  # each further token's forward: a decode step costs as much as 5 prefill tokens
+TOKEN_S = 0.002  # each further token's forward: a decode step costs as much as 10 prefill tokens
 
 
 class TimedWorker(FakeWorker):
@@ -42,20 +43,20 @@ def with_threshold(threshold: int, **config):
     return msgspec.structs.replace(cfg, scheduler=scheduler_cfg)
 
 
-def test_the_limit_is_0_6_decode_steps_over_a_prefill_tokens_time():
+def test_the_limit_is_half_a_decode_step_over_a_prefill_tokens_time():
     limit = PrefillLimit()
     assert limit.tokens() is None  # nothing measured: nothing limited
     for _ in range(3):
         limit.observe(num_decodes=2, prefill_cost=0, model_time_s=0.020)
     assert limit.tokens() is None  # the per-token time is still unknown
-    limit.observe(num_decodes=1, prefill_cost=50, model_time_s=0.020 + 50 * 0.004)
-    # a decode step is worth 5 prefill tokens; a mixed step may add 0.6 of one: 3 tokens
-    assert limit.decode_step_s() == 0.020 and limit.tokens() == 3
+    limit.observe(num_decodes=1, prefill_cost=50, model_time_s=0.020 + 50 * 0.002)
+    # a decode step is worth 10 prefill tokens; a mixed step may add half of one: 5 tokens
+    assert limit.decode_step_s() == 0.020 and limit.tokens() == 5
     # one slow step (a core taken away) moves neither median
     limit.observe(num_decodes=2, prefill_cost=0, model_time_s=2.0)
-    limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.040)
-    limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.040)
-    assert limit.tokens() == 3
+    limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.030)
+    limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.030)
+    assert limit.tokens() == 5
     assert PrefillLimit(threshold=48).tokens() == 48
 
 
@@ -81,15 +82,15 @@ def prompt_beside_a_decoder(sched: Scheduler, worker: TimedWorker, prompt_len: i
         step(sched, worker)
 
 
-def test_a_long_prompt_beside_a_decoder_is_chunked_so_the_decoders_step_stays_within_1_6x_its_own():
+def test_a_long_prompt_beside_a_decoder_is_chunked_so_the_decoders_step_stays_within_1_5x_its_own():
     cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
     sched, worker = Scheduler(cfg, 256, [2]), TimedWorker(cfg.cache.block_size)
     prompt_beside_a_decoder(sched, worker, 300)
     with_decoder = [seconds for scheduled, seconds in worker.step_times if "decoder" in scheduled]
     assert all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)
     # the first mixed step may use the estimate of the prefill-only step (overhead and all); then it is learnt
-    # 1.6x, not 2x: a bystander's p99 gap at 2x its idle one by design had no room left for noise
-    assert max(with_decoder[2:]) <= 1.6 * DECODE_STEP_S + 1e-9
+    # 1.5x, not 2x: a bystander's p99 gap at 2x its idle one by design had no room left for noise
+    assert max(with_decoder[2:]) <= 1.5 * DECODE_STEP_S + 1e-9
     assert max(scheduled.get("long", 0) for scheduled, _ in worker.step_times[2:]) >= 3  # not starved to one token
 
 
@@ -113,15 +114,15 @@ class ContextTimedWorker(TimedWorker):
         return msgspec.structs.replace(result, model_time_s=model_time_s)
 
 
-def test_a_prompt_whose_tokens_cost_more_as_its_prefix_grows_still_keeps_the_decoder_within_1_65x():
+def test_a_prompt_whose_tokens_cost_more_as_its_prefix_grows_still_keeps_the_decoder_within_1_55x():
     cfg = make_config(max_num_batched_tokens=64, max_model_len=1024)
     sched, worker = Scheduler(cfg, 512, [2]), ContextTimedWorker(cfg.cache.block_size)
     prompt_beside_a_decoder(sched, worker, 900)
     with_decoder = [seconds for scheduled, seconds in worker.step_times if "decoder" in scheduled]
-    assert len(with_decoder) > 30 and max(scheduled.get("long", 0) for scheduled, _ in worker.step_times) >= 20
+    assert len(with_decoder) > 30 and max(scheduled.get("long", 0) for scheduled, _ in worker.step_times) >= 16
     # the per-token estimate follows the last few chunks, a step or two behind the growing cost (a median over 32
-    # chunks lagged ~16 behind: 1.74x here)
-    assert max(with_decoder[2:]) <= 1.65 * DECODE_STEP_S
+    # chunks lagged ~16 behind: 1.74x here when a mixed step aimed at 1.6x)
+    assert max(with_decoder[2:]) <= 1.55 * DECODE_STEP_S
 
 
 def test_alone_a_prompt_takes_the_whole_budget():
@@ -177,17 +178,17 @@ def test_a_learnt_limit_keeps_a_step_within_the_workers_replayed_shape_while_one
         limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
         limit.observe(num_decodes=1, prefill_cost=7, model_time_s=0.020 + 7 * 0.001)
     assert PrefillLimit().tokens() is None
-    assert limit.tokens(num_decodes=1) == 7  # learnt 12, but 1 decode + 7 prefill tokens is the largest replayed step
-    assert limit.tokens(num_decodes=2) == 12  # no sequence left for a replayed step: the learnt limit alone
+    assert limit.tokens(num_decodes=1) == 7  # learnt 10, but 1 decode + 7 prefill tokens is the largest replayed step
+    assert limit.tokens(num_decodes=2) == 10  # no sequence left for a replayed step: the learnt limit alone
     assert PrefillLimit(threshold=48, replayed_seqs=2, replayed_tokens=8).tokens(num_decodes=1) == 48  # fixed: as set
 
 
 def test_the_scheduler_takes_the_replayed_shape_from_its_workers():
     cfg = make_config(max_num_batched_tokens=64, max_model_len=512)
     sched = Scheduler(cfg, 256, [2], replayed_step=(2, 8))
-    worker = TimedWorker(cfg.cache.block_size, token_s=0.001)  # cheap prefill tokens: a learnt limit of ~12
+    worker = TimedWorker(cfg.cache.block_size, token_s=0.001)  # cheap prefill tokens: a learnt limit of ~10
     prompt_beside_a_decoder(sched, worker, 100)
-    # the learnt limit alone would give the prompt ~12 tokens a step; within the replayed shape it gets 7 beside the
+    # the learnt limit alone would give the prompt ~10 tokens a step; within the replayed shape it gets 7 beside the
     # decoder, and never more than 8 in all
     totals = [sum(scheduled.values()) for scheduled, _ in worker.step_times]
     assert max(totals) == 8 and all(scheduled["decoder"] == 1 for scheduled, _ in worker.step_times)
@@ -199,8 +200,8 @@ def test_each_client_waiting_for_its_prompt_gets_one_share_of_prefill_a_step():
         limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
         limit.observe(num_decodes=1, prefill_cost=7, model_time_s=0.020 + 7 * 0.001)
     assert limit.tokens(num_decodes=1, num_prefilling=1) == 7  # one prompt: its single share, in the replayed shape
-    assert limit.tokens(num_decodes=1, num_prefilling=4) == 48  # four clients: four shares, past the replayed shape
-    assert limit.tokens(num_decodes=3, num_prefilling=2) == 24
+    assert limit.tokens(num_decodes=1, num_prefilling=4) == 40  # four clients: four shares, past the replayed shape
+    assert limit.tokens(num_decodes=3, num_prefilling=2) == 20
 
 
 def burst_beside_a_decoder(sched: Scheduler, worker: TimedWorker, requests: list) -> list[int]:
@@ -232,10 +233,10 @@ def test_a_burst_of_prompts_beside_a_decoder_gets_a_share_each_but_n_choices_cou
     )
     burst = [make_request(f"burst{i}", 120, max_tokens=1) for i in range(4)]
     four = burst_beside_a_decoder(Scheduler(cfg, 512, [2]), TimedWorker(cfg.cache.block_size), burst)
-    # one learnt share is 3 tokens (a decode step is worth 5 prefill tokens, 0.6 of it); the first mixed step may
+    # one learnt share is 5 tokens (a decode step is worth 10 prefill tokens, half of it); the first mixed step may
     # still use the prefill-only estimate
-    assert max(single[2:]) <= 3 and max(choices[2:]) <= 3
-    assert max(four[2:]) >= 4 * 3  # four clients waiting: four shares a step, not a few tokens each
+    assert max(single[2:]) <= 5 and max(choices[2:]) <= 5
+    assert max(four[2:]) >= 4 * 5  # four clients waiting: four shares a step, not a few tokens each
     # one share a step would take four times the steps of one prompt; the shares shrink as prompts finish (4, 3, 2, 1)
     assert len(four) <= 2 * len(single)
 
@@ -247,11 +248,11 @@ def test_steps_of_a_token_or_two_whose_prefill_cost_nothing_do_not_lift_the_limi
     for _ in range(3):
         limit.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
     for _ in range(2):
-        limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.020 + 5 * 0.004)
+        limit.observe(num_decodes=1, prefill_cost=5, model_time_s=0.020 + 5 * 0.002)
     for _ in range(3):
         limit.observe(num_decodes=1, prefill_cost=1, model_time_s=0.020)
-    assert limit.prefill_token_s() == 0.004  # 10 tokens at 4 ms outweigh 3 at nothing
-    assert limit.tokens() == 3
+    assert limit.prefill_token_s() == pytest.approx(0.002)  # 10 tokens at 2 ms outweigh 3 at nothing
+    assert limit.tokens() == 5
     # measured free only: unbounded by the estimate, still within a replayed step's shape where one could replay
     free = PrefillLimit(replayed_seqs=4, replayed_tokens=8)
     free.observe(num_decodes=1, prefill_cost=0, model_time_s=0.020)
