@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.private_cache import UntrustedCache, cache_dir, private_dir, require_private
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -79,11 +81,6 @@ def native_flags() -> tuple[str, ...]:
     return FLAGS
 
 
-def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR", default))
-
-
 def _cpu_signature() -> str:
     """What -march=native depends on, so a cache shared between machines never serves a foreign build."""
     try:
@@ -91,19 +88,6 @@ def _cpu_signature() -> str:
     except OSError:
         return platform.processor()
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-
-
-class UntrustedCache(RuntimeError):
-    """A cache directory or library that another user could have written."""
-
-
-def require_private(path: Path) -> None:
-    """Raise UntrustedCache unless `path` belongs to this user and no one else may write it."""
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise UntrustedCache(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
-    if st.st_mode & 0o022:
-        raise UntrustedCache(f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})")
 
 
 def library_name(compiler: str, source: Path | None = None, flags: tuple[str, ...] | None = None) -> str:
@@ -141,9 +125,7 @@ def build(compiler: str | None = None, source: Path | None = None, flags: tuple[
 
 
 def _cached_or_built(directory: Path, name: str, compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    require_private(directory)
-    target = directory / name
+    target = private_dir(directory) / name
     if target.exists():
         require_private(target)
         return target
