@@ -6,36 +6,19 @@ names another source and `ModelConfig.chat_template` replaces the template (a fi
 The frontend process never imports torch, and transformers' `AutoTokenizer` does (through the model configs), as
 does its GGUF reader. So the class that `tokenizer_config.json` names is taken from transformers directly (the
 tokenizers-backed fast class, as `AutoTokenizer` would pick), and a GGUF file's tokenizer is converted by
-transformers in a short-lived child process (`python -m tokenmill.frontend.gguf_tokenizer`), then loaded from there
-the same way. The conversion takes ~15 s of CPU for SmolLM2's 49k-token vocabulary, and the frontend and the
-scheduler (its grammar tokenizer) both need it at every start, so the converted directory is kept in the private
-cache (`tokenmill/private_cache.py`), keyed by the file's path, size and modification time and transformers' version;
-a lock makes the second process wait for the first's conversion instead of doing it again.
+transformers in a short-lived child process, once per file (`tokenmill/gguf_conversion.py`: cached), then loaded
+from there the same way.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from tokenmill.config import ModelConfig
 from tokenmill.frontend.chat_template import DEFAULT_LIMITS, ChatTemplate, RenderLimits, compile_chat_template
-from tokenmill.private_cache import UntrustedCache, cache_dir, private_dir, require_private
-
-GGUF_CONVERSION_TIMEOUT_S = 600.0
-GGUF_CONVERSION_FORMAT = 1  # part of the cache key: bump when gguf_tokenizer.py writes something different
-
-log = logging.getLogger(__name__)
+from tokenmill.gguf_conversion import converted_gguf
 
 
 def read_chat_template(value: str) -> str:
@@ -64,63 +47,11 @@ def tokenizer_class(directory: str) -> type:
     return transformers.PreTrainedTokenizerFast
 
 
-def convert_gguf_tokenizer(gguf_path: str, out_dir: str) -> None:
-    """Write the GGUF file's tokenizer (vocabulary, merges, special tokens, chat template) as an HF tokenizer
-    directory, in a child process so that transformers' GGUF reader (and torch) stays out of this one."""
-    command = [sys.executable, "-m", "tokenmill.frontend.gguf_tokenizer", gguf_path, out_dir]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=GGUF_CONVERSION_TIMEOUT_S)
-    if done.returncode != 0:
-        raise ValueError(f"could not read the tokenizer of {gguf_path}: {done.stderr.strip().splitlines()[-1:]}")
-
-
-def gguf_tokenizer_key(gguf_path: str) -> str:
-    """The cache key of a GGUF file's converted tokenizer: the file (path, size, modification time) and what
-    converted it (transformers' version, the conversion's format)."""
-    import transformers
-
-    st = os.stat(gguf_path)
-    identity = [
-        os.path.abspath(gguf_path),
-        st.st_size,
-        st.st_mtime_ns,
-        transformers.__version__,
-        GGUF_CONVERSION_FORMAT,
-    ]
-    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
-
-
-@contextmanager
-def converted_gguf_tokenizer(gguf_path: str) -> Iterator[str]:
-    """A directory holding the GGUF file's tokenizer as an HF tokenizer: the cached one, converted now if missing;
-    a temporary one when the cache is not private (a warning says why)."""
-    try:
-        root = private_dir(cache_dir() / "gguf-tokenizers")
-    except (UntrustedCache, OSError) as exc:
-        log.warning("not caching the GGUF tokenizer (%s): converting it into a temporary directory", exc)
-        with tempfile.TemporaryDirectory(prefix="tokenmill-tokenizer-") as converted:
-            convert_gguf_tokenizer(gguf_path, converted)
-            yield converted
-        return
-    key = gguf_tokenizer_key(gguf_path)
-    target = root / key
-    with open(root / f"{key}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process starting beside this one waits for the conversion
-        if not target.is_dir():
-            partial = tempfile.mkdtemp(dir=root, prefix=f"{key}.partial-")
-            try:
-                convert_gguf_tokenizer(gguf_path, partial)
-                os.rename(partial, target)
-            finally:
-                shutil.rmtree(partial, ignore_errors=True)
-    require_private(target)
-    yield str(target)
-
-
 def _from_source(source: str, gguf_file: str | None = None) -> Any:
     if gguf_file is None and source.endswith(".gguf") and os.path.isfile(source):
         source, gguf_file = os.path.split(os.path.abspath(source))
     if gguf_file is not None:
-        with converted_gguf_tokenizer(os.path.join(source, gguf_file)) as converted:
+        with converted_gguf(os.path.join(source, gguf_file)) as converted:
             return tokenizer_class(converted).from_pretrained(converted)
     if not os.path.isdir(source):  # a hub id: fetch the tokenizer files first (honours HF_ENDPOINT)
         from huggingface_hub import snapshot_download

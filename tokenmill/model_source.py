@@ -106,16 +106,14 @@ class ModelShape(NamedTuple):
 def _read_model_shape(path: Path, gguf_file: str | None, hf_overrides: dict[str, Any] | None = None) -> ModelShape:
     """What the model is, from its config or GGUF metadata, without loading weights."""
     if gguf_file is not None:
-        from gguf import GGUFReader
+        from tokenmill.gguf_index import read_gguf
 
-        reader = GGUFReader(str(path / gguf_file))
+        fields = read_gguf(str(path / gguf_file), with_tensors=False).fields
 
         def number(key: str, default: int) -> int:
-            field = reader.fields.get(key)
-            return int(field.parts[field.data[0]][0]) if field is not None else default
+            return int(fields.get(key, default))
 
-        arch_field = reader.fields["general.architecture"]
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        arch = str(fields["general.architecture"])
         if arch not in GGUF_ARCHITECTURES:
             raise ModelSourceError(
                 f"GGUF architecture '{arch}' is not supported (supported: {sorted(GGUF_ARCHITECTURES)})."

@@ -58,10 +58,18 @@ def load_hf_config(model_cfg: ModelConfig):
     """
     from transformers import AutoConfig
 
+    from tokenmill.gguf_conversion import cached_gguf_config
     from tokenmill.workers.models.registry import architecture_of
 
     if model_cfg.gguf_file:
-        hf_config = AutoConfig.from_pretrained(model_cfg.path, gguf_file=model_cfg.gguf_file)
+        # transformers reads the config through gguf's GGUFReader, seconds over a tokenizer's arrays: a conversion
+        # cached by the frontend's tokenizer (or an earlier start) holds it already
+        cached = cached_gguf_config(os.path.join(model_cfg.path, model_cfg.gguf_file))
+        if cached is not None:
+            hf_config = AutoConfig.from_pretrained(cached)
+            hf_config._name_or_path = model_cfg.path  # as read from the file itself
+        else:
+            hf_config = AutoConfig.from_pretrained(model_cfg.path, gguf_file=model_cfg.gguf_file)
     else:
         hf_config = AutoConfig.from_pretrained(model_cfg.path)
     for key, value in model_cfg.hf_overrides.items():  # vLLM's --hf-overrides
@@ -224,11 +232,6 @@ def unpermute_llama_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half_rows, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
 
 
-def _gguf_field(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 _GGUF_DENSE_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -242,15 +245,16 @@ def _iter_gguf(file: str, keep_quantized: bool = False) -> Iterator[tuple[str, t
     as `GGUFWeight`s, every other block type is dequantized to float32 (one log line names those types)."""
     import gguf
 
+    from tokenmill.gguf_index import read_gguf
     from tokenmill.workers.quantization.gguf import GGUFWeight, supported_types
 
-    reader = gguf.GGUFReader(file)
-    arch = _gguf_field(reader, "general.architecture")
+    reader = read_gguf(file)  # not gguf.GGUFReader: it took 4.6 s over the tokenizer's arrays (tokenmill/gguf_index.py)
+    arch = reader.fields.get("general.architecture")
     # llama.cpp permutes Q/K rows only for the llama architecture (Mistral GGUFs are "llama" too).
     permuted_heads = {}  # projection name -> its number of heads
     if arch == "llama":
-        num_heads = int(_gguf_field(reader, "llama.attention.head_count"))
-        num_kv_heads = int(_gguf_field(reader, "llama.attention.head_count_kv") or num_heads)
+        num_heads = int(reader.fields["llama.attention.head_count"])
+        num_kv_heads = int(reader.fields.get("llama.attention.head_count_kv") or num_heads)
         permuted_heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
 
     kept = supported_types() if keep_quantized else frozenset()

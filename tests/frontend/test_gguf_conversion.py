@@ -1,5 +1,6 @@
-"""A GGUF file's converted tokenizer is cached (frontend/tokenizer.py): converted once per file and transformers
-version, shared by processes starting side by side, and never taken from a cache another user could write."""
+"""A GGUF file's converted tokenizer and config are cached (tokenmill/gguf_conversion.py): converted once per file and
+transformers version, shared by processes starting side by side, and never taken from a cache another user could
+write."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ import time
 
 import pytest
 
-from tokenmill.frontend import tokenizer as tokenizer_module
-from tokenmill.frontend.tokenizer import converted_gguf_tokenizer, gguf_tokenizer_key, load_tokenizer
+from tokenmill import gguf_conversion
+from tokenmill.config import replace
+from tokenmill.frontend.tokenizer import load_tokenizer
+from tokenmill.gguf_conversion import CACHE_FOLDER, cached_gguf_config, converted_gguf, gguf_conversion_key
 from tokenmill.private_cache import cache_dir
+from tokenmill.workers.model_loader import load_hf_config
 
 
 @pytest.fixture(scope="session")
 def converted_once(tokenizer, smollm2_model, tmp_path_factory) -> str:
     """A directory with SmolLM2's tokenizer as conversion writes it (the real conversion, once per session)."""
-    with converted_gguf_tokenizer(os.path.join(smollm2_model.path, smollm2_model.gguf_file)) as converted:
+    with converted_gguf(os.path.join(smollm2_model.path, smollm2_model.gguf_file)) as converted:
         saved = tmp_path_factory.mktemp("converted") / "tokenizer"
         shutil.copytree(converted, saved)
     return str(saved)
@@ -36,7 +40,7 @@ def conversions(converted_once, monkeypatch, tmp_path) -> list[str]:
         time.sleep(0.2)  # long enough for a second process's start to overlap it
         shutil.copytree(converted_once, out_dir, dirs_exist_ok=True)
 
-    monkeypatch.setattr(tokenizer_module, "convert_gguf_tokenizer", convert)
+    monkeypatch.setattr(gguf_conversion, "convert_gguf_tokenizer", convert)
     return calls
 
 
@@ -46,9 +50,9 @@ def test_the_tokenizer_is_converted_once_then_read_from_the_cache(conversions, s
     text = "Hello, world: the cache keeps 49,152 tokens."
     assert first.encode(text) == second.encode(text) == tokenizer.encode(text)
     assert first.chat_template == tokenizer.chat_template
-    cached = cache_dir() / "gguf-tokenizers"
+    cached = cache_dir() / CACHE_FOLDER
     gguf_path = os.path.join(smollm2_model.path, smollm2_model.gguf_file)
-    assert (cached / gguf_tokenizer_key(gguf_path)).is_dir()
+    assert (cached / gguf_conversion_key(gguf_path)).is_dir()
     assert not [p for p in cached.iterdir() if ".partial-" in p.name]
     assert cached.stat().st_mode & 0o777 == 0o700
 
@@ -56,14 +60,14 @@ def test_the_tokenizer_is_converted_once_then_read_from_the_cache(conversions, s
 def test_a_changed_file_is_converted_again(conversions, tmp_path):
     model_file = tmp_path / "model.gguf"  # the stand-in converter never reads it: only its identity counts
     model_file.write_bytes(b"GGUF" + bytes(64))
-    with converted_gguf_tokenizer(str(model_file)):
+    with converted_gguf(str(model_file)):
         pass
-    with converted_gguf_tokenizer(str(model_file)):
+    with converted_gguf(str(model_file)):
         pass
     assert len(conversions) == 1
     stat = model_file.stat()
     os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    with converted_gguf_tokenizer(str(model_file)):
+    with converted_gguf(str(model_file)):
         pass
     assert len(conversions) == 2
 
@@ -74,7 +78,7 @@ def test_two_loads_at_once_convert_once(conversions, tmp_path):
     seen: list[list[str]] = []
 
     def load() -> None:
-        with converted_gguf_tokenizer(str(model_file)) as directory:
+        with converted_gguf(str(model_file)) as directory:
             seen.append(sorted(os.listdir(directory)))
 
     threads = [threading.Thread(target=load) for _ in range(2)]
@@ -93,16 +97,16 @@ def test_a_failed_conversion_leaves_nothing_behind(conversions, monkeypatch, tmp
         open(os.path.join(out_dir, "tokenizer.json"), "w").close()  # half written
         raise ValueError(f"could not read the tokenizer of {gguf_path}")
 
-    monkeypatch.setattr(tokenizer_module, "convert_gguf_tokenizer", fail)
+    monkeypatch.setattr(gguf_conversion, "convert_gguf_tokenizer", fail)
     with pytest.raises(ValueError, match="could not read the tokenizer"):
-        with converted_gguf_tokenizer(str(model_file)):
+        with converted_gguf(str(model_file)):
             pass
-    left = [p.name for p in (cache_dir() / "gguf-tokenizers").iterdir()]
-    assert left == [f"{gguf_tokenizer_key(str(model_file))}.lock"]  # no partial directory, no cached one
+    left = [p.name for p in (cache_dir() / CACHE_FOLDER).iterdir()]
+    assert left == [f"{gguf_conversion_key(str(model_file))}.lock"]  # no partial directory, no cached one
 
 
 def test_a_cache_others_may_write_is_not_used(conversions, smollm2_model, tokenizer, caplog):
-    cached = cache_dir() / "gguf-tokenizers"
+    cached = cache_dir() / CACHE_FOLDER
     cached.mkdir(parents=True)
     cached.chmod(0o777)
     with caplog.at_level(logging.WARNING, logger="tokenmill.frontend.tokenizer"):
@@ -111,3 +115,16 @@ def test_a_cache_others_may_write_is_not_used(conversions, smollm2_model, tokeni
     assert first.encode("Hello world") == second.encode("Hello world") == tokenizer.encode("Hello world")
     assert "not caching the GGUF tokenizer" in caplog.text and "writable by group or others" in caplog.text
     assert list(cached.iterdir()) == []
+
+
+def test_the_worker_takes_the_cached_config_and_never_converts(conversions, smollm2_model):
+    gguf_path = os.path.join(smollm2_model.path, smollm2_model.gguf_file)
+    assert cached_gguf_config(gguf_path) is None
+    from_file = load_hf_config(smollm2_model)  # nothing cached: read from the file, nothing converted
+    assert conversions == []
+    load_tokenizer(smollm2_model)
+    assert cached_gguf_config(gguf_path) is not None
+    from_cache = load_hf_config(smollm2_model)
+    assert from_cache.to_dict() == from_file.to_dict() and from_cache.architectures == ["LlamaForCausalLM"]
+    overridden = load_hf_config(replace(smollm2_model, hf_overrides={"rms_norm_eps": 1e-3}))
+    assert overridden.rms_norm_eps == 1e-3 and len(conversions) == 1
