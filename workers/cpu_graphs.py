@@ -60,6 +60,13 @@ class _AllocationsAndViewsOnly(TorchDispatchMode):
         super().__init__()
         self.keep = keep
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch otherwise wraps __torch_dispatch__ in torch._dynamo.disable, whose first call imports torch._dynamo:
+        # 0.6-1.5 s of the worker's start-up, for a mode no torch.compile ever runs under (TorchDispatchMode's own
+        # docstring shows this override)
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func.name() not in _ALLOCATIONS and not func.is_view:
             raise NotCapturable(f"the forward runs the torch operation {func.name()}, which a replay would skip")
@@ -134,11 +141,22 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-def cpu_call_capture() -> Capture:
-    """A `Capture` for `DecodeGraphs` on the CPU: warm-up, one recorded run, the replay checked against it."""
+class CpuCallCapture:
+    """A `Capture` for `DecodeGraphs` on the CPU: one recorded run of the forward, the replay checked against it.
 
-    def capture(forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        forward()  # warm-up: kernels built, tables (rotary) and per-weight matmul closures made
+    Its first forward runs once before being recorded, a warm-up: the kernels built, tables (rotary) and the
+    per-weight matmul closures made, none of which a recording may do. The later forwards of the same model have
+    nothing left to warm (the same weights, kernels and tables at another shape), so they are recorded straight
+    away: one eager forward fewer for each of the worker's ~27 recordings at start-up (~2 s on the default model).
+    Give each model its own."""
+
+    def __init__(self) -> None:
+        self.warmed_up = False
+
+    def __call__(self, forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        if not self.warmed_up:
+            forward()
+            self.warmed_up = True
         calls: list[RecordedCall] = []
         keep: list[Any] = []  # every tensor the recorded run allocated: the recorded pointers point into them
         with recording_kernel_calls(calls), _AllocationsAndViewsOnly(keep):
@@ -158,7 +176,10 @@ def cpu_call_capture() -> Capture:
 
         return replay, output
 
-    return capture
+
+def cpu_call_capture() -> Capture:
+    """A fresh `CpuCallCapture` (it warms up on its first forward)."""
+    return CpuCallCapture()
 
 
 def _lookup_is_native(embed: torch.nn.Module) -> bool:
@@ -186,6 +207,7 @@ class CpuDecodeGraphs(DecodeGraphs):
         self.embed = model.model.embed_tokens
         self.records_embedding = _lookup_is_native(self.embed)
         self.hidden = torch.zeros(max(batch_sizes), hidden_size, dtype=dtype)
+        self.capture = CpuCallCapture()  # the model's, warmed by its first recording (the largest batch)
 
         def decoder(
             input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, caches: Sequence[KVCache]
@@ -201,7 +223,7 @@ class CpuDecodeGraphs(DecodeGraphs):
             max_blocks_per_seq,
             block_size,
             torch.device("cpu"),
-            cpu_call_capture(),
+            self.capture,
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:

@@ -20,8 +20,9 @@ Shapes are bounded in tokens as the scheduler bounds speculation (`scheduler/spe
 tokens (STEP_TOKEN_BUDGET); in sequences by `MAX_REPLAYED_SEQS` (4, or the batch's bound if smaller), more than the
 `MAX_VERIFY_SEQS` a verification takes (MAX_SPECULATING_BATCH: with more running, none speculates), so that a prefill
 chunk beside up to 3 decoders replays too: at most 22 recordings; each keeps its step's activations alive (a few MiB
-for the default model). Recording a shape runs the forward three times over inert inputs (no slot written, block 0
-read), once per shape per worker; a forward that cannot be recorded (`NotCapturable`) stays eager for that shape.
+for the default model). Recording a shape runs the forward over inert inputs (no slot written, block 0 read) under
+the recorder, then replays it (the decode steps' capture, shared, has warmed the model up already), once per shape
+per worker; a forward that cannot be recorded (`NotCapturable`) stays eager for that shape.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from tokenmill.workers.attention import AttentionMetadata
 from tokenmill.workers.backends import attention_backend
-from tokenmill.workers.cpu_graphs import CpuDecodeGraphs, NotCapturable, cpu_call_capture
+from tokenmill.workers.cpu_graphs import CpuCallCapture, CpuDecodeGraphs, NotCapturable
 from tokenmill.workers.cuda_graphs import KVCache
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,11 @@ class CpuVerifyGraphs:
         dtype: torch.dtype,
         max_seqs: int = MAX_VERIFY_SEQS,
         max_tokens: int = MAX_VERIFY_TOKENS,
+        capture: CpuCallCapture | None = None,
     ) -> None:
         self.model = model
+        # the model's decode-step capture where it has one (already warmed up), else its own
+        self.capture = capture or CpuCallCapture()
         self.decoder = cast(torch.nn.Module, model.model)  # from the embedded hidden states on
         self.embed = cast(torch.nn.Module, self.decoder.embed_tokens)
         self.kv_caches = kv_caches
@@ -107,7 +111,8 @@ class CpuVerifyGraphs:
 
     def record_every_shape(self) -> None:
         """Record every shape within the bounds now (22 by default), not on its first step: a recording runs the
-        forward three times (~0.1 s on the default model), a stall a live step would otherwise take once per shape."""
+        forward under the recorder and replays it (~0.1 s on the default model), a stall a live step would otherwise
+        take once per shape."""
         for num_seqs in range(1, self.max_seqs + 1):
             for num_tokens in range(num_seqs + 1, self.max_tokens + 1):  # each sequence one token: a decode step
                 if (num_seqs, num_tokens) not in self._recordings:
@@ -154,7 +159,7 @@ class CpuVerifyGraphs:
             return output
 
         try:
-            recording = cpu_call_capture()(decoder)
+            recording = self.capture(decoder)
         except NotCapturable as exc:
             log.info("verification steps of %d tokens in %d sequences stay eager: %s", num_tokens, num_seqs, exc)
             return None
@@ -193,7 +198,14 @@ class CpuSpeculativeGraphs(CpuDecodeGraphs):
         super().__init__(model, kv_caches, batch_sizes, max_blocks_per_seq, block_size, hidden_size, dtype)
         max_seqs = min(MAX_REPLAYED_SEQS, max(batch_sizes, default=1))
         self.verify = CpuVerifyGraphs(
-            model, kv_caches, max_blocks_per_seq, block_size, hidden_size, dtype, max_seqs=max_seqs
+            model,
+            kv_caches,
+            max_blocks_per_seq,
+            block_size,
+            hidden_size,
+            dtype,
+            max_seqs=max_seqs,
+            capture=self.capture,
         )
         self.verify.record_every_shape()  # at start-up: in a live step each first recording stalled ~0.1 s
 

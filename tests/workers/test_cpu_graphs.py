@@ -4,6 +4,8 @@ the forward computes outside the compiled kernels, and the worker choosing them 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import msgspec
 import numpy as np
@@ -15,7 +17,7 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelCon
 from tokenmill.kernels import cpu_ops
 from tokenmill.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
 from tokenmill.workers.attention import build_attention_metadata
-from tokenmill.workers.cpu_graphs import CpuDecodeGraphs, NotCapturable, cpu_call_capture
+from tokenmill.workers.cpu_graphs import CpuCallCapture, CpuDecodeGraphs, NotCapturable, cpu_call_capture
 from tokenmill.workers.worker import Worker
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,6 +70,40 @@ def test_a_forward_computing_outside_the_kernels_is_refused():
 
     with pytest.raises(NotCapturable, match="mul"):
         cpu_call_capture()(forward)
+
+
+def test_a_capture_warms_up_on_its_first_forward_only():
+    """The first forward runs eagerly once before its recording (kernels built, closures made); later ones of the
+    same capture are recorded straight away, and each still replays to its own forward's bits."""
+    x, runs = torch.randn(2, 64), {"first": 0, "second": 0}
+
+    def forward(name: str, rows: int) -> torch.Tensor:
+        runs[name] += 1
+        return cpu_ops.silu_and_mul(x[:rows])
+
+    capture = CpuCallCapture()
+    first_replay, first = capture(lambda: forward("first", 2))
+    second_replay, second = capture(lambda: forward("second", 1))
+    assert runs == {"first": 2, "second": 1}
+    x.copy_(torch.randn(2, 64))
+    first_replay()
+    second_replay()
+    assert torch.equal(first, cpu_ops.silu_and_mul(x)) and torch.equal(second, cpu_ops.silu_and_mul(x[:1]))
+
+
+def test_recording_does_not_import_torch_dynamo():
+    """torch wraps a dispatch mode in torch._dynamo.disable unless the mode opts out, and that import took 0.6-1.5 s
+    of the worker's start-up; a fresh interpreter records a kernel call without it."""
+    code = (
+        "import sys, torch\n"
+        "from tokenmill.kernels import cpu_ops\n"
+        "from tokenmill.workers.cpu_graphs import CpuCallCapture\n"
+        "x = torch.randn(2, 64)\n"
+        "CpuCallCapture()(lambda: cpu_ops.silu_and_mul(x))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert result.stdout.strip() == "False", result.stderr
 
 
 def test_recorded_steps_equal_the_eager_forward_bit_for_bit(gguf_worker):
