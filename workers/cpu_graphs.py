@@ -3,7 +3,7 @@
 At batch 1 on the CPU the decoder's kernels are a few hundred ctypes calls per step (per layer: two RMSNorms, the
 QKV, O, gate/up and down GGUF matmuls, rotary, the KV write, attention, SiLU-and-mul), and the Python around each
 call (argument checks, `torch.empty`, `data_ptr()`, views) cost about as much as the small kernels themselves. Like a
-CUDA graph, `cpu_call_capture` runs the forward once over static buffers while recording every call into the
+CUDA graph, `CpuCallCapture` runs the forward once over static buffers while recording every call into the
 compiled kernel libraries (`kernels/cpu_ops.py`, `kernels/gguf_ops.py`) with its arguments converted to ctypes
 values, keeps every tensor the forward allocated alive (the recorded pointers point into them), and replays the
 recorded calls: the same kernels on the same memory with the same arguments, so the same bits as the eager forward.
@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenmill.kernels import call_replay, cpu_ops, gguf_ops, lora_cpu, row_ops
 from tokenmill.workers.attention import AttentionMetadata
-from tokenmill.workers.cuda_graphs import Capture, DecodeGraphs, KVCache
+from tokenmill.workers.cuda_graphs import DecodeGraphs, KVCache
 from tokenmill.workers.quantization.gguf import GGUFWeight
 
 # The decode batch sizes recorded: where the per-call Python is a large share of a step (at 8 sequences the kernels'
@@ -175,11 +175,6 @@ class CpuCallCapture:
             _ = keep  # holds the recorded run's tensors for as long as this replay exists
 
         return replay, output
-
-
-def cpu_call_capture() -> Capture:
-    """A fresh `CpuCallCapture` (it warms up on its first forward)."""
-    return CpuCallCapture()
 
 
 def _lookup_is_native(embed: torch.nn.Module) -> bool:

@@ -9,7 +9,7 @@ import torch
 from benchlib.message_hops import message_round_trips_ms
 
 from tokenmill.kernels import cpu_ops
-from tokenmill.workers.cpu_graphs import cpu_call_capture
+from tokenmill.workers.cpu_graphs import CpuCallCapture
 
 
 def test_message_round_trips_are_timed_between_processes():
@@ -22,7 +22,7 @@ def test_kernel_timer_counts_eager_and_replayed_calls():
     if cpu_ops.library() is None:
         pytest.skip("no C++ compiler for the CPU kernels")
     x = torch.randn(2, 64)
-    replay, _ = cpu_call_capture()(lambda: cpu_ops.silu_and_mul(x))
+    replay, _ = CpuCallCapture()(lambda: cpu_ops.silu_and_mul(x))
     times = profile_token.KernelTimes()
     with profile_token.timed_kernels(times):
         cpu_ops.silu_and_mul(x)

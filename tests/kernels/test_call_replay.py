@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import call_replay, cpu_ops
-from tokenmill.workers.cpu_graphs import cpu_call_capture, recording_kernel_calls
+from tokenmill.workers.cpu_graphs import CpuCallCapture, recording_kernel_calls
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +100,7 @@ def test_recorded_forwards_replay_through_the_native_loop(monkeypatch):
 
     monkeypatch.setattr(call_replay.NativeCalls, "run", counted)
     x = torch.randn(2, 64)
-    replay, output = cpu_call_capture()(lambda: cpu_ops.silu_and_mul(x))
+    replay, output = CpuCallCapture()(lambda: cpu_ops.silu_and_mul(x))
     runs.clear()
     x.copy_(torch.randn(2, 64))
     replay()

@@ -17,7 +17,7 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelCon
 from tokenmill.kernels import cpu_ops
 from tokenmill.messages import NewRequestData, RunningRequestData, SamplingParams, StepPlan
 from tokenmill.workers.attention import build_attention_metadata
-from tokenmill.workers.cpu_graphs import CpuCallCapture, CpuDecodeGraphs, NotCapturable, cpu_call_capture
+from tokenmill.workers.cpu_graphs import CpuCallCapture, CpuDecodeGraphs, NotCapturable
 from tokenmill.workers.worker import Worker
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,7 +56,7 @@ def test_replay_reads_the_inputs_memory_at_each_call():
     def forward() -> torch.Tensor:
         return cpu_ops.silu_and_mul(x)
 
-    replay, output = cpu_call_capture()(forward)
+    replay, output = CpuCallCapture()(forward)
     x.copy_(torch.randn(2, 64))  # new values at the same address
     replay()
     assert torch.equal(output, cpu_ops.silu_and_mul(x))
@@ -69,7 +69,7 @@ def test_a_forward_computing_outside_the_kernels_is_refused():
         return cpu_ops.silu_and_mul(x * 2)  # the multiply is a torch operation no replay would run
 
     with pytest.raises(NotCapturable, match="mul"):
-        cpu_call_capture()(forward)
+        CpuCallCapture()(forward)
 
 
 def test_a_capture_warms_up_on_its_first_forward_only():
