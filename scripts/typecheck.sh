@@ -20,5 +20,5 @@ mypy --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" "$@" \
   -m tokenmill.workers.distributed -m tokenmill.workers.memory_profile -m tokenmill.workers.model_facts -m tokenmill.workers.attention -m tokenmill.workers.cpu_backend \
   -m tokenmill.workers.triton_backend -m tokenmill.workers.pipeline_parallel -m tokenmill.workers.process -m tokenmill.workers.rendezvous \
   -m tokenmill.workers.sample_profile -m tokenmill.workers.capture_plan -m tokenmill.workers.cuda_graphs -m tokenmill.workers.collectives \
-  -m tokenmill.workers.staging -m tokenmill.workers.warm_up -m tokenmill.workers.cpu_verify_graphs \
+  -m tokenmill.workers.staging -m tokenmill.workers.warm_up -m tokenmill.workers.cpu_verify_graphs -m tokenmill.workers.host_memory \
   -m tokenmill.lora -p tokenmill.workers.lora

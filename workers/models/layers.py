@@ -34,6 +34,7 @@ from torch.distributed import ProcessGroup
 
 from tokenmill.workers.backends import layer_ops
 from tokenmill.workers.collectives import all_reduce
+from tokenmill.workers.host_memory import gather_gguf_weights
 from tokenmill.workers.models import rope as _rope
 from tokenmill.workers.models.packed_linear import PackableLinear, can_pack, linear, packed
 from tokenmill.workers.quantization.base import QuantizedWeight, fuse_rows
@@ -458,7 +459,8 @@ def pack_linear_weights(model: nn.Module) -> None:
 
     Call it once the weights are loaded: a packed weight can no longer be loaded into or read. A tied LM head gets a
     packed copy and leaves the shared weight dense for the embedding's lookups, as vLLM's CPU backend does. Quantized
-    weights repack themselves where their format has a faster layout (`QuantizedWeight.pack_for_matmul`).
+    weights repack themselves where their format has a faster layout (`QuantizedWeight.pack_for_matmul`); GGUF
+    weights then move onto huge pages together (`host_memory.gather_gguf_weights`).
     """
     for module in model.modules():
         if isinstance(module, QuantizedWeight):  # a quantized weight runs its own kernel, maybe on a layout of its own
@@ -471,6 +473,7 @@ def pack_linear_weights(model: nn.Module) -> None:
             module.packed_tied_weight = packed(module.weight)
         elif isinstance(module, (QKVLinear, GateUpLinear, RowParallelLinear, LMHead, PackableLinear)):
             module.weight = packed(module.weight)
+    gather_gguf_weights(model)  # the GGUF weights, repacked, into one region on huge pages (workers/host_memory.py)
 
 
 # ---------------------------------------------------------------- rotary position embeddings
