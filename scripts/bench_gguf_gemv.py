@@ -26,9 +26,10 @@ from __future__ import annotations
 import os
 
 os.environ["OMP_NUM_THREADS"] = "1"  # one compute thread, set before any OpenMP runtime starts
-# The weight copies are torch tensors and the bound's buffer a numpy array, which numpy already puts in transparent
-# huge pages: torch's allocator does so only with this set, as the engine's children have it (tokenmill/launcher.py).
-# Without it the kernels read 4 KiB pages against a bound read in huge ones, unlike the engine.
+# The bound's buffer is a numpy array, which numpy puts in transparent huge pages; the weight copies sit in one
+# huge-page region as the worker's GGUF weights do (workers/host_memory.py), and torch's other allocations get huge
+# pages as in the engine's children (tokenmill/launcher.py). Until 2026-11-27 21:00 each copy was its own torch
+# tensor, in huge pages only from 2 MiB up: the per-layer shapes of SmolLM2 (0.2-1.1 MB) were read from 4 KiB pages.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import argparse
@@ -111,13 +112,18 @@ def weight_pool(type_name: str, n: int, k: int, pool_bytes: int, rng: np.random.
     are repacked."""
     import torch
 
+    from tokenmill.workers.host_memory import huge_page_bytes
+
     qtype = int(GGMLQuantizationType[type_name])
     blocks = torch.from_numpy(random_blocks(type_name, n, k, rng))
     repacked = gguf_ops.repack_wanted(qtype, n)
     if repacked:
         blocks = gguf_ops.repack_rows(blocks, qtype, n, k)
     copies = max(2, -(-pool_bytes // blocks.numel()))
-    return [blocks] + [blocks.clone() for _ in range(copies - 1)], repacked
+    # side by side in one huge-page region, as the worker gathers its GGUF weights (workers/host_memory.py)
+    region = huge_page_bytes(copies * blocks.numel()).view(copies, *blocks.shape)
+    region.copy_(blocks.expand(copies, *blocks.shape))
+    return list(region.unbind(0)), repacked
 
 
 @dataclass(frozen=True)

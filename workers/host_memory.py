@@ -1,14 +1,14 @@
-"""Host memory on 2 MiB pages for what the CPU kernels read every step: the GGUF weights.
+"""Host memory on 2 MiB pages for what the CPU kernels read every step: the GGUF weights, all in one region.
 
-A batch-1 decode step streams every weight once. On 4 KiB pages that is a TLB miss every 4 KiB and a hardware
-prefetcher stopped at every page edge; on transparent huge pages the same GEMVs ran 1.05-1.09x faster on every shape
-of SmolLM2 (Q4_1, Q8_0; docs/benchmarks.md). (The KV cache stays on ordinary pages: zeroing the default 4.3 GB of it
-on huge pages took 2.9-4.7 s at start-up against 1.7-1.9 s, for an attention gain not yet measured end to end.)
-Linux backs anonymous memory with huge pages only where the range is 2 MiB aligned and, in the common `madvise`
-mode, advised before its pages are first touched: so the region is over-allocated by 2 MiB, cut at the first aligned
-byte and advised (`MADV_HUGEPAGE`) before anything writes it. Where the advice is refused (THP off, another OS) the
-memory is ordinary pages; nothing else changes. `TOKENMILL_HUGE_PAGES=0` turns the advice off (to measure against
-it).
+The engine's children ask torch's allocator for transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`,
+tokenmill/launcher.py), which it gives allocations of 2 MiB and more: the KV caches, the LM head, a large model's
+weights. A small model's per-layer weights are each below that (SmolLM2's 0.2-1.1 MB) and sat on 4 KiB pages: a TLB
+miss every 4 KiB of a weight stream and a hardware prefetcher stopped at every page edge. Gathered into one region on
+huge pages, the batch-1 GEMVs of every SmolLM2 shape ran 1.05-1.09x faster (Q4_1, Q8_0; docs/benchmarks.md). Linux
+backs anonymous memory with huge pages only where the range is 2 MiB aligned and, in the common `madvise` mode,
+advised before its pages are first touched: so the region is over-allocated by 2 MiB, cut at the first aligned byte
+and advised (`MADV_HUGEPAGE`) before anything writes it. Where the advice is refused (THP off, another OS) the memory
+is ordinary pages; nothing else changes. `TOKENMILL_HUGE_PAGES=0` turns the advice off (to measure against it).
 """
 
 from __future__ import annotations
