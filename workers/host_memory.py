@@ -55,7 +55,8 @@ def gather_gguf_weights(model: torch.nn.Module) -> int:
     """Copy the blocks of every GGUF weight of `model` into one huge-page region, each weight's `blocks` a view of it
     (same bytes, same shape; a weight shared by two modules moved once); returns the bytes moved. Call it after the
     weights are loaded and repacked, before any matmul closure or recording has taken their addresses."""
-    weights = list({id(module): module for module in model.modules() if isinstance(module, GGUFWeight)}.values())
+    # modules() yields a module shared by two parents (a tied embedding and LM head) once
+    weights = [module for module in model.modules() if isinstance(module, GGUFWeight)]
     sizes = [weight.blocks.numel() for weight in weights]
     starts, total = [], 0
     for size in sizes:
