@@ -186,7 +186,8 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
 
 
 def _call_kv(name: str, dtype: torch.dtype, cache_dtype: torch.dtype, *args) -> None:
-    """A KV kernel: the cache holds `dtype` or fp8 (then `args` end with the k and v scales it applies)."""
+    """A KV kernel: the cache holds `dtype`, a 16-bit float under float32 `dtype`, or fp8 (then `args` end with the k
+    and v scales it applies)."""
     codes = (DTYPE_CODES.get(dtype, -1), FP8_CODES.get(cache_dtype, DTYPE_CODES.get(cache_dtype, -1)))
     if getattr(library(), name)(*codes, *args) != 0:
         raise ValueError(f"{name}: unsupported dtypes {dtype} with a {cache_dtype} KV cache")

@@ -1,4 +1,7 @@
-"""FP8 KV cache: the cache dtypes, and storing and reading keys/values with a per-tensor scale (vLLM's semantics).
+"""The KV cache's dtypes, and storing and reading keys/values with a per-tensor scale (fp8, vLLM's semantics).
+
+A cache in a 16-bit float type other than the model's (`--kv-cache-dtype float16|bfloat16` under a float32 model)
+stores `x.to(dtype)` and reads `cache.to(model dtype)`, without scales.
 
 With an fp8 cache a layer stores `(x / scale).to(fp8)` and reads `cache.to(dtype) * scale`, a k_scale for keys and
 a v_scale for values (from the checkpoint when it has them, else 1.0). Caches in the model's dtype ignore the scales.
@@ -15,6 +18,8 @@ import torch
 from tokenmill.config import KV_CACHE_DTYPES as KV_CACHE_DTYPE_NAMES
 
 KV_CACHE_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
@@ -28,7 +33,13 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {name!r}")
-    return KV_CACHE_DTYPES[name]
+    dtype = KV_CACHE_DTYPES[name]
+    if not is_fp8(dtype) and dtype.itemsize >= model_dtype.itemsize and dtype != model_dtype:
+        raise ValueError(
+            f"kv_cache_dtype {name} narrows only a float32 model's cache; this model runs in {model_dtype}: "
+            "use kv_cache_dtype='auto' or --dtype float32"
+        )
+    return dtype
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -33,7 +33,12 @@ if TYPE_CHECKING:
 
 
 def build_runner(
-    model: str, dtype: str, num_blocks: int, block_size: int, quantization: str | None = None
+    model: str,
+    dtype: str,
+    num_blocks: int,
+    block_size: int,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[Worker, EngineConfig]:
     """A loaded `Worker` (the engine's in-process forward, sampler and KV cache) with `num_blocks` KV blocks."""
     from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
@@ -43,7 +48,7 @@ def build_runner(
     config = resolve_config(
         EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
-            cache=CacheConfig(num_kv_blocks=num_blocks, block_size=block_size),
+            cache=CacheConfig(num_kv_blocks=num_blocks, block_size=block_size, kv_cache_dtype=kv_cache_dtype),
         )
     )
     runner = Worker(config)

@@ -23,6 +23,7 @@ they are means of wall times, which a loaded machine inflates; the table's rows 
 use the calling thread's CPU time unless `--clock wall`.
 
     OMP_NUM_THREADS=1 python scripts/profile_token.py --rounds 3
+    OMP_NUM_THREADS=1 python scripts/profile_token.py --rounds 3 --kv-cache-dtype float16
     OMP_NUM_THREADS=1 python scripts/profile_token.py \
         --model ~/.cache/tokenmill/llama.cpp/models/qwen2.5-0.5b-random-Q8_0.gguf
 """
@@ -114,9 +115,12 @@ def timed_step(driver: DecodeDriver) -> float:
     return clock() - started
 
 
-def worker_figures(model: str, context_len: int, steps: int, rounds: int) -> dict[str, dict[str, float]]:
+def worker_figures(
+    model: str, context_len: int, steps: int, rounds: int, kv_cache_dtype: str
+) -> dict[str, dict[str, float]]:
     """{mode: {"step", "matmul", "other", "python"}} in ms per token (medians over rounds)."""
-    runner, _ = build_runner(model, "auto", 4 + -(-(context_len + 2 * steps * rounds * 4) // 16), 16)
+    num_blocks = 4 + -(-(context_len + 2 * steps * rounds * 4) // 16)
+    runner, _ = build_runner(model, "auto", num_blocks, 16, kv_cache_dtype=kv_cache_dtype)
     runner.capture_cuda_graphs()
     if runner.decode_graphs is None:
         raise SystemExit("the worker recorded no CPU decode steps (see the log): nothing to compare")
@@ -151,13 +155,17 @@ def print_kernels(worker: dict[str, dict[str, float]]) -> None:
         print(f"{mode} kernels, ms per token: {cells}")
 
 
-def engine_figures(model: str, context_len: int, tokens: int, rounds: int) -> dict[str, dict[str, float]]:
+def engine_figures(
+    model: str, context_len: int, tokens: int, rounds: int, kv_cache_dtype: str
+) -> dict[str, dict[str, float]]:
     """{mode: {"step", "model", "interval"}} in ms per decode step, from the engine's processes."""
     from tokenmill.llm import LLM
     from tokenmill.messages import SamplingParams, StepOutputs
 
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, 20_000, context_len)]
-    engines = {mode: LLM(model, enforce_eager=mode == "eager", max_num_seqs=8) for mode in MODES}
+    engines = {
+        mode: LLM(model, enforce_eager=mode == "eager", max_num_seqs=8, kv_cache_dtype=kv_cache_dtype) for mode in MODES
+    }
     samples: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
     try:
         for _ in range(rounds):
@@ -271,6 +279,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="", help="a model directory or GGUF file (default: the shipped one)")
     parser.add_argument("--context-len", type=int, default=200)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as `tokenmill serve` (float16: half the KV bytes)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps per worker round")
     parser.add_argument("--tokens", type=int, default=64, help="decode steps per engine round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -283,11 +292,11 @@ def main() -> None:
     torch.set_num_threads(threads)
     load = os.getloadavg()
     print(f"load average before: {load}; {threads} compute thread(s); worker figures on the {args.clock} clock")
-    worker = worker_figures(args.model, args.context_len, args.steps, args.rounds)
+    worker = worker_figures(args.model, args.context_len, args.steps, args.rounds, args.kv_cache_dtype)
     zero = {"step": 0.0, "model": 0.0, "interval": 0.0}
     engine = {m: zero for m in MODES}
     if not args.skip_engine:
-        engine = engine_figures(args.model, args.context_len, args.tokens, args.rounds)
+        engine = engine_figures(args.model, args.context_len, args.tokens, args.rounds, args.kv_cache_dtype)
     print_table(worker, engine, scheduler_ms(), message_round_trips_ms(), frontend_ms())
     print_kernels(worker)
     print(f"load average after: {os.getloadavg()}")

@@ -171,8 +171,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="KV cache element type: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2, one byte per "
-        "element scaled by the checkpoint's k/v scales (1.0 without)",
+        help="KV cache element type: auto (the model's dtype); float16 / bfloat16, two bytes per element under a "
+        "float32 model; or fp8 (= fp8_e4m3) / fp8_e5m2, one byte per element scaled by the checkpoint's k/v scales "
+        "(1.0 without)",
     )
 
     s = parser.add_argument_group("scheduler")

@@ -55,7 +55,7 @@ def is_pooling_task(task: str) -> bool:
     return task in POOLING_TASKS
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,9 +64,10 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_memory_bytes: int = 4 * GIB  # the KV budget on CPU (on GPU it is derived)
     enable_prefix_caching: bool = True
     num_kv_blocks: int = 0  # 0: from the budget; tests set it small to force preemption
-    # vLLM's --kv-cache-dtype: "auto" is the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 store K/V in one byte each,
-    # divided by per-layer scales from the checkpoint (1.0 without) (kernels/kv_quant.py)
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # vLLM's --kv-cache-dtype: "auto" is the model's dtype; float16 / bfloat16 store a float32 model's K/V in two
+    # bytes each (llama.cpp's default is float16); fp8 (= fp8_e4m3) or fp8_e5m2 in one byte each, divided by
+    # per-layer scales from the checkpoint (1.0 without) (kernels/kv_quant.py)
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

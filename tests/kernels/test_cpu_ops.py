@@ -172,10 +172,17 @@ def test_fp8_conversions_are_torchs_bit_for_bit(fp8_dtype):
         assert torch.equal(encoded.view(torch.uint8), floats.to(fp8_dtype).view(torch.uint8))
 
 
-@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_into_fp8_caches_matches_the_torch_code(dtype, fp8_dtype):
-    k_cache = torch.zeros(24, 4, 2, 64, dtype=fp8_dtype)
+# (activations, cache): fp8 under either activation type; a 16-bit float cache under float32 activations
+NARROWER_CACHES = [(dtype, fp8) for dtype in (torch.float32, torch.bfloat16) for fp8 in FP8_DTYPES] + [
+    (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", NARROWER_CACHES)
+def test_write_kv_into_narrower_caches_matches_the_torch_code(dtype, cache_dtype):
+    """fp8 stores key / k_scale rounded as torch does; a 16-bit cache ignores the scales and rounds as `.to()`."""
+    k_cache = torch.zeros(24, 4, 2, 64, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     qkv = (torch.randn(80, 4 * 2 * 64) * 30).to(dtype)  # 80 tokens: the threaded loop; some keys past 448
     key = qkv[:, : 2 * 64].view(80, 2, 64)
@@ -190,12 +197,31 @@ def test_write_kv_into_fp8_caches_matches_the_torch_code(dtype, fp8_dtype):
     assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
 
 
-@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [*FP8_DTYPES, torch.float16, torch.bfloat16])
+def test_decode_attention_reads_every_cached_value_as_torch_converts_it(cache_dtype):
+    """Four one-token sequences: each output row is its one value row, converted exactly (the weight is 1). For fp8
+    the rows hold all 256 bytes (subnormals, the largest finites, NaN); for 16-bit caches random bit patterns."""
+    bits_dtype = torch.uint8 if cache_dtype in FP8_DTYPES else torch.int16
+    if bits_dtype == torch.uint8:
+        bits = torch.arange(256, dtype=torch.uint8)
+    else:
+        bits = torch.randint(-(2**15), 2**15, (256,), dtype=torch.int32).to(torch.int16)
+    cache = torch.zeros(5, 16, 1, 64, dtype=cache_dtype)
+    cache.view(bits_dtype)[1:, 0, 0, :] = bits.view(4, 64)
+    out = torch.empty(4, 1, 64)
+    seq_lens = torch.ones(4, dtype=torch.int32)
+    tables = torch.arange(1, 5, dtype=torch.int32)[:, None]
+    query_start_loc = torch.arange(5, dtype=torch.int32)
+    keys = torch.zeros_like(cache)  # one key a sequence: its weight is 1 whatever its score (a NaN key's would not)
+    cpu_ops.decode_attention(out, torch.randn(4, 1, 64), keys, cache, tables, query_start_loc, seq_lens, 0.125)
+    torch.testing.assert_close(out[:, 0], cache[1:, 0, 0].float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", NARROWER_CACHES)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 2, 80)])
-def test_decode_attention_over_fp8_caches_matches_reference(dtype, fp8_dtype, num_heads, num_kv_heads, head_dim):
+def test_decode_attention_over_narrower_caches_matches_reference(dtype, cache_dtype, num_heads, num_kv_heads, head_dim):
     seq_lens = [1, 17, 100, 64]
-    cache = make_paged_cache(seq_lens, num_kv_heads, head_dim, 16, fp8_dtype)
+    cache = make_paged_cache(seq_lens, num_kv_heads, head_dim, 16, cache_dtype)
     query = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
     query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     out = torch.full_like(query, float("nan"))
@@ -301,6 +327,13 @@ def test_an_unsupported_dtype_is_refused_not_misread():
     x = torch.randn(2, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="unsupported dtype torch.float64"):
         cpu_ops.silu_and_mul(x)
+
+
+def test_a_16_bit_cache_under_other_16_bit_activations_is_refused():
+    k_cache = torch.zeros(4, 4, 2, 64, dtype=torch.float16)
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unsupported dtypes torch.bfloat16 with a torch.float16 KV cache"):
+        cpu_ops.write_kv(key, key, k_cache, k_cache.clone(), torch.arange(3))
 
 
 # ---------------------------------------------------------------- only a library this user built is loaded

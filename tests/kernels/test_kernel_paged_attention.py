@@ -77,6 +77,18 @@ def test_half_precision_caches(dtype):
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_caches_under_a_float32_query(cache_dtype):
+    """`--kv-cache-dtype float16|bfloat16` under a float32 model: tiles widened to float32 as loaded, scales ignored,
+    the result as close to the reference (which widens the same values) as a float32 cache's."""
+    scales = dict(k_scale=0.5, v_scale=3.0)
+    out, ref = run_decode(DECODE_SEQ_LENS, 3, 64, 16, torch.float32, cache_dtype, **scales)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+    out, ref = run_prefill(PREFILL_SEQS, 3, 64, 16, torch.float32, cache_dtype, **scales)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_caches_with_scales(cache_dtype, dtype):

@@ -99,6 +99,12 @@ def test_half_precision(dtype, group):
     torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_caches_under_a_float32_query(cache_dtype):
+    out, ref = run([1, 45, 200], 8, 3, torch.float32, cache_dtype=cache_dtype, k_scale=0.5, v_scale=3.0)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])  # the scales ignored, as the reference does
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("group", [1, 8])
 def test_fp8_caches_with_scales(cache_dtype, group):

@@ -2,6 +2,10 @@
 through the offline `LLM` on a tiny checkpoint: the cache holds one byte per element, so a byte budget holds 4x the
 float32 blocks, and greedy output stays close to the float32 cache's (fp8 keys are lossy: close, not identical).
 Checkpoint KV-cache scales land on the attention layers.
+
+`kv_cache_dtype="float16" | "bfloat16"` under a float32 model: two bytes a cached element instead of four (half the
+bytes decode attention reads; llama.cpp caches float16 by default), no scales, the model's own dtype for everything
+else. A 16-bit cache under other 16-bit activations is refused with one sentence.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from tests.helpers.runner_driver import logits_in_chunks, run_greedy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.frontend.tokenizer import load_tokenizer
+from tokenmill.kernels.kv_quant import kv_cache_torch_dtype
 from tokenmill.model_source import resolve_config
 from tokenmill.workers.model_loader import iter_weights
 from tokenmill.workers.models.registry import model_class
@@ -164,5 +169,89 @@ def test_llm_runs_with_an_fp8_kv_cache_of_four_times_the_blocks(tiny_checkpoints
             use_tqdm=False,
         )
     assert [len(r.outputs[0].token_ids) for r in out] == [12, 12]
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ValueError, match="must be one of auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2"):
         LLM(str(tiny_checkpoints("llama")), kv_cache_dtype="int8")
+
+
+# ---------------------------------------------------------------- 16-bit caches under a float32 model
+
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HALF_DTYPES)
+def test_a_16_bit_cache_holds_twice_the_float32_blocks(default_model, name):
+    runner, _ = default_model
+    use_kv_cache_dtype(runner, "auto")
+    float32_blocks, float32_block_bytes = runner.num_kv_blocks_for_budget(), runner.kv_block_bytes()
+    use_kv_cache_dtype(runner, name)
+    assert runner.kv_cache_dtype == HALF_DTYPES[name]
+    assert runner.kv_block_bytes() * 2 == float32_block_bytes
+    assert (float32_blocks, runner.num_kv_blocks_for_budget()) == (91, 182)  # 64 MiB of 720 / 360 KiB blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HALF_DTYPES)
+def test_greedy_output_over_a_16_bit_cache_stays_with_the_float32_caches(default_model, name):
+    """The first 16 greedy tokens of 8 prompts on the default model. Its GGUF matmuls quantize each activation row
+    to int8, which makes any perturbation of the keys, even a relative 1e-7, move the next-token distributions by a
+    KL of ~3e-3 (measured: docs/benchmarks.md), so the 16-bit caches (K/V rounded to 10 or 7 mantissa bits) diverge
+    at the near-ties like that, not more: measured first divergences [16, 13, 16, 8, 10, 12, 12, 5] (float16) and
+    [16, 13, 16, 16, 16, 12, 12, 5] (bfloat16); fp8's were [16, 13, 5, 8, 9, 12, 12, 12] on the same run. The
+    floors leave room below those."""
+    runner, prompts = default_model
+    reference = greedy(runner, prompts, "auto")
+    half = greedy(runner, prompts, name)
+    agreeing = [agreeing_prefix(a, b) for a, b in zip(reference, half)]
+    print(f"tokens agreeing with the float32 cache ({name}), per prompt:", agreeing)
+    assert min(agreeing) >= 3, agreeing
+    assert sum(agreeing) >= 8 * len(agreeing), agreeing
+
+
+# measured: 4.3e-7 (float16), 2.5e-5 (bfloat16): the rounding of 10 and 7 mantissa bits, squared
+@pytest.mark.parametrize("cache_dtype, max_kl", [(torch.float16, 1e-5), (torch.bfloat16, 2e-4)])
+def test_a_16_bit_cache_reads_what_it_stored(tiny_checkpoint, cache_dtype, max_kl):
+    """Chunked prefill then decode over a shuffled paged cache (the cache written by one step and read by later
+    ones) on float32 weights: next-token distributions within rounding of the float32 cache's, and the layer
+    scales ignored."""
+    path, hf_model = tiny_checkpoint("llama")
+    model = model_class("LlamaForCausalLM")(hf_model.config)
+    model.load_weights(iter_weights(ModelConfig(path=str(path))))
+    input_ids = torch.randint(3, hf_model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
+    chunks = [0, 11, 12, 13, 30]
+    plain = logits_in_chunks(model, input_ids, chunks)
+    half = logits_in_chunks(model, input_ids, chunks, kv_cache_dtype=cache_dtype)
+    assert not torch.equal(half, plain)
+    assert mean_kl(plain, half) < max_kl
+    for layer in model.model.layers:
+        layer.self_attn.attn_layer.k_scale, layer.self_attn.attn_layer.v_scale = 0.37, 3.1
+    assert torch.equal(logits_in_chunks(model, input_ids, chunks, kv_cache_dtype=cache_dtype), half)
+
+
+def test_a_16_bit_cache_narrows_only_a_float32_model():
+    assert kv_cache_torch_dtype("float16", torch.float32) == torch.float16
+    assert kv_cache_torch_dtype("bfloat16", torch.bfloat16) == torch.bfloat16  # the model's own: as "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 narrows only a float32 model's cache"):
+        kv_cache_torch_dtype("float16", torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_llm_runs_with_a_float16_kv_cache_of_twice_the_blocks(tiny_checkpoints):
+    from tokenmill import LLM, SamplingParams
+
+    prompts = ["Hello there", "A longer prompt of a few more words"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = {}
+    for name in ("auto", "float16"):
+        # the tiny llama: 2 layers x 2 kv heads x head dim 16 -> 512 bytes of float32 KV a token, 256 in float16
+        with LLM(
+            str(tiny_checkpoints("llama")),
+            dtype="float32",
+            kv_cache_dtype=name,
+            kv_cache_memory_bytes=32 * 16 * 512,
+            max_model_len=256,
+        ) as llm:
+            assert llm.engine_info.num_kv_blocks == (32 if name == "auto" else 64)
+            outputs[name] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    assert [len(ids) for ids in outputs["float16"]] == [12, 12]
+    assert outputs["float16"] == outputs["auto"]
