@@ -370,6 +370,23 @@ inline void prefetch_slice(const T* block, int64_t count, int64_t part, int64_t 
   }
 }
 
+// `rows` rows of `row_len` values `src_stride` apart, as float32 rows packed one after the other in `dst`.
+template <typename C>
+inline void widen_rows(const C* src, int64_t rows, int64_t row_len, int64_t src_stride, float* dst) {
+  for (int64_t i = 0; i < rows; ++i, src += src_stride, dst += row_len) {
+    int64_t e = 0;
+#if defined(TM_AVX2_ATTENTION)
+    for (; e + 8 <= row_len; e += 8) _mm256_storeu_ps(dst + e, load8(src + e));
+#else
+    for (; e + 16 <= row_len; e += 16) {
+      const f32x16 v = load16(src + e);
+      std::memcpy(dst + e, &v, sizeof v);
+    }
+#endif
+    for (; e < row_len; ++e) dst[e] = to_float(src[e]);
+  }
+}
+
 constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead, in blocks, a pass prefetches
 
 // Few query tokens per sequence: the sequences of 1 to max_query_len query tokens (by their query_start_loc span;
@@ -424,7 +441,7 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
   const int64_t head_rows = heads_per_item * group;  // query heads of an item, each a row of scores per query token
 #pragma omp parallel
   {
-    std::vector<float> q, acc, scores, inv_sums;
+    std::vector<float> q, acc, scores, inv_sums, wide;
     // Round-robin items, so a thread knows its next item and can prefetch that item's first blocks.
     const int64_t num_items = num_seqs * head_splits, item_stride = omp_get_num_threads();
 #pragma omp for schedule(static, 1)
@@ -476,38 +493,50 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
         return k_cache + block_tables[next_seq * block_table_stride + next_block] * cache_block_stride +
                next_first_head * head_dim;
       };
+      // fp8 blocks are widened to float32 once (`wide`), not once per query head reading them: the conversion, not
+      // the memory, bounds an fp8 pass (e4m3 takes ten instructions per eight values on AVX2).
+      const int64_t item_row = heads_per_item * head_dim;
+      auto block_rows = [&](const C* block, int64_t count, auto&& pass) {
+        if constexpr (is_fp8<C>) {
+          wide.resize(block_size * item_row);
+          widen_rows(block, count, item_row, cache_token_stride, wide.data());
+          pass(static_cast<const float*>(wide.data()), item_row);
+        } else {
+          pass(block, cache_token_stride);
+        }
+      };
       for (int64_t start = key_start; start < seq_len; start += block_size) {
-        const C* keys = block_start(k_cache, start);
         const int64_t offset = start - key_start, count = std::min(block_size, seq_len - start);
         int64_t ahead_count;
         const C* ahead = pass_block(offset / block_size + PREFETCH_BLOCKS, &ahead_count);
-        for (int64_t row = 0; row < rows; ++row) {
-          prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
-          const int64_t i_query = row / head_rows;
-          const int64_t begin = std::max<int64_t>(0, lead_of(i_query) - offset);
-          const int64_t end = std::min(count, end_of(i_query) - offset);
-          const float* __restrict__ qr = q.data() + row * head_dim;
-          const C* head_keys = keys + row % head_rows / group * head_dim;
-          float* __restrict__ s = scores.data() + row * span + offset;
-          int64_t i = begin;
-          if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
-            for (; i + 16 <= end; i += 16) {
-              dot16<C, HEAD_DIM>(qr, head_keys + i * cache_token_stride, cache_token_stride, s + i);
-            }
-            if constexpr (kScoresFourKeysAtATime) {
-              for (; i + 4 <= end; i += 4) {
-                dot4<C, HEAD_DIM>(qr, head_keys + i * cache_token_stride, cache_token_stride, s + i);
+        block_rows(block_start(k_cache, start), count, [&](const auto* keys, int64_t token_stride) {
+          using K = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
+          for (int64_t row = 0; row < rows; ++row) {
+            prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
+            const int64_t i_query = row / head_rows;
+            const int64_t begin = std::max<int64_t>(0, lead_of(i_query) - offset);
+            const int64_t end = std::min(count, end_of(i_query) - offset);
+            const float* __restrict__ qr = q.data() + row * head_dim;
+            const K* head_keys = keys + row % head_rows / group * head_dim;
+            float* __restrict__ s = scores.data() + row * span + offset;
+            int64_t i = begin;
+            if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+              for (; i + 16 <= end; i += 16) {
+                dot16<K, HEAD_DIM>(qr, head_keys + i * token_stride, token_stride, s + i);
+              }
+              if constexpr (kScoresFourKeysAtATime) {
+                for (; i + 4 <= end; i += 4) dot4<K, HEAD_DIM>(qr, head_keys + i * token_stride, token_stride, s + i);
               }
             }
-          }
-          for (; i < end; ++i) {
-            const C* __restrict__ key = head_keys + i * cache_token_stride;
-            float dot = 0.0f;
+            for (; i < end; ++i) {
+              const K* __restrict__ key = head_keys + i * token_stride;
+              float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(key[d]);
-            s[i] = dot;
+              for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(key[d]);
+              s[i] = dot;
+            }
           }
-        }
+        });
       }
 
       for (int64_t row = 0; row < rows; ++row) {
@@ -527,28 +556,30 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
 
       acc.assign(rows * head_dim, 0.0f);
       for (int64_t start = key_start; start < seq_len; start += block_size) {
-        const C* values = block_start(v_cache, start);
         const int64_t offset = start - key_start, count = std::min(block_size, seq_len - start);
         int64_t ahead_count;
         const C* ahead = pass_block(num_blocks + offset / block_size + PREFETCH_BLOCKS, &ahead_count);
-        for (int64_t row = 0; row < rows; ++row) {
-          prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
-          const int64_t i_query = row / head_rows;
-          const int64_t begin = std::max<int64_t>(0, lead_of(i_query) - offset);
-          const int64_t end = std::min(count, end_of(i_query) - offset);
-          const float* __restrict__ p = scores.data() + row * span + offset;
-          const C* head_values = values + row % head_rows / group * head_dim;
-          float* __restrict__ a = acc.data() + row * head_dim;
-          if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
-            accumulate_values<C, HEAD_DIM>(a, p, head_values, cache_token_stride, begin, end);
-          } else {
-            for (int64_t i = begin; i < end; ++i) {
-              const C* __restrict__ value = head_values + i * cache_token_stride;
+        block_rows(block_start(v_cache, start), count, [&](const auto* values, int64_t token_stride) {
+          using V = std::remove_cv_t<std::remove_pointer_t<decltype(values)>>;
+          for (int64_t row = 0; row < rows; ++row) {
+            prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
+            const int64_t i_query = row / head_rows;
+            const int64_t begin = std::max<int64_t>(0, lead_of(i_query) - offset);
+            const int64_t end = std::min(count, end_of(i_query) - offset);
+            const float* __restrict__ p = scores.data() + row * span + offset;
+            const V* head_values = values + row % head_rows / group * head_dim;
+            float* __restrict__ a = acc.data() + row * head_dim;
+            if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+              accumulate_values<V, HEAD_DIM>(a, p, head_values, token_stride, begin, end);
+            } else {
+              for (int64_t i = begin; i < end; ++i) {
+                const V* __restrict__ value = head_values + i * token_stride;
 #pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) a[d] += p[i] * to_float(value[d]);
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p[i] * to_float(value[d]);
+              }
             }
           }
-        }
+        });
       }
       for (int64_t i = 0; i < q_len; ++i) {
         T* o = out + ((token + i) * num_heads + first_head * group) * head_dim;
