@@ -18,7 +18,8 @@
 // (block, activation row, 8 rows) by one 8-lane FMA, straight into the 8 outputs: no horizontal sums. Each weight
 // block is unpacked once for up to 8 activation rows (4 on AVX2). Same integer products as tm_gguf_matmul; only the
 // float summation order differs. Rows past the last whole group of 8 stay in the plain layout (the plain kernels).
-// Q4_K has the same kind of layout (see `packed_q4_k_rows`): a sub-block's scale is applied once per 8 rows.
+// Q2_K, Q3_K and Q4_K have the same kind of layout (see `packed_segments`, `packed_q2_k_rows`, `packed_q4_k_rows`): a
+// sub-block's scale is applied once per 8 rows.
 //
 // tm_gguf_matmul_float is the float-activation alternative: no int8 rounding; each weight block is dequantized in
 // registers exactly as gguf.quants does and multiplied with the float32 activations by FMA, summed in float32, with
@@ -84,14 +85,34 @@ constexpr int block_bytes(int qtype) {
   }
 }
 
-// The types with the repacked layout (tm_gguf_matmul_repacked: the 32-wide ones and Q4_K), and the bytes before each
-// block's 4-byte groups, moved in 2-byte pieces: the fp16 scale (and min); Q4_K's d, dmin and 12 bytes of 6-bit
-// scales and mins (Q5_0 / Q5_1: the 32-bit word of fifth bits is their first group).
+// The types with the repacked layout (tm_gguf_matmul_repacked: the 32-wide ones, Q2_K, Q3_K and Q4_K), and the bytes
+// before each block's 4-byte groups, moved in 2-byte pieces: the fp16 scale (and min); Q4_K's d, dmin and 12 bytes of
+// 6-bit scales and mins (Q5_0 / Q5_1: the 32-bit word of fifth bits is their first group).
 constexpr bool has_packed_layout(int qtype) {
   return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == IQ4_NL ||
-         qtype == Q4_K;
+         qtype == Q2_K || qtype == Q3_K || qtype == Q4_K;
 }
 constexpr int packed_scale_bytes(int qtype) { return qtype == Q4_K ? 16 : qtype == Q4_1 || qtype == Q5_1 ? 4 : 2; }
+
+// A repacked block of 8 rows is its plain blocks' byte ranges ("segments") one after the other, each with the 8 rows'
+// bytes interleaved in pieces of `unit` bytes: piece p of row 0, of row 1, ..., of row 7, for p = 0, 1, ... For the
+// 32-wide types and Q4_K: the packed_scale_bytes in 2-byte pieces, then the rest in 4-byte groups. Q2_K: d and dmin
+// (2-byte pieces: the 8 d, then the 8 dmin), the 16 scale bytes one at a time (8 bytes a sub-block), the 64 quant
+// bytes in 4-byte groups. Q3_K: d, the 12 scale bytes in 2-byte pieces, hmask and the 64 quant bytes in 4-byte groups.
+// Kept in step with gguf_ops._packed_segments.
+struct PackedSegment {
+  int offset, length, unit;  // in the plain block
+};
+struct PackedSegments {
+  PackedSegment segment[4];
+  int count;
+};
+constexpr PackedSegments packed_segments(int qtype) {
+  if (qtype == Q2_K) return {{{80, 4, 2}, {0, 16, 1}, {16, 64, 4}, {}}, 3};
+  if (qtype == Q3_K) return {{{108, 2, 2}, {96, 12, 1}, {0, 32, 4}, {32, 64, 4}}, 4};
+  const int head = packed_scale_bytes(qtype);
+  return {{{0, head, 2}, {head, block_bytes(qtype) - head, 4}, {}, {}}, 2};
+}
 
 // IQ4_NL's 16 weights (times its block scale), indexed by the 4-bit quant (ggml's kvalues_iq4nl).
 alignas(16) constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -415,16 +436,20 @@ int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx,
 // besides gguf_ops._group_permutation and the kernels' reads.
 template <bool TO_PACKED>
 void move_row(int qtype, uint8_t* group, int64_t row_bytes, int r, uint8_t* plain_row) {
-  const int bb = block_bytes(qtype), quants = packed_scale_bytes(qtype);
+  const int bb = block_bytes(qtype);
+  const PackedSegments segments = packed_segments(qtype);
   const int64_t nb = row_bytes / bb;
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* packed = group + b * 8 * bb;
     uint8_t* plain = plain_row + b * bb;
-    for (int h = 0; h < quants; h += 2)
-      TO_PACKED ? std::memcpy(packed + 8 * h + 2 * r, plain + h, 2) : std::memcpy(plain + h, packed + 8 * h + 2 * r, 2);
-    for (int j = 0; j < (bb - quants) / 4; ++j) {
-      uint8_t* in_group = packed + 8 * quants + 32 * j + 4 * r;
-      TO_PACKED ? std::memcpy(in_group, plain + quants + 4 * j, 4) : std::memcpy(plain + quants + 4 * j, in_group, 4);
+    for (int s = 0; s < segments.count; ++s) {
+      const PackedSegment seg = segments.segment[s];
+      for (int p = 0; p < seg.length; p += seg.unit) {
+        uint8_t* in_group = packed + 8 * p + seg.unit * r;
+        TO_PACKED ? std::memcpy(in_group, plain + seg.offset + p, seg.unit)
+                  : std::memcpy(plain + seg.offset + p, in_group, seg.unit);
+      }
+      packed += 8 * seg.length;
     }
   }
 }
@@ -2364,11 +2389,237 @@ void packed_q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g
 }
 #endif
 
+// ---------------------------------------------------------------- Q2_K and Q3_K repacked: 8 rows interleaved
+// The layouts are packed_segments'. Q2_K's block b of a group (8 * 84 bytes): the 8 rows' fp16 d (16 bytes) and dmin
+// (16 bytes); their scale bytes (low nibble the scale, high the min), 8 bytes a sub-block g: byte 32 + 8 g + r is row
+// r's; then 16 quant groups of 32 bytes, group j = 8 n + i holding each row's bytes 32 n + 4 i .. + 3, whose bit
+// pair f (bits 2 f, 2 f + 1) is element 128 n + 32 f + 4 i + k, k < 4 -- so one maddubs / vpdpbusd of a group's
+// bit pair f with 4 broadcast activations adds 8 rows' partial dot products over sub-block 8 n + 2 f + i / 4.
+// Q3_K's (8 * 110 bytes): the 8 d (16 bytes); the 12 bytes of 6-bit scales in 2-byte pieces (piece p at 16 + 16 p:
+// row r's bytes 2 p, 2 p + 1 at 2 r); hmask in 8 groups of 32 bytes at 112 (group i: each row's bytes 4 i .. + 3,
+// whose bit 4 n + f is the third bit of element 128 n + 32 f + 4 i + k); the quant groups at 368 as Q2_K's.
+// The integer sums per sub-block and block are exact, as the plain kernels'; then per block and activation row one
+// FMA (and Q2_K one for the mins): a row's result does not depend on NT (batch-invariant).
+constexpr int kQ2kGroupBytes = 8 * 84, kQ3kGroupBytes = 8 * 110;
+
+#if TM_ISA_X86
+// Sub-block g's 8 scale lanes (int16, row r in lane r) from 8 bytes a row each; AVX2 madd wants (s, s) pairs.
+#if TM_VNNI
+inline __m256i k_scale_lanes(__m128i s) { return _mm256_cvtepi16_epi32(s); }
+#else
+inline __m256i k_scale_lanes(__m128i s) { return q4k_scale_lanes(s); }
+#endif
+
+// The 8 rows' partial sums of sub-blocks 8 n + 2 f and 8 n + 2 f + 1 (groups i = 0..3 and 4..7 of half n, bit pair
+// f) with NT activation rows, each scaled by `scale(h)` (h = 0, 1: the two sub-blocks) into sum[t]. `weights(i)`
+// gives group 8 n + i's bit pair f as bytes in [0, 8).
+template <int NT, typename Weights, typename Scale>
+inline void k_sub_blocks(const int8_t* x, int64_t K, Weights&& weights, Scale&& scale, __m256i* sum) {
+  for (int h = 0; h < 2; ++h) {
+    Q4kPart part[NT];
+    for (auto& v : part) v = _mm256_setzero_si256();
+    for (int i = 4 * h; i < 4 * h + 4; ++i) {
+      const __m256i w = weights(i);
+      for (int t = 0; t < NT; ++t) part[t] = q4k_part(part[t], w, _mm256_set1_epi32(load_i32(x + t * K + 4 * i)));
+    }
+    const __m256i s = scale(h);
+    for (int t = 0; t < NT; ++t) sum[t] = _mm256_add_epi32(sum[t], q4k_scaled(part[t], s));
+  }
+}
+
+// sum_g c_g * (activation row t's sum of sub-block g) for the 8 rows, c_g in 16-bit lanes: pairs[j] holds (c_2j,
+// c_2j+1) in row r's 32-bit lane.
+inline __m256i k_sub_block_dot(const __m256i pairs[8], const int16_t* sums) {
+  __m256i out = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j)
+    out = _mm256_add_epi32(out, _mm256_madd_epi16(pairs[j], _mm256_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(sums + 2 * j)))));
+  return out;
+}
+
+template <int NT>
+void packed_q2_k_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
+  const __m256i three = _mm256_set1_epi8(3);
+  const __m128i low4 = _mm_set1_epi16(15);
+  __m256 acc[NT];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * kQ2kGroupBytes;
+    prefetch_ahead<kQ2kGroupBytes>(blk);
+    const uint8_t* sc = blk + 32;
+    const uint8_t* qs = blk + 160;
+    __m256i sum[NT];
+    for (auto& v : sum) v = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int n = 0; n < 2; ++n)
+#pragma GCC unroll 4
+      for (int f = 0; f < 4; ++f) {
+        const int g = 8 * n + 2 * f;
+        k_sub_blocks<NT>(
+            a.qrow(t0) + b * 256 + 128 * n + 32 * f, a.K,
+            [&](int i) { return _mm256_and_si256(_mm256_srli_epi16(load32(qs + 32 * (8 * n + i)), 2 * f), three); },
+            [&](int h) {
+              const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * (g + h))));
+              return k_scale_lanes(_mm_and_si128(bytes, low4));
+            },
+            sum);
+      }
+    // the mins (high nibbles), two sub-blocks per 32-bit lane
+    __m256i min_pairs[8];
+    for (int j = 0; j < 8; ++j) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * j));  // sub-blocks 2j, 2j + 1
+      const __m128i mins = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
+      min_pairs[j] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, _mm_srli_si128(mins, 8)));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    for (int t = 0; t < NT; ++t) {
+      const __m256i mins = k_sub_block_dot(min_pairs, a.sums16_row(t0 + t) + b * 16);
+      const __m256 dx = _mm256_set1_ps(a.scale_row(t0 + t)[b]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, dx), acc[t]);
+      acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
+}
+
+// The 8 rows' 16 signed 6-bit scales of a packed Q3_K block (unpack_scales_q3_k on 8 rows at once) as bytes, 8 rows
+// a sub-block: scale g's low 4 bits are the low (g < 8) or high nibble of byte g % 8, its high 2 bits bits 2 (g / 4)
+// of byte 8 + g % 4; minus 32. The packed block holds byte i of row r at 16 + 8 i + r, so a vector of 32 bytes is
+// 4 bytes' 8 rows: four sub-blocks at once.
+inline void q3k_scales(const uint8_t* blk, int8_t scale[16][8]) {
+  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+  const __m256i bytes0 = load32(blk + 16), bytes4 = load32(blk + 48), high = load32(blk + 80);
+  const __m256i low[4] = {bytes0, bytes4, _mm256_srli_epi16(bytes0, 4), _mm256_srli_epi16(bytes4, 4)};
+  for (int q = 0; q < 4; ++q) {  // sub-blocks 4 q .. 4 q + 3
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(high, 2 * q), low2);
+    const __m256i v = _mm256_or_si256(_mm256_and_si256(low[q], low4), _mm256_slli_epi16(top, 4));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale[4 * q]), _mm256_sub_epi8(v, offset));
+  }
+}
+// Sub-block g's 8 signed scales as 16-bit lanes.
+inline __m128i q3k_scale16(const int8_t scale[8]) {
+  return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale)));
+}
+
+template <int NT>
+void packed_q3_k_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  __m256 acc[NT];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * kQ3kGroupBytes;
+    prefetch_ahead<kQ3kGroupBytes>(blk);
+    const uint8_t* hmask = blk + 112;
+    const uint8_t* qs = blk + 368;
+    alignas(32) int8_t scale[16][8];
+    q3k_scales(blk, scale);
+    __m256i sum[NT];
+    for (auto& v : sum) v = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int n = 0; n < 2; ++n)
+#pragma GCC unroll 4
+      for (int f = 0; f < 4; ++f) {
+        const int g = 8 * n + 2 * f, bit = 4 * n + f;  // the third bits: bit `bit` of each hmask byte, moved to bit 2
+        k_sub_blocks<NT>(
+            a.qrow(t0) + b * 256 + 128 * n + 32 * f, a.K,
+            [&](int i) {
+              const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(qs + 32 * (8 * n + i)), 2 * f), three);
+              const __m256i h = load32(hmask + 32 * (i % 8));
+              const __m256i third = bit >= 2 ? _mm256_srli_epi16(h, bit - 2) : _mm256_slli_epi16(h, 2 - bit);
+              return _mm256_or_si256(low, _mm256_and_si256(third, four));
+            },
+            [&](int h) { return k_scale_lanes(q3k_scale16(scale[g + h])); }, sum);
+      }
+    // the weights are q - 4: take 4 sum_g scale_g * (sum of sub-block g's activations) off, in integers (exact)
+    __m256i scale_pairs[8];
+    for (int j = 0; j < 8; ++j)
+      scale_pairs[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale[2 * j])),
+                                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale[2 * j + 1]))));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    for (int t = 0; t < NT; ++t) {
+      const __m256i offset = _mm256_slli_epi32(k_sub_block_dot(scale_pairs, a.sums16_row(t0 + t) + b * 16), 2);
+      const __m256 dx = _mm256_set1_ps(a.scale_row(t0 + t)[b]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[t], offset)), _mm256_mul_ps(d, dx), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
+}
+
+template <int QT>
+void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
+                   const Activations& a, int64_t T, float* y) {
+  for (int64_t t0 = 0; t0 < T; t0 += kQ4kTokens) {
+    const int64_t nt = std::min<int64_t>(kQ4kTokens, T - t0);
+    for (int64_t g = group_begin; g < group_end; ++g) {
+      const uint8_t* group = w + g * 8 * row_bytes;
+      float* out = y + t0 * a.ldy + g * 8;
+      auto rows = [&](auto nt_constant) {
+        constexpr int NT = decltype(nt_constant)::value;
+        if constexpr (QT == Q2_K) packed_q2_k_rows<NT>(group, nb, a, t0, out);
+        else packed_q3_k_rows<NT>(group, nb, a, t0, out);
+      };
+      switch (nt) {
+        case 4: rows(std::integral_constant<int, 4>{}); break;
+        case 3: rows(std::integral_constant<int, 3>{}); break;
+        case 2: rows(std::integral_constant<int, 2>{}); break;
+        default: rows(std::integral_constant<int, 1>{}); break;
+      }
+    }
+  }
+}
+
+#else  // the portable version: each packed block put back in the plain layout, then the same integer sums
+
+template <int QT>
+void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
+                   const Activations& a, int64_t T, float* y) {
+  constexpr int kBytes = QT == Q2_K ? 84 : 110;
+  const PackedSegments segments = packed_segments(QT);
+  for (int64_t g = group_begin; g < group_end; ++g)
+    for (int r = 0; r < 8; ++r)
+      for (int64_t t = 0; t < T; ++t) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* packed = w + g * 8 * row_bytes + b * 8 * kBytes;
+          uint8_t blk[kBytes];
+          for (int s = 0; s < segments.count; ++s) {
+            const PackedSegment seg = segments.segment[s];
+            for (int p = 0; p < seg.length; p += seg.unit)
+              std::memcpy(blk + seg.offset + p, packed + 8 * p + seg.unit * r, seg.unit);
+            packed += 8 * seg.length;
+          }
+          const int8_t* x = a.qrow(t) + b * 256;
+          const int16_t* sums = a.sums16_row(t) + b * 16;
+          int8_t q3_scales[16];
+          if constexpr (QT == Q3_K) unpack_scales_q3_k(blk + 96, q3_scales);
+          int32_t sum = 0, mins = 0;
+          for (int e = 0; e < 256; ++e) {
+            const int n = e / 128, f = e % 128 / 32, l = e % 32;
+            int q = (blk[(QT == Q2_K ? 16 : 32) + 32 * n + l] >> (2 * f)) & 3;
+            if constexpr (QT == Q3_K) q |= ((blk[l] >> (4 * n + f)) & 1) << 2;
+            sum += (QT == Q2_K ? blk[e / 16] & 15 : q3_scales[e / 16]) * q * x[e];
+          }
+          for (int s = 0; s < 16; ++s) mins += (QT == Q2_K ? blk[s] >> 4 : 4 * q3_scales[s]) * sums[s];
+          const float dx = a.scale_row(t)[b];
+          if constexpr (QT == Q2_K) {
+            acc += static_cast<float>(sum) * (half_to_float(blk + 80) * dx);
+            acc -= static_cast<float>(mins) * (half_to_float(blk + 82) * dx);
+          } else {
+            acc += static_cast<float>(sum - mins) * (half_to_float(blk + 108) * dx);
+          }
+        }
+        y[t * a.ldy + g * 8 + r] = acc;
+      }
+}
+#endif
+
 void run_packed_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t group_begin, int64_t group_end,
                      const Activations& a, int64_t T, float* y) {
   const int64_t nb = a.K / 32;
   switch (qtype) {
     case Q4_K: packed_q4_k_tile(w, row_bytes, a.K / 256, group_begin, group_end, a, T, y); break;
+    case Q2_K: packed_k_tile<Q2_K>(w, row_bytes, a.K / 256, group_begin, group_end, a, T, y); break;
+    case Q3_K: packed_k_tile<Q3_K>(w, row_bytes, a.K / 256, group_begin, group_end, a, T, y); break;
     case Q4_0: packed_tile_rows<0>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     case Q4_1: packed_tile_rows<1>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
     case Q8_0: packed_tile_rows<2>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;

@@ -9,10 +9,10 @@ summation order; slower at batch 1). The default is `TOKENMILL_GGUF_ACTIVATIONS`
 The library is built for the baseline of the architecture and picks its instruction set when loaded (AVX-512 VNNI,
 AVX2, NEON or portable C++); `TOKENMILL_CPU_ISA=scalar|avx2|avx512|neon` or `set_isa` forces a lower one.
 
-Repacking (the 32-wide types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; and Q4_K): `repack_rows` reorders a weight's blocks
-so that each group of 8 output rows stores block b of its 8 rows together, scales side by side and quants interleaved in
-4-byte groups (the layout is spelled out in gguf_cpu.cpp at `packed_rows` and `packed_q4_k_rows`; the last
-`out_features % 8` rows stay plain), and
+Repacking (the 32-wide types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; and Q2_K, Q3_K, Q4_K): `repack_rows` reorders a
+weight's blocks so that each group of 8 output rows stores block b of its 8 rows together, scales side by side and
+quants interleaved in 4-byte groups (the layout is spelled out in gguf_cpu.cpp at `packed_segments`, `packed_rows`,
+`packed_q2_k_rows` and `packed_q4_k_rows`; the last `out_features % 8` rows stay plain), and
 `gguf_matmul(..., repacked=True)` runs the kernel for that layout: one vpdpbusd (AVX2: maddubs) yields 8 rows' partial
 dot products and the scales are applied once per 8 rows, several times faster than the plain kernel at 2-8 activation
 rows and faster at 1 (scripts/bench_gguf_kernels.py; batch-1 GEMV against the read bandwidth:
@@ -86,8 +86,7 @@ _SIGNATURES = {
 # scripts/bench_gguf_gemv.py's read-bandwidth loops (return their 64-bit sums)
 _U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64], "tm_gguf_read_sum": [_I32, _PTR, _I64, _I32, _I64]}
 
-# The types with a repacked layout, and the offset of each one's quants in a block (the fp16 scale, or scale and min,
-# come first; Q4_K: d, dmin and its 12 bytes of packed scales and mins).
+# The types with a repacked layout.
 REPACK_TYPES: frozenset[int] = frozenset(
     int(t)
     for t in (
@@ -97,17 +96,27 @@ REPACK_TYPES: frozenset[int] = frozenset(
         GGMLQuantizationType.Q5_1,
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.IQ4_NL,
+        GGMLQuantizationType.Q2_K,
+        GGMLQuantizationType.Q3_K,
         GGMLQuantizationType.Q4_K,
     )
 )
-_QUANTS_OFFSET = {
-    int(GGMLQuantizationType.Q4_0): 2,
-    int(GGMLQuantizationType.Q4_1): 4,
-    int(GGMLQuantizationType.Q5_0): 2,
-    int(GGMLQuantizationType.Q5_1): 4,  # their qh is a 4-byte group
-    int(GGMLQuantizationType.Q8_0): 2,
-    int(GGMLQuantizationType.IQ4_NL): 2,
-    int(GGMLQuantizationType.Q4_K): 16,
+# Each repacked type's block as byte ranges of the plain block, (offset, length, unit), in their repacked order: each
+# range holds the 8 rows' bytes interleaved in pieces of `unit` bytes (gguf_cpu.cpp's packed_segments). The 32-wide
+# types and Q4_K: the fp16 scale (and min; Q4_K: d, dmin and 12 bytes of packed scales and mins) in 2-byte pieces,
+# then the quants in 4-byte groups (Q5_0 / Q5_1: their 4-byte qh first).
+_PACKED_SEGMENTS: dict[int, tuple[tuple[int, int, int], ...]] = {
+    int(GGMLQuantizationType.Q4_0): ((0, 2, 2), (2, 16, 4)),
+    int(GGMLQuantizationType.Q4_1): ((0, 4, 2), (4, 16, 4)),
+    int(GGMLQuantizationType.Q5_0): ((0, 2, 2), (2, 20, 4)),
+    int(GGMLQuantizationType.Q5_1): ((0, 4, 2), (4, 20, 4)),
+    int(GGMLQuantizationType.Q8_0): ((0, 2, 2), (2, 32, 4)),
+    int(GGMLQuantizationType.IQ4_NL): ((0, 2, 2), (2, 16, 4)),
+    # d and dmin, the 16 bytes of 4-bit scales and mins one by one (a sub-block's 8 rows side by side), the quants
+    int(GGMLQuantizationType.Q2_K): ((80, 4, 2), (0, 16, 1), (16, 64, 4)),
+    # d, the 12 bytes of 6-bit scales, hmask, the quants
+    int(GGMLQuantizationType.Q3_K): ((108, 2, 2), (96, 12, 1), (0, 32, 4), (32, 64, 4)),
+    int(GGMLQuantizationType.Q4_K): ((0, 16, 2), (16, 128, 4)),
 }
 REPACK_ROWS = 8  # output rows per repacked group
 
@@ -244,13 +253,12 @@ def dequantize_rows(
 def _group_permutation(qtype: int) -> np.ndarray:
     """Byte j of a repacked block group is byte `perm[j]` of the group's 8 plain blocks laid end to end."""
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
-    quants = _QUANTS_OFFSET[qtype]
-    perm = [r * block_bytes + h + i for h in range(0, quants, 2) for r in range(REPACK_ROWS) for i in range(2)]
-    perm += [
-        r * block_bytes + quants + 4 * j + i
-        for j in range((block_bytes - quants) // 4)
+    perm = [
+        r * block_bytes + offset + p + i
+        for offset, length, unit in _PACKED_SEGMENTS[qtype]
+        for p in range(0, length, unit)
         for r in range(REPACK_ROWS)
-        for i in range(4)
+        for i in range(unit)
     ]
     return np.array(perm, dtype=np.int64)
 

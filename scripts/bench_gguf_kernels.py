@@ -61,6 +61,8 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Ge
         GGMLQuantizationType.Q4_0: [0],
         GGMLQuantizationType.Q8_0: [0],
         GGMLQuantizationType.Q4_1: [0, 2],
+        GGMLQuantizationType.Q2_K: [80, 82],
+        GGMLQuantizationType.Q3_K: [108],
         GGMLQuantizationType.Q4_K: [0, 2],
         GGMLQuantizationType.Q5_K: [0, 2],
         GGMLQuantizationType.Q6_K: [208],

@@ -1,5 +1,5 @@
-"""The repacked GGUF layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K with 8 rows interleaved: kernels/gguf_ops.py
-matmul kernel, on every instruction-set version this machine can run.
+"""The repacked GGUF layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K with 8 rows interleaved:
+kernels/gguf_ops.py matmul kernel, on every instruction-set version this machine can run.
 
 The layout is a byte permutation within each group of 8 rows, so it must round-trip exactly and dequantize to the
 plain blocks' weights. The kernel takes the same integer dot products as the plain one with the same int8
@@ -19,7 +19,8 @@ from tests.helpers.gguf_kernels import check, check_float, needs_kernels, random
 from tokenmill.kernels import gguf_ops
 
 Q = GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K]
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K)  # 256-wide blocks
 
 
 def blocks_of(qtype: GGMLQuantizationType, count: int) -> int:
@@ -51,8 +52,9 @@ def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
     for g in range(rows // 8):  # each group holds its own 8 rows' bytes, moved
         span = slice(g * group_bytes, (g + 1) * group_bytes)
         assert torch.equal(packed.reshape(-1)[span].sort().values, plain.reshape(-1)[span].sort().values)
-    # the scales of a group's first block come first, row by row (the layout the kernel reads)
-    assert torch.equal(packed[0, :16].reshape(8, 2), plain[:8, :2])
+    # the fp16 scales of a group's first block come first, row by row (the layout the kernel reads)
+    first = gguf_ops._PACKED_SEGMENTS[int(qtype)][0][0]
+    assert torch.equal(packed[0, :16].reshape(8, 2), plain[:8, first : first + 2])
     assert torch.equal(gguf_ops.unpack_rows(packed, int(qtype), rows, k), plain)
     expected = gguf_quants.dequantize(plain.numpy(), qtype).reshape(rows, k)
     np.testing.assert_array_equal(
@@ -72,8 +74,8 @@ def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
 def test_repacked_matmul_matches_the_plain_kernel_and_the_references(qtype, isa):
     rng = np.random.default_rng(20 + int(qtype))
     assert gguf_ops.isa() == isa
-    # a 5-row plain tail; two whole groups of the model's width (Q4_K: of the MLP down projection's)
-    for rows, k in ((37, blocks_of(qtype, 3)), (16, 576 if qtype != Q.Q4_K else 1536)):
+    # a 5-row plain tail; two whole groups of the model's width (the k-quants: of the MLP down projection's)
+    for rows, k in ((37, blocks_of(qtype, 3)), (16, 1536 if qtype in K_QUANTS else 576)):
         blocks = random_blocks(qtype, rows, k, rng)
         plain = torch.from_numpy(blocks)
         packed = gguf_ops.repack_rows(plain, int(qtype), rows, k)
@@ -146,7 +148,7 @@ def test_repacking_choice_and_bad_input(monkeypatch):
 
 def test_every_repacked_type_has_the_block_size_the_kernel_assumes():
     for qtype in gguf_ops.REPACK_TYPES:
-        assert GGML_QUANT_SIZES[Q(qtype)][0] == (256 if qtype == Q.Q4_K else 32)
+        assert GGML_QUANT_SIZES[Q(qtype)][0] == (256 if qtype in K_QUANTS else 32)
         assert sorted(gguf_ops._group_permutation(qtype)) == list(range(8 * GGML_QUANT_SIZES[Q(qtype)][1]))
 
 
@@ -156,7 +158,7 @@ def test_repacked_rows_are_batch_invariant(qtype, isa):
     """A token's outputs are the same bits whichever batch it is multiplied in (whole groups of 8 rows: the plain
     tail rows' kernel is not batch-invariant), so a verified speculative token matches its one-token decode."""
     rng = np.random.default_rng(40 + int(qtype))
-    rows, k = 24, 576 if qtype != Q.Q4_K else 1536
+    rows, k = 24, 1536 if qtype in K_QUANTS else 576
     packed = gguf_ops.repack_rows(torch.from_numpy(random_blocks(qtype, rows, k, rng)), int(qtype), rows, k)
     x = torch.from_numpy(rng.standard_normal((11, k)).astype(np.float32))
     batch = gguf_ops.gguf_matmul(x, packed, int(qtype), rows, k, activations="int8", repacked=True)
