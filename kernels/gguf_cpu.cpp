@@ -2403,12 +2403,39 @@ void packed_q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g
 constexpr int kQ2kGroupBytes = 8 * 84, kQ3kGroupBytes = 8 * 110;
 
 #if TM_ISA_X86
-// Sub-block g's 8 scale lanes (int16, row r in lane r) from 8 bytes a row each; AVX2 madd wants (s, s) pairs.
+// Sub-block scales as q4k_scaled takes them (VNNI: int32 lanes; AVX2: (s, s) int16 pairs), row r in 32-bit lane r,
+// from the 8 bytes p[0..7] (row r's at p[r]) by one broadcast and one byte shuffle: each row's byte goes to the top
+// byte of its lane's 16- or 32-bit halves, and an arithmetic shift brings it down, sign-extended (SIGNED) or not
+// (MASK: the bits kept of an unsigned byte, Q2_K's low-nibble scales).
+template <bool SIGNED, int MASK = 0xFF>
+inline __m256i k_scale_lanes(const void* p) {
+  int64_t bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  const __m256i v = _mm256_set1_epi64x(bytes);
+  constexpr char z = -128;  // a shuffle index that writes 0
 #if TM_VNNI
-inline __m256i k_scale_lanes(__m128i s) { return _mm256_cvtepi16_epi32(s); }
+  const __m256i lanes = _mm256_shuffle_epi8(v, _mm256_setr_epi8(z, z, z, 0, z, z, z, 1, z, z, z, 2, z, z, z, 3,
+                                                                 z, z, z, 4, z, z, z, 5, z, z, z, 6, z, z, z, 7));
+  const __m256i out = SIGNED ? _mm256_srai_epi32(lanes, 24) : _mm256_srli_epi32(lanes, 24);
 #else
-inline __m256i k_scale_lanes(__m128i s) { return q4k_scale_lanes(s); }
+  const __m256i lanes = _mm256_shuffle_epi8(v, _mm256_setr_epi8(z, 0, z, 0, z, 1, z, 1, z, 2, z, 2, z, 3, z, 3,
+                                                                 z, 4, z, 4, z, 5, z, 5, z, 6, z, 6, z, 7, z, 7));
+  const __m256i out = SIGNED ? _mm256_srai_epi16(lanes, 8) : _mm256_srli_epi16(lanes, 8);
 #endif
+  return MASK == 0xFF ? out : _mm256_and_si256(out, _mm256_set1_epi16(MASK));
+}
+
+// The pairs k_sub_block_dot takes: sub-blocks 2 j and 2 j + 1's byte per row (16 bytes at p: the first 8 rows' of
+// 2 j, then 2 j + 1's) as int16 (c_2j, c_2j+1) in row r's 32-bit lane, shifted down by SHIFT (Q2_K's mins: the high
+// nibble) after a sign extension (SIGNED) or not.
+template <bool SIGNED, int SHIFT>
+inline __m256i k_sub_block_pairs(const void* p) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  constexpr char z = -128;
+  const __m256i pairs = _mm256_shuffle_epi8(v, _mm256_setr_epi8(z, 0, z, 8, z, 1, z, 9, z, 2, z, 10, z, 3, z, 11,
+                                                                z, 4, z, 12, z, 5, z, 13, z, 6, z, 14, z, 7, z, 15));
+  return SIGNED ? _mm256_srai_epi16(pairs, 8 + SHIFT) : _mm256_srli_epi16(pairs, 8 + SHIFT);
+}
 
 // The 8 rows' partial sums of sub-blocks 8 n + 2 f and 8 n + 2 f + 1 (groups i = 0..3 and 4..7 of half n, bit pair
 // f) with NT activation rows, each scaled by `scale(h)` (h = 0, 1: the two sub-blocks) into sum[t]. `weights(i)`
@@ -2439,7 +2466,6 @@ inline __m256i k_sub_block_dot(const __m256i pairs[8], const int16_t* sums) {
 template <int NT>
 void packed_q2_k_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
   const __m256i three = _mm256_set1_epi8(3);
-  const __m128i low4 = _mm_set1_epi16(15);
   __m256 acc[NT];
   for (auto& v : acc) v = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -2457,19 +2483,12 @@ void packed_q2_k_rows(const uint8_t* group, int64_t nb, const Activations& a, in
         k_sub_blocks<NT>(
             a.qrow(t0) + b * 256 + 128 * n + 32 * f, a.K,
             [&](int i) { return _mm256_and_si256(_mm256_srli_epi16(load32(qs + 32 * (8 * n + i)), 2 * f), three); },
-            [&](int h) {
-              const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * (g + h))));
-              return k_scale_lanes(_mm_and_si128(bytes, low4));
-            },
+            [&](int h) { return k_scale_lanes<false, 15>(sc + 8 * (g + h)); },
             sum);
       }
     // the mins (high nibbles), two sub-blocks per 32-bit lane
     __m256i min_pairs[8];
-    for (int j = 0; j < 8; ++j) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * j));  // sub-blocks 2j, 2j + 1
-      const __m128i mins = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
-      min_pairs[j] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, _mm_srli_si128(mins, 8)));
-    }
+    for (int j = 0; j < 8; ++j) min_pairs[j] = k_sub_block_pairs<false, 4>(sc + 16 * j);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
     for (int t = 0; t < NT; ++t) {
@@ -2495,10 +2514,6 @@ inline void q3k_scales(const uint8_t* blk, int8_t scale[16][8]) {
     const __m256i v = _mm256_or_si256(_mm256_and_si256(low[q], low4), _mm256_slli_epi16(top, 4));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale[4 * q]), _mm256_sub_epi8(v, offset));
   }
-}
-// Sub-block g's 8 signed scales as 16-bit lanes.
-inline __m128i q3k_scale16(const int8_t scale[8]) {
-  return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale)));
 }
 
 template <int NT>
@@ -2528,13 +2543,11 @@ void packed_q3_k_rows(const uint8_t* group, int64_t nb, const Activations& a, in
               const __m256i third = bit >= 2 ? _mm256_srli_epi16(h, bit - 2) : _mm256_slli_epi16(h, 2 - bit);
               return _mm256_or_si256(low, _mm256_and_si256(third, four));
             },
-            [&](int h) { return k_scale_lanes(q3k_scale16(scale[g + h])); }, sum);
+            [&](int h) { return k_scale_lanes<true>(scale[g + h]); }, sum);
       }
     // the weights are q - 4: take 4 sum_g scale_g * (sum of sub-block g's activations) off, in integers (exact)
     __m256i scale_pairs[8];
-    for (int j = 0; j < 8; ++j)
-      scale_pairs[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale[2 * j])),
-                                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale[2 * j + 1]))));
+    for (int j = 0; j < 8; ++j) scale_pairs[j] = k_sub_block_pairs<true, 0>(scale[2 * j]);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     for (int t = 0; t < NT; ++t) {
       const __m256i offset = _mm256_slli_epi32(k_sub_block_dot(scale_pairs, a.sums16_row(t0 + t) + b * 16), 2);

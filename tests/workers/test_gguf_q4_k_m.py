@@ -5,6 +5,7 @@ matrices in the fallback types (Q4_K -> Q5_0, Q6_K -> Q8_0) and only the 4864-wi
 file has that mix on the real config's widths (hidden 896, MLP 4864, 14 query and 2 KV heads of 64), two layers and a
 small vocabulary to stay fast. Q5_0 and Q8_0 blocks come from the `gguf` package's quantizers; it cannot quantize the
 k-quants, so `ffn_down`'s blocks come from the small reference quantizers below (valid blocks of the real layouts).
+A Q2_K / Q3_K variant (the low-bit files' `ffn_down` types) takes valid random blocks of those types instead.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from msgspec.structs import replace
 
+from tests.helpers.gguf_kernels import random_blocks
 from tests.helpers.runner_driver import logits_in_chunks
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.kernels import gguf_ops
@@ -88,8 +90,11 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+Q4_K_M_DOWN = (T.Q6_K, T.Q4_K)
+
+
 # GGUF tensor -> (type, rows, cols) as llama.cpp's Q4_K_M writes a Qwen2.5-0.5B layer (ffn_down alternating types)
-def layer_tensors(layer: int) -> dict[str, tuple[T, int, int]]:
+def layer_tensors(layer: int, down: tuple[T, T] = Q4_K_M_DOWN) -> dict[str, tuple[T, int, int]]:
     return {
         f"blk.{layer}.attn_q.weight": (T.Q5_0, HEADS * HEAD_DIM, HIDDEN),
         f"blk.{layer}.attn_k.weight": (T.Q5_0, KV_HEADS * HEAD_DIM, HIDDEN),
@@ -97,7 +102,7 @@ def layer_tensors(layer: int) -> dict[str, tuple[T, int, int]]:
         f"blk.{layer}.attn_output.weight": (T.Q5_0, HIDDEN, HEADS * HEAD_DIM),
         f"blk.{layer}.ffn_gate.weight": (T.Q5_0, FFN, HIDDEN),
         f"blk.{layer}.ffn_up.weight": (T.Q5_0, FFN, HIDDEN),
-        f"blk.{layer}.ffn_down.weight": (T.Q6_K if layer % 2 == 0 else T.Q4_K, HIDDEN, FFN),
+        f"blk.{layer}.ffn_down.weight": (down[layer % 2], HIDDEN, FFN),
     }
 
 
@@ -106,10 +111,12 @@ def quantized(qtype: T, w: np.ndarray) -> np.ndarray:
         return quantize_q4_k(w)
     if qtype == T.Q6_K:
         return quantize_q6_k(w)
+    if qtype in (T.Q2_K, T.Q3_K):  # no quantizer at hand: valid random blocks (weights of a similar size)
+        return random_blocks(qtype, *w.shape, np.random.default_rng(w.shape))
     return gguf.quants.quantize(w, qtype)
 
 
-def write_q4_k_m_file(path) -> None:
+def write_q4_k_m_file(path, down: tuple[T, T] = Q4_K_M_DOWN) -> None:
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_context_length(4096)
     writer.add_embedding_length(HIDDEN)
@@ -123,7 +130,7 @@ def write_q4_k_m_file(path) -> None:
     rng = np.random.default_rng(0)
     tensors = {"token_embd.weight": (T.Q8_0, VOCAB, HIDDEN)}
     for layer in range(LAYERS):
-        tensors |= layer_tensors(layer)
+        tensors |= layer_tensors(layer, down)
     for name, (qtype, rows, cols) in tensors.items():
         w = rng.standard_normal((rows, cols)).astype(np.float32) * (0.5 if name == "token_embd.weight" else 0.04)
         writer.add_tensor(name, quantized(qtype, w), raw_dtype=qtype)
@@ -178,6 +185,21 @@ def make_runner(model: ModelConfig, quantization: str) -> Worker:
 
 def test_the_quantized_model_runs_as_its_dequantized_twin(q4_k_m_model):
     kept, dense = make_runner(q4_k_m_model, "gguf"), make_runner(q4_k_m_model, "none")
+    assert_runs_as_dense_twin(kept, dense)
+
+
+def test_q2_k_and_q3_k_run_repacked_as_their_dequantized_twin(tmp_path):
+    write_q4_k_m_file(tmp_path / "low-bit.gguf", down=(T.Q2_K, T.Q3_K))
+    model = ModelConfig(path=str(tmp_path), gguf_file="low-bit.gguf", dtype="float32")
+    kept, dense = make_runner(model, "gguf"), make_runner(model, "none")
+    for layer, qtype in zip(kept.model.model.layers, (T.Q2_K, T.Q3_K), strict=True):
+        down = layer.mlp.down_proj.weight
+        assert isinstance(down, GGUFWeight) and down.type_name == qtype.name
+        assert down.repacked == gguf_ops.repack_wanted(int(qtype), HIDDEN)
+    assert_runs_as_dense_twin(kept, dense)
+
+
+def assert_runs_as_dense_twin(kept: Worker, dense: Worker) -> None:
     layer = kept.model.model.layers[0]
     gate_up = layer.mlp.gate_up_proj.weight  # gate and up both Q5_0: one weight, in the repacked layout where Q4_0
     assert isinstance(gate_up, GGUFWeight) and gate_up.repacked == gguf_ops.repack_wanted(int(T.Q5_0), 2 * FFN)
