@@ -98,8 +98,8 @@ constexpr int packed_scale_bytes(int qtype) { return qtype == Q4_K ? 16 : qtype 
 // bytes interleaved in pieces of `unit` bytes: piece p of row 0, of row 1, ..., of row 7, for p = 0, 1, ... For the
 // 32-wide types and Q4_K: the packed_scale_bytes in 2-byte pieces, then the rest in 4-byte groups. Q2_K: d and dmin
 // (2-byte pieces: the 8 d, then the 8 dmin), the 16 scale bytes one at a time (8 bytes a sub-block), the 64 quant
-// bytes in 4-byte groups. Q3_K: d, the 12 scale bytes in 2-byte pieces, hmask and the 64 quant bytes in 4-byte groups.
-// Kept in step with gguf_ops._packed_segments.
+// bytes in 4-byte groups. Q3_K: d, the 12 scale bytes one at a time, hmask and the 64 quant bytes in 4-byte groups.
+// Kept in step with gguf_ops._PACKED_SEGMENTS.
 struct PackedSegment {
   int offset, length, unit;  // in the plain block
 };
@@ -2395,9 +2395,9 @@ void packed_q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g
 // r's; then 16 quant groups of 32 bytes, group j = 8 n + i holding each row's bytes 32 n + 4 i .. + 3, whose bit
 // pair f (bits 2 f, 2 f + 1) is element 128 n + 32 f + 4 i + k, k < 4 -- so one maddubs / vpdpbusd of a group's
 // bit pair f with 4 broadcast activations adds 8 rows' partial dot products over sub-block 8 n + 2 f + i / 4.
-// Q3_K's (8 * 110 bytes): the 8 d (16 bytes); the 12 bytes of 6-bit scales in 2-byte pieces (piece p at 16 + 16 p:
-// row r's bytes 2 p, 2 p + 1 at 2 r); hmask in 8 groups of 32 bytes at 112 (group i: each row's bytes 4 i .. + 3,
-// whose bit 4 n + f is the third bit of element 128 n + 32 f + 4 i + k); the quant groups at 368 as Q2_K's.
+// Q3_K's (8 * 110 bytes): the 8 d (16 bytes); the 12 bytes of 6-bit scales, byte i of row r at 16 + 8 i + r; hmask
+// in 8 groups of 32 bytes at 112 (group i: each row's bytes 4 i .. + 3, whose bit 4 n + f is the third bit of element
+// 128 n + 32 f + 4 i + k); the quant groups at 368 as Q2_K's.
 // The integer sums per sub-block and block are exact, as the plain kernels'; then per block and activation row one
 // FMA (and Q2_K one for the mins): a row's result does not depend on NT (batch-invariant).
 constexpr int kQ2kGroupBytes = 8 * 84, kQ3kGroupBytes = 8 * 110;
@@ -2458,8 +2458,10 @@ inline void k_sub_blocks(const int8_t* x, int64_t K, Weights&& weights, Scale&& 
 // c_2j+1) in row r's 32-bit lane.
 inline __m256i k_sub_block_dot(const __m256i pairs[8], const int16_t* sums) {
   __m256i out = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j)
-    out = _mm256_add_epi32(out, _mm256_madd_epi16(pairs[j], _mm256_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(sums + 2 * j)))));
+  for (int j = 0; j < 8; ++j) {
+    const __m256i two_sums = _mm256_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(sums + 2 * j)));
+    out = _mm256_add_epi32(out, _mm256_madd_epi16(pairs[j], two_sums));
+  }
   return out;
 }
 
@@ -2539,7 +2541,7 @@ void packed_q3_k_rows(const uint8_t* group, int64_t nb, const Activations& a, in
             a.qrow(t0) + b * 256 + 128 * n + 32 * f, a.K,
             [&](int i) {
               const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(qs + 32 * (8 * n + i)), 2 * f), three);
-              const __m256i h = load32(hmask + 32 * (i % 8));
+              const __m256i h = load32(hmask + 32 * i);
               const __m256i third = bit >= 2 ? _mm256_srli_epi16(h, bit - 2) : _mm256_slli_epi16(h, 2 - bit);
               return _mm256_or_si256(low, _mm256_and_si256(third, four));
             },
