@@ -2342,23 +2342,6 @@ void packed_q4_k_rows(const uint8_t* group, int64_t nb, const Activations& a, in
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
 }
 
-void packed_q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
-                      const Activations& a, int64_t T, float* y) {
-  for (int64_t t0 = 0; t0 < T; t0 += kQ4kTokens) {
-    const int64_t nt = std::min<int64_t>(kQ4kTokens, T - t0);
-    for (int64_t g = group_begin; g < group_end; ++g) {
-      const uint8_t* group = w + g * 8 * row_bytes;
-      float* out = y + t0 * a.ldy + g * 8;
-      switch (nt) {
-        case 4: packed_q4_k_rows<4>(group, nb, a, t0, out); break;
-        case 3: packed_q4_k_rows<3>(group, nb, a, t0, out); break;
-        case 2: packed_q4_k_rows<2>(group, nb, a, t0, out); break;
-        default: packed_q4_k_rows<1>(group, nb, a, t0, out); break;
-      }
-    }
-  }
-}
-
 #else  // the portable version: the same integer sums, a row and an activation row at a time
 
 void packed_q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
@@ -2560,6 +2543,7 @@ void packed_q3_k_rows(const uint8_t* group, int64_t nb, const Activations& a, in
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y + t * a.ldy, acc[t]);
 }
 
+// Groups [group_begin, group_end) of a repacked k-quant (Q2_K, Q3_K, Q4_K) for T activation rows, 4 per pass.
 template <int QT>
 void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
                    const Activations& a, int64_t T, float* y) {
@@ -2571,7 +2555,8 @@ void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t grou
       auto rows = [&](auto nt_constant) {
         constexpr int NT = decltype(nt_constant)::value;
         if constexpr (QT == Q2_K) packed_q2_k_rows<NT>(group, nb, a, t0, out);
-        else packed_q3_k_rows<NT>(group, nb, a, t0, out);
+        else if constexpr (QT == Q3_K) packed_q3_k_rows<NT>(group, nb, a, t0, out);
+        else packed_q4_k_rows<NT>(group, nb, a, t0, out);
       };
       switch (nt) {
         case 4: rows(std::integral_constant<int, 4>{}); break;
@@ -2585,46 +2570,58 @@ void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t grou
 
 #else  // the portable version: each packed block put back in the plain layout, then the same integer sums
 
+// Row r's block of a packed Q2_K / Q3_K group block, back in the plain layout (kBytes of it) in `plain`.
+template <int QT>
+void plain_block(const uint8_t* packed, int r, uint8_t* plain) {
+  const PackedSegments segments = packed_segments(QT);
+  for (int s = 0; s < segments.count; ++s) {
+    const PackedSegment seg = segments.segment[s];
+    for (int p = 0; p < seg.length; p += seg.unit)
+      std::memcpy(plain + seg.offset + p, packed + 8 * p + seg.unit * r, seg.unit);
+    packed += 8 * seg.length;
+  }
+}
+
+// A plain Q2_K / Q3_K block's part of a row's result with an activation row's block: its int8 values x, their sums
+// per 16 and their scale dx.
+template <int QT>
+float block_term(const uint8_t* blk, const int8_t* x, const int16_t* sums, float dx) {
+  int8_t q3_scales[16];
+  if constexpr (QT == Q3_K) unpack_scales_q3_k(blk + 96, q3_scales);
+  int32_t sum = 0, mins = 0;
+  for (int e = 0; e < 256; ++e) {
+    const int n = e / 128, f = e % 128 / 32, l = e % 32;
+    int q = (blk[(QT == Q2_K ? 16 : 32) + 32 * n + l] >> (2 * f)) & 3;
+    if constexpr (QT == Q3_K) q |= ((blk[l] >> (4 * n + f)) & 1) << 2;  // Q3_K: q - 4, the 4 taken off below
+    sum += (QT == Q2_K ? blk[e / 16] & 15 : q3_scales[e / 16]) * q * x[e];
+  }
+  for (int g = 0; g < 16; ++g) mins += (QT == Q2_K ? blk[g] >> 4 : 4 * q3_scales[g]) * sums[g];
+  if constexpr (QT == Q2_K) {
+    const float d = half_to_float(blk + 80) * dx, dmin = half_to_float(blk + 82) * dx;
+    return static_cast<float>(sum) * d - static_cast<float>(mins) * dmin;
+  }
+  return static_cast<float>(sum - mins) * (half_to_float(blk + 108) * dx);
+}
+
 template <int QT>
 void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t group_begin, int64_t group_end,
                    const Activations& a, int64_t T, float* y) {
-  constexpr int kBytes = QT == Q2_K ? 84 : 110;
-  const PackedSegments segments = packed_segments(QT);
-  for (int64_t g = group_begin; g < group_end; ++g)
-    for (int r = 0; r < 8; ++r)
-      for (int64_t t = 0; t < T; ++t) {
-        float acc = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* packed = w + g * 8 * row_bytes + b * 8 * kBytes;
-          uint8_t blk[kBytes];
-          for (int s = 0; s < segments.count; ++s) {
-            const PackedSegment seg = segments.segment[s];
-            for (int p = 0; p < seg.length; p += seg.unit)
-              std::memcpy(blk + seg.offset + p, packed + 8 * p + seg.unit * r, seg.unit);
-            packed += 8 * seg.length;
+  if constexpr (QT == Q4_K) {
+    packed_q4_k_tile(w, row_bytes, nb, group_begin, group_end, a, T, y);
+  } else {
+    constexpr int kBytes = QT == Q2_K ? 84 : 110;
+    for (int64_t g = group_begin; g < group_end; ++g)
+      for (int r = 0; r < 8; ++r)
+        for (int64_t t = 0; t < T; ++t) {
+          float acc = 0.0f;
+          for (int64_t b = 0; b < nb; ++b) {
+            uint8_t blk[kBytes];
+            plain_block<QT>(w + g * 8 * row_bytes + b * 8 * kBytes, r, blk);
+            acc += block_term<QT>(blk, a.qrow(t) + b * 256, a.sums16_row(t) + b * 16, a.scale_row(t)[b]);
           }
-          const int8_t* x = a.qrow(t) + b * 256;
-          const int16_t* sums = a.sums16_row(t) + b * 16;
-          int8_t q3_scales[16];
-          if constexpr (QT == Q3_K) unpack_scales_q3_k(blk + 96, q3_scales);
-          int32_t sum = 0, mins = 0;
-          for (int e = 0; e < 256; ++e) {
-            const int n = e / 128, f = e % 128 / 32, l = e % 32;
-            int q = (blk[(QT == Q2_K ? 16 : 32) + 32 * n + l] >> (2 * f)) & 3;
-            if constexpr (QT == Q3_K) q |= ((blk[l] >> (4 * n + f)) & 1) << 2;
-            sum += (QT == Q2_K ? blk[e / 16] & 15 : q3_scales[e / 16]) * q * x[e];
-          }
-          for (int s = 0; s < 16; ++s) mins += (QT == Q2_K ? blk[s] >> 4 : 4 * q3_scales[s]) * sums[s];
-          const float dx = a.scale_row(t)[b];
-          if constexpr (QT == Q2_K) {
-            acc += static_cast<float>(sum) * (half_to_float(blk + 80) * dx);
-            acc -= static_cast<float>(mins) * (half_to_float(blk + 82) * dx);
-          } else {
-            acc += static_cast<float>(sum - mins) * (half_to_float(blk + 108) * dx);
-          }
+          y[t * a.ldy + g * 8 + r] = acc;
         }
-        y[t * a.ldy + g * 8 + r] = acc;
-      }
+  }
 }
 #endif
 
@@ -2632,7 +2629,7 @@ void run_packed_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t gro
                      const Activations& a, int64_t T, float* y) {
   const int64_t nb = a.K / 32;
   switch (qtype) {
-    case Q4_K: packed_q4_k_tile(w, row_bytes, a.K / 256, group_begin, group_end, a, T, y); break;
+    case Q4_K: packed_k_tile<Q4_K>(w, row_bytes, a.K / 256, group_begin, group_end, a, T, y); break;
     case Q2_K: packed_k_tile<Q2_K>(w, row_bytes, a.K / 256, group_begin, group_end, a, T, y); break;
     case Q3_K: packed_k_tile<Q3_K>(w, row_bytes, a.K / 256, group_begin, group_end, a, T, y); break;
     case Q4_0: packed_tile_rows<0>(w, row_bytes, nb, group_begin, group_end, a, T, y); break;
