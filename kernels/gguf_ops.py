@@ -86,21 +86,6 @@ _SIGNATURES = {
 # scripts/bench_gguf_gemv.py's read-bandwidth loops (return their 64-bit sums)
 _U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64], "tm_gguf_read_sum": [_I32, _PTR, _I64, _I32, _I64]}
 
-# The types with a repacked layout.
-REPACK_TYPES: frozenset[int] = frozenset(
-    int(t)
-    for t in (
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q5_1,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.IQ4_NL,
-        GGMLQuantizationType.Q2_K,
-        GGMLQuantizationType.Q3_K,
-        GGMLQuantizationType.Q4_K,
-    )
-)
 # Each repacked type's block as byte ranges of the plain block, (offset, length, unit), in their repacked order: each
 # range holds the 8 rows' bytes interleaved in pieces of `unit` bytes (gguf_cpu.cpp's packed_segments). The 32-wide
 # types and Q4_K: the fp16 scale (and min; Q4_K: d, dmin and 12 bytes of packed scales and mins) in 2-byte pieces,
@@ -118,6 +103,8 @@ _PACKED_SEGMENTS: dict[int, tuple[tuple[int, int, int], ...]] = {
     int(GGMLQuantizationType.Q3_K): ((108, 2, 2), (96, 12, 1), (0, 32, 4), (32, 64, 4)),
     int(GGMLQuantizationType.Q4_K): ((0, 16, 2), (16, 128, 4)),
 }
+# The types with a repacked layout.
+REPACK_TYPES: frozenset[int] = frozenset(_PACKED_SEGMENTS)
 REPACK_ROWS = 8  # output rows per repacked group
 
 ACTIVATION_MODES = ("float", "int8")
