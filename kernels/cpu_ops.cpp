@@ -388,20 +388,43 @@ inline void widen_rows(const C* src, int64_t rows, int64_t row_len, int64_t src_
 }
 
 constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead, in blocks, a pass prefetches
+// Keys per softmax chunk (rounded to whole blocks): a sequence's keys are taken in chunks at fixed positions, each
+// chunk's softmax partial (max, sum, weighted values) computed alone and the partials merged in chunk order. So a
+// few sequences' chunks can run on several threads (flash-decoding's split), and a token's result is the same bits
+// whichever thread ran which chunk, at any batch size.
+constexpr int64_t KEYS_PER_CHUNK = 64;
+
+// A row's softmax partial: [max score, sum of exps, head_dim weighted value sums]; sum 0: the row saw no key.
+// `merge_partial` folds one into a running one, the same arithmetic wherever the partial was computed.
+// (Out of line: one compiled body, so every caller merges with the same instructions.)
+__attribute__((noinline)) void merge_partial(const float* partial, float* run, int64_t head_dim) {
+  if (partial[1] == 0.0f) return;
+  if (run[1] == 0.0f) {
+    std::memcpy(run, partial, (head_dim + 2) * sizeof(float));
+    return;
+  }
+  const float max_score = std::max(run[0], partial[0]);
+  const float a = exp_nonpositive(run[0] - max_score), b = exp_nonpositive(partial[0] - max_score);
+  run[0] = max_score;
+  run[1] = std::fma(run[1], a, partial[1] * b);
+  for (int64_t d = 2; d < head_dim + 2; ++d) run[d] = std::fma(run[d], a, partial[d] * b);
+}
 
 // Few query tokens per sequence: the sequences of 1 to max_query_len query tokens (by their query_start_loc span;
 // the others are left untouched) over their seq_lens[b] cached tokens, the last q_len of which are their queries'
 // own: query i (of q_len) sits at position p_i = seq_len - q_len + i and sees keys [0, p_i]. One token per sequence
 // is decoding; a few are a speculative-decoding verification step (1 + k draft tokens) or a short prompt.
-// A work item is one sequence and a range of its kv heads (all of them unless there are too few sequences to keep
-// the threads busy): it reads the range's K and then its V once, block by block in table order, prefetching
-// PREFETCH_BLOCKS ahead, for all its query rows (every query token times every query head sharing each kv head).
-// Scores of all rows are kept (span floats each), softmaxed, then used to sum V one block at a time, so a block's
-// keys and values are read from memory once and from L1 for the other rows. A row scores and sums only the keys it
-// sees, so the causal mask costs nothing.
-// With a sliding window (window > 0) query i sees keys [p_i - window + 1, p_i]: the passes start at the block
-// holding the first key the earliest query sees (blocks before it may have been freed and reused), and each row
-// skips the keys before its own window.
+// A sequence's keys are read in chunks of KEYS_PER_CHUNK (whole blocks, at fixed positions): a chunk's K blocks, then
+// its V blocks, in table order, prefetching PREFETCH_BLOCKS ahead, for all its query rows (every query token times
+// every query head) and all kv heads, so each block's tokens are one contiguous run read from memory once and from L1
+// for the other rows. A chunk's scores are softmaxed against its own max and its values summed; the chunks' partials
+// are merged in order (`merge_partial`). A work item is a sequence, or, when there are too few sequences to keep the
+// threads busy, one chunk of one; its partials are then kept and merged after the chunks. A row scores and sums only
+// the keys it sees, so the causal mask costs nothing. (There is no gain in fusing a GQA group's rows over one load of
+// each key or value row on AVX-512: 48 partial sums spill, and scoring measured 1.5x slower; the values' 1.2x.)
+// With a sliding window (window > 0) query i sees keys [p_i - window + 1, p_i]: the reads start at the block holding
+// the first key the earliest query sees (blocks before it may have been freed and reused), and each row skips the
+// keys before its own window.
 // HEAD_DIM > 0 fixes the head size at compile time, which keeps a head's accumulator in registers and scores 16 keys
 // at a time (`dot16`); HEAD_DIM == 0 is the general case.
 // The caches hold C: T, a 16-bit float under float32 T, or fp8 holding key / k_scale and value / v_scale. k_scale is
@@ -415,122 +438,162 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
                       float k_scale, float v_scale) {
   const float query_scale = scale * k_scale;
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+  const int64_t partial_floats = head_dim + 2;
   auto query_len_of = [&](int64_t seq) -> int64_t { return query_start_loc[seq + 1] - query_start_loc[seq]; };
   auto handles = [&](int64_t seq) {
     const int64_t q_len = query_len_of(seq);
     return q_len >= 1 && q_len <= max_query_len && seq_lens[seq] >= q_len;
   };
-  // the first block a sequence of seq_len tokens, q_len of them queries, reads: the block of the earliest query's
-  // first visible key
-  auto first_block_of = [&](int64_t seq_len, int64_t q_len) -> int64_t {
+  const int64_t chunk_blocks = std::max<int64_t>(1, KEYS_PER_CHUNK / block_size);
+  const int64_t chunk_keys = chunk_blocks * block_size;
+  // The blocks [*first, *end) a sequence reads: from the block of the earliest query's first visible key.
+  auto block_range = [&](int64_t seq, int64_t* first, int64_t* end) {
+    const int64_t seq_len = seq_lens[seq], q_len = query_len_of(seq);
     const int64_t first_key = window > 0 ? seq_len - q_len + 1 - window : 0;
-    return first_key > 0 ? first_key / block_size : 0;
+    *first = first_key > 0 ? first_key / block_size : 0;
+    *end = (seq_len + block_size - 1) / block_size;
+  };
+  // A sequence's chunks, [*first, *end) (none if this call leaves it alone).
+  auto chunk_range = [&](int64_t seq, int64_t* first, int64_t* end) {
+    *first = *end = 0;
+    if (!handles(seq)) return;
+    int64_t first_block, end_block;
+    block_range(seq, &first_block, &end_block);
+    *first = first_block / chunk_blocks;
+    *end = (end_block + chunk_blocks - 1) / chunk_blocks;
   };
   const int64_t group = num_heads / num_kv_heads;
   const int64_t cache_token_stride = num_kv_heads * head_dim;
   const int64_t cache_block_stride = block_size * cache_token_stride;
-  // Split a sequence by kv head only to give several threads work: on one thread an item of all the heads reads each
-  // block's tokens as one contiguous run instead of three strided passes over the same blocks. SmolLM2's shapes at
-  // batch 1, 30 layers' caches, alternated runs on a loaded 2-vCPU Zen 4: 1.12-1.29x with the KV in L3; with the
-  // caches flushed between calls (as the weights do) within the noise (0.91-1.25x).
-  // (There is no gain in fusing a GQA group's rows over one load of each key or value row on AVX-512: 48 partial
-  // sums spill, and scoring measured 1.5x slower; the values' version 1.2x slower.)
+  const int64_t row_bytes = cache_token_stride * static_cast<int64_t>(sizeof(C));
+
+  // Work items. Split: one chunk each, (item_seq, item_chunk), its rows' partials at partial_offset (floats) in
+  // `partials`, a sequence's items consecutive in chunk order from seq_items[seq].
   const int threads = omp_get_max_threads();
-  const int64_t head_splits = threads == 1 || num_seqs >= 2 * threads ? 1 : num_kv_heads;
-  const int64_t heads_per_item = num_kv_heads / head_splits;
-  const int64_t head_rows = heads_per_item * group;  // query heads of an item, each a row of scores per query token
+  const bool split = threads > 1 && num_seqs < 2 * threads;
+  std::vector<int64_t> item_seq, item_chunk, partial_offset, seq_items;
+  std::vector<float> partials;
+  if (split) {
+    seq_items.assign(num_seqs + 1, 0);
+    int64_t floats = 0;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      int64_t first, end;
+      chunk_range(seq, &first, &end);
+      seq_items[seq] = static_cast<int64_t>(item_seq.size());
+      for (int64_t chunk = first; chunk < end; ++chunk) {
+        item_seq.push_back(seq);
+        item_chunk.push_back(chunk);
+        partial_offset.push_back(floats);
+        floats += query_len_of(seq) * num_heads * partial_floats;
+      }
+    }
+    seq_items[num_seqs] = static_cast<int64_t>(item_seq.size());
+    partials.resize(floats);
+  }
+  const int64_t num_items = split ? static_cast<int64_t>(item_seq.size()) : num_seqs;
+
 #pragma omp parallel
   {
-    std::vector<float> q, acc, scores, inv_sums, wide;
-    // Round-robin items, so a thread knows its next item and can prefetch that item's first blocks.
-    const int64_t num_items = num_seqs * head_splits, item_stride = omp_get_num_threads();
-#pragma omp for schedule(static, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t seq = item / head_splits, first_head = item % head_splits * heads_per_item;
-      if (!handles(seq)) continue;
-      const int64_t token = query_start_loc[seq], q_len = query_len_of(seq), seq_len = seq_lens[seq];
-      const int64_t rows = q_len * head_rows;  // row r: query token r / head_rows, query head r % head_rows
-      const int64_t row_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(C));
-      const int32_t* table = block_tables + seq * block_table_stride;
-      q.resize(rows * head_dim);
-      for (int64_t i = 0; i < q_len; ++i) {
-        const T* q_in = query + (token + i) * query_token_stride + first_head * group * head_dim;
-        float* q_row = q.data() + i * head_rows * head_dim;
-        for (int64_t d = 0; d < head_rows * head_dim; ++d) q_row[d] = to_float(q_in[d]) * query_scale;
-      }
-      // Keys [key_start, seq_len) are read (whole blocks from first_block on); scores are kept from key_start. Query
-      // token i's rows see the keys [lead(i), end(i)) of them.
-      const int64_t first_block = first_block_of(seq_len, q_len), key_start = first_block * block_size;
-      const int64_t span = seq_len - key_start;
-      auto end_of = [&](int64_t i) { return span - q_len + 1 + i; };
-      auto lead_of = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, end_of(i) - window) : 0; };
-      scores.resize(rows * span);
-      inv_sums.resize(rows);
-
-      auto block_start = [&](const C* cache, int64_t start) {
-        return cache + table[start / block_size] * cache_block_stride + first_head * head_dim;
-      };
-      // Block `block` of the pass order (the K blocks, the V blocks, then the K blocks of this thread's next item),
-      // counted from first_block, and its token count; count 0 past the end.
-      const int64_t num_blocks = (seq_len + block_size - 1) / block_size - first_block;
-      auto pass_block = [&](int64_t block, int64_t* count) -> const C* {
-        *count = 0;
-        if (block < 2 * num_blocks) {
-          const bool is_key = block < num_blocks;
-          const int64_t start = key_start + (is_key ? block : block - num_blocks) * block_size;
-          *count = std::min(block_size, seq_len - start);
-          return block_start(is_key ? k_cache : v_cache, start);
+    std::vector<float> q, scores, chunk_partials, run, wide;
+    const int64_t item_stride = omp_get_num_threads();
+    // This thread's chunk after (seq, chunk) (the items are round-robin): its sequence, or -1 if none.
+    auto next_chunk = [&](int64_t item, int64_t seq, int64_t chunk, int64_t* next) -> int64_t {
+      if (!split) {
+        int64_t first, end;
+        chunk_range(seq, &first, &end);
+        if (chunk + 1 < end) return *next = chunk + 1, seq;
+        for (int64_t s = item + item_stride; s < num_seqs; s += item_stride) {
+          chunk_range(s, &first, &end);
+          if (first < end) return *next = first, s;
         }
-        const int64_t next = item + item_stride;
-        if (next >= num_items) return nullptr;
-        const int64_t next_seq = next / head_splits, next_first_head = next % head_splits * heads_per_item;
-        if (!handles(next_seq)) return nullptr;
-        const int64_t next_len = seq_lens[next_seq];
-        const int64_t next_block = first_block_of(next_len, query_len_of(next_seq)) + block - 2 * num_blocks;
-        const int64_t start = next_block * block_size;
-        if (start >= next_len) return nullptr;
-        *count = std::min<int64_t>(block_size, next_len - start);
-        return k_cache + block_tables[next_seq * block_table_stride + next_block] * cache_block_stride +
-               next_first_head * head_dim;
+        return -1;
+      }
+      if (item + item_stride >= num_items) return -1;
+      *next = item_chunk[item + item_stride];
+      return item_seq[item + item_stride];
+    };
+    // The blocks chunk `chunk` of `seq` reads, [*begin, *end).
+    auto chunk_block_range = [&](int64_t seq, int64_t chunk, int64_t* begin, int64_t* end) {
+      int64_t first, last;
+      block_range(seq, &first, &last);
+      *begin = std::max(first, chunk * chunk_blocks);
+      *end = std::min(last, (chunk + 1) * chunk_blocks);
+    };
+    auto block_of = [&](const C* cache, int64_t seq, int64_t block, int64_t* count) {
+      *count = std::min<int64_t>(block_size, seq_lens[seq] - block * block_size);
+      return cache + block_tables[seq * block_table_stride + block] * cache_block_stride;
+    };
+
+    // The softmax partials of chunk `chunk` of `seq` for every row (row r: query token r / num_heads, query head
+    // r % num_heads) at `partial` (partial_floats a row); (next_seq, next) is the chunk this thread reads next.
+    auto chunk_partial = [&](int64_t seq, int64_t chunk, int64_t next_seq, int64_t next, float* partial) {
+      const int64_t q_len = query_len_of(seq), seq_len = seq_lens[seq], rows = q_len * num_heads;
+      const int64_t chunk_start = chunk * chunk_keys, chunk_end = std::min(seq_len, chunk_start + chunk_keys);
+      auto end_of = [&](int64_t i) { return seq_len - q_len + 1 + i; };  // absolute: query i sees keys < end_of(i)
+      auto lead_of = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, end_of(i) - window) : 0; };
+      int64_t block_begin, block_end;
+      chunk_block_range(seq, chunk, &block_begin, &block_end);
+      const int64_t n = block_end - block_begin;
+      // Block `position` of the read order: this chunk's K blocks, its V blocks, then the next chunk's K blocks.
+      auto pass_block = [&](int64_t position, int64_t* count) -> const C* {
+        *count = 0;
+        if (position < 2 * n) {
+          const bool is_key = position < n;
+          return block_of(is_key ? k_cache : v_cache, seq, block_begin + position % n, count);
+        }
+        if (next_seq < 0) return nullptr;
+        int64_t begin, end;
+        chunk_block_range(next_seq, next, &begin, &end);
+        if (begin + position - 2 * n >= end) return nullptr;
+        return block_of(k_cache, next_seq, begin + position - 2 * n, count);
       };
       // fp8 blocks are widened to float32 once (`wide`), not once per query head reading them: the conversion, not
       // the memory, bounds an fp8 pass (e4m3 takes ten instructions per eight values on AVX2). A 16-bit block's
       // conversion is one instruction, and widening it measured slower (batch-32 decode 1.35x float32's, not 1.46x).
-      const int64_t item_row = heads_per_item * head_dim;
       auto block_rows = [&](const C* block, int64_t count, auto&& pass) {
         if constexpr (is_fp8<C>) {
-          wide.resize(block_size * item_row);
-          widen_rows(block, count, item_row, cache_token_stride, wide.data());
-          pass(static_cast<const float*>(wide.data()), item_row);
+          wide.resize(block_size * cache_token_stride);
+          widen_rows(block, count, cache_token_stride, cache_token_stride, wide.data());
+          pass(static_cast<const float*>(wide.data()));
         } else {
-          pass(block, cache_token_stride);
+          pass(block);
         }
       };
-      for (int64_t start = key_start; start < seq_len; start += block_size) {
-        const int64_t offset = start - key_start, count = std::min(block_size, seq_len - start);
-        int64_t ahead_count;
-        const C* ahead = pass_block(offset / block_size + PREFETCH_BLOCKS, &ahead_count);
-        block_rows(block_start(k_cache, start), count, [&](const auto* keys, int64_t token_stride) {
+      // Each row's keys in the block starting at key `start`: [*begin, *end) of its `count`.
+      auto row_keys = [&](int64_t row, int64_t start, int64_t count, int64_t* begin, int64_t* end) {
+        const int64_t i_query = row / num_heads;
+        *begin = std::max<int64_t>(0, lead_of(i_query) - start);
+        *end = std::min(count, end_of(i_query) - start);
+      };
+
+      scores.resize(rows * chunk_keys);
+      for (int64_t j = 0; j < n; ++j) {
+        int64_t count, ahead_count;
+        const C* block = block_of(k_cache, seq, block_begin + j, &count);
+        const C* ahead = pass_block(j + PREFETCH_BLOCKS, &ahead_count);
+        const int64_t start = (block_begin + j) * block_size;
+        block_rows(block, count, [&](const auto* keys) {
           using K = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
           for (int64_t row = 0; row < rows; ++row) {
             prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
-            const int64_t i_query = row / head_rows;
-            const int64_t begin = std::max<int64_t>(0, lead_of(i_query) - offset);
-            const int64_t end = std::min(count, end_of(i_query) - offset);
+            int64_t begin, end;
+            row_keys(row, start, count, &begin, &end);
             const float* __restrict__ qr = q.data() + row * head_dim;
-            const K* head_keys = keys + row % head_rows / group * head_dim;
-            float* __restrict__ s = scores.data() + row * span + offset;
+            const K* head_keys = keys + row % num_heads / group * head_dim;
+            float* __restrict__ s = scores.data() + row * chunk_keys + start - chunk_start;
             int64_t i = begin;
             if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
               for (; i + 16 <= end; i += 16) {
-                dot16<K, HEAD_DIM>(qr, head_keys + i * token_stride, token_stride, s + i);
+                dot16<K, HEAD_DIM>(qr, head_keys + i * cache_token_stride, cache_token_stride, s + i);
               }
               if constexpr (kScoresFourKeysAtATime) {
-                for (; i + 4 <= end; i += 4) dot4<K, HEAD_DIM>(qr, head_keys + i * token_stride, token_stride, s + i);
+                for (; i + 4 <= end; i += 4) {
+                  dot4<K, HEAD_DIM>(qr, head_keys + i * cache_token_stride, cache_token_stride, s + i);
+                }
               }
             }
             for (; i < end; ++i) {
-              const K* __restrict__ key = head_keys + i * token_stride;
+              const K* __restrict__ key = head_keys + i * cache_token_stride;
               float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
               for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(key[d]);
@@ -541,8 +604,12 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
       }
 
       for (int64_t row = 0; row < rows; ++row) {
-        const int64_t lead = lead_of(row / head_rows), end = end_of(row / head_rows);
-        float* s = scores.data() + row * span;
+        float* out_row = partial + row * partial_floats;
+        std::fill(out_row, out_row + partial_floats, 0.0f);
+        const int64_t lead = std::max(lead_of(row / num_heads), chunk_start) - chunk_start;
+        const int64_t end = std::min(end_of(row / num_heads), chunk_end) - chunk_start;
+        if (lead >= end) continue;
+        float* s = scores.data() + row * chunk_keys;
         float max_score = s[lead];
 #pragma omp simd reduction(max : max_score)
         for (int64_t t = lead; t < end; ++t) max_score = s[t] > max_score ? s[t] : max_score;
@@ -552,29 +619,29 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
           s[t] = exp_nonpositive(s[t] - max_score);
           sum += s[t];
         }
-        inv_sums[row] = 1.0f / sum;
+        out_row[0] = max_score;
+        out_row[1] = sum;
       }
 
-      acc.assign(rows * head_dim, 0.0f);
-      for (int64_t start = key_start; start < seq_len; start += block_size) {
-        const int64_t offset = start - key_start, count = std::min(block_size, seq_len - start);
-        int64_t ahead_count;
-        const C* ahead = pass_block(num_blocks + offset / block_size + PREFETCH_BLOCKS, &ahead_count);
-        block_rows(block_start(v_cache, start), count, [&](const auto* values, int64_t token_stride) {
+      for (int64_t j = 0; j < n; ++j) {
+        int64_t count, ahead_count;
+        const C* block = block_of(v_cache, seq, block_begin + j, &count);
+        const C* ahead = pass_block(n + j + PREFETCH_BLOCKS, &ahead_count);
+        const int64_t start = (block_begin + j) * block_size;
+        block_rows(block, count, [&](const auto* values) {
           using V = std::remove_cv_t<std::remove_pointer_t<decltype(values)>>;
           for (int64_t row = 0; row < rows; ++row) {
             prefetch_slice(ahead, ahead_count, row, rows, cache_token_stride, row_bytes);
-            const int64_t i_query = row / head_rows;
-            const int64_t begin = std::max<int64_t>(0, lead_of(i_query) - offset);
-            const int64_t end = std::min(count, end_of(i_query) - offset);
-            const float* __restrict__ p = scores.data() + row * span + offset;
-            const V* head_values = values + row % head_rows / group * head_dim;
-            float* __restrict__ a = acc.data() + row * head_dim;
+            int64_t begin, end;
+            row_keys(row, start, count, &begin, &end);
+            const float* __restrict__ p = scores.data() + row * chunk_keys + start - chunk_start;
+            const V* head_values = values + row % num_heads / group * head_dim;
+            float* __restrict__ a = partial + row * partial_floats + 2;
             if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
-              accumulate_values<V, HEAD_DIM>(a, p, head_values, token_stride, begin, end);
+              accumulate_values<V, HEAD_DIM>(a, p, head_values, cache_token_stride, begin, end);
             } else {
               for (int64_t i = begin; i < end; ++i) {
-                const V* __restrict__ value = head_values + i * token_stride;
+                const V* __restrict__ value = head_values + i * cache_token_stride;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; ++d) a[d] += p[i] * to_float(value[d]);
               }
@@ -582,14 +649,71 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
           }
         });
       }
-      for (int64_t i = 0; i < q_len; ++i) {
-        T* o = out + ((token + i) * num_heads + first_head * group) * head_dim;
-        for (int64_t r = 0; r < head_rows; ++r) {
-          const int64_t row = i * head_rows + r;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            o[r * head_dim + d] = from_float<T>(acc[row * head_dim + d] * inv_sums[row] * v_scale);
+    };
+
+    auto load_query = [&](int64_t seq) {  // the sequence's query rows, scaled
+      const int64_t token = query_start_loc[seq], width = num_heads * head_dim;
+      q.resize(query_len_of(seq) * width);
+      for (int64_t i = 0; i < query_len_of(seq); ++i) {
+        const T* q_in = query + (token + i) * query_token_stride;
+        for (int64_t d = 0; d < width; ++d) q[i * width + d] = to_float(q_in[d]) * query_scale;
+      }
+    };
+    // The merged rows (partial_floats each) of `seq` as its output rows.
+    auto write_out = [&](int64_t seq, const float* merged) {
+      const int64_t token = query_start_loc[seq], rows = query_len_of(seq) * num_heads;
+      for (int64_t row = 0; row < rows; ++row) {
+        const float* m = merged + row * partial_floats;
+        const float inv_sum = 1.0f / m[1];
+        T* o = out + (token * num_heads + row) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<T>(m[2 + d] * inv_sum * v_scale);
+      }
+    };
+
+    // A split item is one chunk whose partials are kept for the merge below; an unsplit one, a sequence whose chunks
+    // are merged as they come. (One call site of chunk_partial: the same code computes every chunk, so a token's
+    // result does not depend on which path, thread or batch computed it.)
+#pragma omp for schedule(static, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      int64_t seq = item, first, end;
+      if (split) {
+        seq = item_seq[item];
+        first = item_chunk[item];
+        end = first + 1;
+      } else {
+        chunk_range(seq, &first, &end);
+      }
+      if (first >= end) continue;
+      const int64_t rows = query_len_of(seq) * num_heads;
+      load_query(seq);
+      run.assign(rows * partial_floats, 0.0f);
+      chunk_partials.resize(rows * partial_floats);
+      for (int64_t chunk = first; chunk < end; ++chunk) {
+        int64_t next;
+        const int64_t next_seq = next_chunk(item, seq, chunk, &next);
+        float* partial = split ? partials.data() + partial_offset[item] : chunk_partials.data();
+        chunk_partial(seq, chunk, next_seq, next, partial);
+        if (!split) {
+          for (int64_t row = 0; row < rows; ++row) {
+            merge_partial(partial + row * partial_floats, run.data() + row * partial_floats, head_dim);
           }
         }
+      }
+      if (!split) write_out(seq, run.data());
+    }
+    if (split) {  // (after the loop's barrier) each sequence's chunk partials merged in order
+#pragma omp for schedule(static, 1)
+      for (int64_t seq = 0; seq < num_seqs; ++seq) {
+        if (seq_items[seq] == seq_items[seq + 1]) continue;
+        const int64_t rows = query_len_of(seq) * num_heads;
+        run.assign(rows * partial_floats, 0.0f);
+        for (int64_t item = seq_items[seq]; item < seq_items[seq + 1]; ++item) {
+          for (int64_t row = 0; row < rows; ++row) {
+            merge_partial(partials.data() + partial_offset[item] + row * partial_floats,
+                          run.data() + row * partial_floats, head_dim);
+          }
+        }
+        write_out(seq, run.data());
       }
     }
   }

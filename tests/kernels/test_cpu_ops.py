@@ -60,7 +60,7 @@ def test_decode_attention_matches_reference(dtype, num_heads, num_kv_heads, head
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-@pytest.mark.parametrize("num_seqs", [1, 3, 8])  # fewer sequences than 2 x threads splits items by kv head
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])  # fewer sequences than 2 x threads: a work item per key chunk
 def test_decode_attention_any_thread_count_and_work_split(threads, num_threads, num_seqs):
     threads(num_threads)
     assert cpu_ops.library().tm_omp_max_threads() == num_threads  # one OpenMP runtime, shared with torch
@@ -82,6 +82,40 @@ def test_decode_attention_any_thread_count_and_work_split(threads, num_threads, 
         query, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125
     )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decode_attention_gives_a_sequence_the_same_bits_alone_or_batched_at_any_thread_count(threads, cache_dtype):
+    """A sequence decoded alone on two threads has its key chunks computed on both and merged; in a batch of eight, or
+    on one thread, each sequence's chunks run in one work item. The same bits either way (batch invariance)."""
+    seq_lens = [300, 5, 64, 65, 130, 17, 250, 1]
+    cache = make_paged_cache(seq_lens, 3, 64, 16, torch.float32)
+    k_cache, v_cache = cache.k_cache.to(cache_dtype), cache.v_cache.to(cache_dtype)
+    query = torch.randn(len(seq_lens), 9, 64)
+
+    def decode(rows: list[int]) -> torch.Tensor:
+        out = torch.empty(len(rows), 9, 64)
+        cpu_ops.decode_attention(
+            out,
+            query[rows].contiguous(),
+            k_cache,
+            v_cache,
+            cache.block_tables[rows].contiguous(),
+            torch.arange(len(rows) + 1, dtype=torch.int32),
+            cache.seq_lens[rows].contiguous(),
+            0.125,
+        )
+        return out
+
+    results = []
+    for num_threads in (1, 2):
+        threads(num_threads)
+        batched = decode(list(range(len(seq_lens))))
+        results += [batched[[0, 6]], torch.cat([decode([0]), decode([6])])]
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+    expected = paged_attention_decode_ref(query, k_cache, v_cache, cache.block_tables, cache.seq_lens, 0.125)
+    torch.testing.assert_close(results[0], expected[[0, 6]], atol=2e-5, rtol=2e-5)
 
 
 def test_decode_attention_leaves_prompt_rows_and_reads_a_strided_query():
