@@ -669,6 +669,12 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
         for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<T>(m[2 + d] * inv_sum * v_scale);
       }
     };
+    // One chunk's partials (`rows` of them) folded into `run`, this thread's running merge.
+    auto merge_rows = [&](const float* partial, int64_t rows) {
+      for (int64_t row = 0; row < rows; ++row) {
+        merge_partial(partial + row * partial_floats, run.data() + row * partial_floats, head_dim);
+      }
+    };
 
     // A split item is one chunk whose partials are kept for the merge below; an unsplit one, a sequence whose chunks
     // are merged as they come. (One call site of chunk_partial: the same code computes every chunk, so a token's
@@ -686,18 +692,16 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
       if (first >= end) continue;
       const int64_t rows = query_len_of(seq) * num_heads;
       load_query(seq);
-      run.assign(rows * partial_floats, 0.0f);
-      chunk_partials.resize(rows * partial_floats);
+      if (!split) {
+        run.assign(rows * partial_floats, 0.0f);
+        chunk_partials.resize(rows * partial_floats);
+      }
       for (int64_t chunk = first; chunk < end; ++chunk) {
         int64_t next;
         const int64_t next_seq = next_chunk(item, seq, chunk, &next);
         float* partial = split ? partials.data() + partial_offset[item] : chunk_partials.data();
         chunk_partial(seq, chunk, next_seq, next, partial);
-        if (!split) {
-          for (int64_t row = 0; row < rows; ++row) {
-            merge_partial(partial + row * partial_floats, run.data() + row * partial_floats, head_dim);
-          }
-        }
+        if (!split) merge_rows(partial, rows);
       }
       if (!split) write_out(seq, run.data());
     }
@@ -708,10 +712,7 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
         const int64_t rows = query_len_of(seq) * num_heads;
         run.assign(rows * partial_floats, 0.0f);
         for (int64_t item = seq_items[seq]; item < seq_items[seq + 1]; ++item) {
-          for (int64_t row = 0; row < rows; ++row) {
-            merge_partial(partials.data() + partial_offset[item] + row * partial_floats,
-                          run.data() + row * partial_floats, head_dim);
-          }
+          merge_rows(partials.data() + partial_offset[item], rows);
         }
         write_out(seq, run.data());
       }
