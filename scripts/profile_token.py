@@ -30,8 +30,14 @@ use the calling thread's CPU time unless `--clock wall`.
 
 from __future__ import annotations
 
-import argparse
 import os
+
+# The in-process worker's KV caches and large tensors on huge pages, as in the engine's children (tokenmill/launcher.py;
+# torch reads this once, at its first large allocation): without it, decode attention read its caches through 4 KiB
+# pages here and was timed slower than the engine runs it.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Iterator
