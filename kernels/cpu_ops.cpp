@@ -396,6 +396,19 @@ inline void widen_rows(const C* src, int64_t rows, int64_t row_len, int64_t src_
   }
 }
 
+// for i in [0, n): body(i), split over the OpenMP team when `parallel` and there is more than one thread, else
+// inline. Even a one-thread OpenMP region costs ~0.4 us (libgomp sets up a team), and a batch-1 decode step makes
+// ~150 calls of these kernels: most of a one-row RMSNorm's time was its region (0.9 us a call, 0.19 inline).
+template <typename Body>
+inline void parallel_for(int64_t n, bool parallel, Body&& body) {
+  if (parallel && omp_get_max_threads() > 1) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
+}
+
 constexpr int64_t PREFETCH_BLOCKS = 1;  // how far ahead, in blocks, a pass prefetches
 // Keys per softmax chunk (rounded to whole blocks): a sequence's keys are taken in chunks at fixed positions, each
 // chunk's softmax partial (max, sum, weighted values) computed alone and the partials merged in chunk order. So a
@@ -501,8 +514,8 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
   }
   const int64_t num_items = split ? static_cast<int64_t>(item_seq.size()) : num_seqs;
 
-#pragma omp parallel
-  {
+  // The work of each thread of the team (or of the calling thread alone: see parallel_for).
+  auto team_work = [&]() {
     // Scratch kept between calls (a call's allocations measured ~0.3 us of a ~2 us fixed cost, thirty times a token)
     static thread_local std::vector<float> q, scores, chunk_partials, run, wide;
     static thread_local std::vector<int64_t> row_lead, row_end, row_head;
@@ -739,6 +752,12 @@ void decode_attention(T* out, const T* query, int64_t query_token_stride, const 
         write_out(seq, run.data());
       }
     }
+  };
+  if (threads > 1) {
+#pragma omp parallel
+    team_work();
+  } else {
+    team_work();
   }
 }
 
@@ -766,9 +785,8 @@ void decode_attention_any(T* out, const T* query, int64_t query_token_stride, co
 template <typename T, typename C>
 void write_kv(const T* key, int64_t key_token_stride, const T* value, int64_t value_token_stride, C* k_cache,
               C* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row_size, float k_scale, float v_scale) {
-#pragma omp parallel for if (num_tokens > 64)
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (slots[t] < 0) continue;
+  parallel_for(num_tokens, num_tokens > 64, [&](int64_t t) {
+    if (slots[t] < 0) return;
     if constexpr (std::is_same_v<T, C>) {
       std::memcpy(k_cache + slots[t] * row_size, key + t * key_token_stride, row_size * sizeof(T));
       std::memcpy(v_cache + slots[t] * row_size, value + t * value_token_stride, row_size * sizeof(T));
@@ -780,7 +798,7 @@ void write_kv(const T* key, int64_t key_token_stride, const T* value, int64_t va
       for (int64_t i = 0; i < row_size; ++i) k_row[i] = from_float<C>(to_float(key_row[i]) / k_scale);
       for (int64_t i = 0; i < row_size; ++i) v_row[i] = from_float<C>(to_float(value_row[i]) / v_scale);
     }
-  }
+  });
 }
 
 // Hugging Face's RMSNorm, row by row: h = x (+ residual, rounded to T, stored to residual_out when given);
@@ -789,33 +807,30 @@ template <typename T>
 void rms_norm(T* out, int64_t out_stride, T* residual_out, int64_t residual_out_stride, const T* x,
               int64_t x_stride, const T* residual, int64_t residual_stride, const T* weight, int64_t num_rows,
               int64_t hidden, float eps) {
-  // One row (a batch-1 decode step) is one thread's work: no team to wake and wait for (61 calls a step).
-#pragma omp parallel if (num_rows > 1)
-  {
-    std::vector<float> h(hidden);
-#pragma omp for
-    for (int64_t row = 0; row < num_rows; ++row) {
-      const T* x_row = x + row * x_stride;
-      if (residual != nullptr) {
-        const T* r_row = residual + row * residual_stride;
-        T* sum_row = residual_out + row * residual_out_stride;
-        for (int64_t i = 0; i < hidden; ++i) {
-          sum_row[i] = from_float<T>(to_float(x_row[i]) + to_float(r_row[i]));
-          h[i] = to_float(sum_row[i]);
-        }
-      } else {
-        for (int64_t i = 0; i < hidden; ++i) h[i] = to_float(x_row[i]);
-      }
-      float sum_squares = 0.0f;
-#pragma omp simd reduction(+ : sum_squares)
-      for (int64_t i = 0; i < hidden; ++i) sum_squares += h[i] * h[i];
-      const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(hidden) + eps);
-      T* out_row = out + row * out_stride;
+  // One row (a batch-1 decode step) runs inline on the calling thread (61 calls a step).
+  parallel_for(num_rows, num_rows > 1, [&](int64_t row) {
+    thread_local std::vector<float> h;
+    h.resize(hidden);
+    const T* x_row = x + row * x_stride;
+    if (residual != nullptr) {
+      const T* r_row = residual + row * residual_stride;
+      T* sum_row = residual_out + row * residual_out_stride;
       for (int64_t i = 0; i < hidden; ++i) {
-        out_row[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(h[i] * inv_rms)));
+        sum_row[i] = from_float<T>(to_float(x_row[i]) + to_float(r_row[i]));
+        h[i] = to_float(sum_row[i]);
       }
+    } else {
+      for (int64_t i = 0; i < hidden; ++i) h[i] = to_float(x_row[i]);
     }
-  }
+    float sum_squares = 0.0f;
+#pragma omp simd reduction(+ : sum_squares)
+    for (int64_t i = 0; i < hidden; ++i) sum_squares += h[i] * h[i];
+    const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(hidden) + eps);
+    T* out_row = out + row * out_stride;
+    for (int64_t i = 0; i < hidden; ++i) {
+      out_row[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(h[i] * inv_rms)));
+    }
+  });
 }
 
 // NeoX (rotate-half) rotary embedding in place on q [T, num_q_heads, head_dim] and k [T, num_k_heads, head_dim]
@@ -825,39 +840,36 @@ template <typename T>
 void rotary(T* q, int64_t q_token_stride, int64_t num_q_heads, T* k, int64_t k_token_stride, int64_t num_k_heads,
             int64_t head_dim, const int64_t* positions, const float* table, int64_t rot_dim, int64_t num_tokens) {
   const int64_t half = rot_dim / 2;
-#pragma omp parallel if (num_tokens > 16)
-  {
-    std::vector<float> cos_t(half), sin_t(half);  // this token's angles, rounded to T once for all its heads
-#pragma omp for
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      const float* angles = table + positions[t] * rot_dim;
-      for (int64_t i = 0; i < half; ++i) {
-        cos_t[i] = to_float(from_float<T>(angles[i]));
-        sin_t[i] = to_float(from_float<T>(angles[half + i]));
-      }
-      auto rotate_heads = [&](T* base, int64_t heads) {
-        for (int64_t head = 0; head < heads; ++head) {
-          T* x = base + head * head_dim;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-            const float a1 = to_float(from_float<T>(x1 * cos_t[i])), b1 = to_float(from_float<T>(-x2 * sin_t[i]));
-            const float a2 = to_float(from_float<T>(x2 * cos_t[i])), b2 = to_float(from_float<T>(x1 * sin_t[i]));
-            x[i] = from_float<T>(a1 + b1);
-            x[i + half] = from_float<T>(a2 + b2);
-          }
-        }
-      };
-      rotate_heads(q + t * q_token_stride, num_q_heads);
-      rotate_heads(k + t * k_token_stride, num_k_heads);
+  parallel_for(num_tokens, num_tokens > 16, [&](int64_t t) {
+    thread_local std::vector<float> cos_t, sin_t;  // this token's angles, rounded to T once for all its heads
+    cos_t.resize(half);
+    sin_t.resize(half);
+    const float* angles = table + positions[t] * rot_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      cos_t[i] = to_float(from_float<T>(angles[i]));
+      sin_t[i] = to_float(from_float<T>(angles[half + i]));
     }
-  }
+    auto rotate_heads = [&](T* base, int64_t heads) {
+      for (int64_t head = 0; head < heads; ++head) {
+        T* x = base + head * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+          const float a1 = to_float(from_float<T>(x1 * cos_t[i])), b1 = to_float(from_float<T>(-x2 * sin_t[i]));
+          const float a2 = to_float(from_float<T>(x2 * cos_t[i])), b2 = to_float(from_float<T>(x1 * sin_t[i]));
+          x[i] = from_float<T>(a1 + b1);
+          x[i + half] = from_float<T>(a2 + b2);
+        }
+      }
+    };
+    rotate_heads(q + t * q_token_stride, num_q_heads);
+    rotate_heads(k + t * k_token_stride, num_k_heads);
+  });
 }
 
 // out[t, i] = silu(x[t, i]) * x[t, width + i] for x [T, 2 * width] (gate, then up).
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t x_stride, int64_t num_rows, int64_t width) {
-#pragma omp parallel for if (num_rows > 4)
-  for (int64_t row = 0; row < num_rows; ++row) {
+  parallel_for(num_rows, num_rows > 4, [&](int64_t row) {
     const T* gate = x + row * x_stride;
     const T* up = gate + width;
     T* out_row = out + row * width;
@@ -868,7 +880,7 @@ void silu_and_mul(T* out, const T* x, int64_t x_stride, int64_t num_rows, int64_
       const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
       out_row[i] = from_float<T>(to_float(from_float<T>(g * sigmoid)) * to_float(up[i]));
     }
-  }
+  });
 }
 
 }  // namespace

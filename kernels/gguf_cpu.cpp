@@ -239,6 +239,19 @@ struct Kernels {
   PackedTileFn packed_tile;
 };
 
+// for i in [0, n): body(i), split over the OpenMP team when `parallel` and there is more than one thread, else
+// inline: a one-thread OpenMP region costs ~0.4 us (libgomp sets up a team), ~200 matmuls a batch-1 decode step.
+// (kernels/cpu_ops.cpp has the same helper: each library is built from its one source file.)
+template <typename Body>
+inline void parallel_for(int64_t n, bool parallel, Body&& body) {
+  if (parallel && omp_get_max_threads() > 1) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- the instruction-set versions
@@ -396,22 +409,20 @@ int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx,
     const int64_t tile = T <= 8 ? 1 : 4;
     const int64_t tiles = (groups + tile - 1) / tile;
     const int64_t plain = groups * 8;
-#pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
-    for (int64_t i = 0; i <= tiles; ++i) {
+    parallel_for(tiles + 1, N * row_bytes >= (int64_t{1} << 16), [&](int64_t i) {
       if (i < tiles) kernels.packed_tile(qtype, w, row_bytes, i * tile, std::min(groups, (i + 1) * tile), act, T, out);
       else if (plain < N) kernels.tile(qtype, w, row_bytes, plain, N, act, T, out);
-    }
+    });
   } else {
     // Rows per tile: enough to share the unpacked blocks across token groups from L1/L2, few enough that every
     // thread gets a fair share at batch 1. The result of a tile goes to `out` as [T, ld_out] rows.
     const int64_t tile = T <= 4 ? 4 : 16;
     const int64_t tiles = (N + tile - 1) / tile;
     // Below ~64 KiB of weights a parallel region costs more than it saves.
-#pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
-    for (int64_t i = 0; i < tiles; ++i) {
+    parallel_for(tiles, N * row_bytes >= (int64_t{1} << 16), [&](int64_t i) {
       const int64_t begin = i * tile, end = std::min(N, begin + tile);
       kernels.tile(qtype, w, row_bytes, begin, end, act, T, out);
-    }
+    });
   }
   if (dtype == 1) {
     uint16_t* yb = static_cast<uint16_t*>(y);
@@ -567,11 +578,10 @@ int tm_gguf_matmul_float(int qtype, const float* x, int64_t ldx, const uint8_t* 
   const Kernels kernels = kernels_for(active_isa());
   const int64_t tile = T <= 4 ? 4 : 16;  // as tm_gguf_matmul
   const int64_t tiles = (N + tile - 1) / tile;
-#pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
-  for (int64_t i = 0; i < tiles; ++i) {
+  parallel_for(tiles, N * row_bytes >= (int64_t{1} << 16), [&](int64_t i) {
     const int64_t begin = i * tile, end = std::min(N, begin + tile);
     kernels.float_tile(qtype, w, row_bytes, begin, end, x, ldx, K, T, y, ldy);
-  }
+  });
   return 0;
 }
 
@@ -586,8 +596,7 @@ int tm_gguf_matmul_float_repacked(int qtype, const float* x, int64_t ldx, const 
   if (T <= 0 || N <= 0) return 0;
   const int64_t row_bytes = K / block * block_bytes(qtype), groups = N / 8;
   const Kernels kernels = kernels_for(active_isa());
-#pragma omp parallel for schedule(static) if (N * row_bytes >= (int64_t{1} << 16))
-  for (int64_t g = 0; g <= groups; ++g) {
+  parallel_for(groups + 1, N * row_bytes >= (int64_t{1} << 16), [&](int64_t g) {
     if (g < groups) {
       thread_local std::vector<uint8_t> plain;
       plain.resize(static_cast<size_t>(8 * row_bytes));
@@ -596,7 +605,7 @@ int tm_gguf_matmul_float_repacked(int qtype, const float* x, int64_t ldx, const 
     } else if (groups * 8 < N) {
       kernels.float_tile(qtype, w, row_bytes, groups * 8, N, x, ldx, K, T, y, ldy);
     }
-  }
+  });
   return 0;
 }
 

@@ -1,12 +1,12 @@
 """The scheduler process: a loop that admits requests, plans a step, sends it to the workers and publishes outputs.
 
-Overlap scheduling (`--async-scheduling`; by default on with GPU workers, off on CPU): the loop plans and sends step
-N+1, then waits for step N's result, so the workers start N+1 as soon as they finish N and the scheduler's Python
-(planning, applying results, publishing outputs) runs while they compute. At most one step is in flight while the
-next is planned; a step that cannot be planned ahead (`Scheduler.can_plan_ahead`) is planned once the result is in,
-as without overlap. A blocking `zmq.Poller` keeps the per-step overhead to a few syscalls. Aborts and new requests
-that arrive while the loop waits for a result are buffered and applied before the next step is planned; pings are
-answered at once.
+Overlap scheduling (`--async-scheduling`; on by default, except under tensor or pipeline parallelism): the loop plans
+and sends step N+1, then waits for step N's result, so the workers start N+1 as soon as they finish N and the
+scheduler's Python (planning, applying results, publishing outputs) runs while they compute. At most one step is in
+flight while the next is planned; a step that cannot be planned ahead (`Scheduler.can_plan_ahead`) is planned once
+the result is in, as without overlap. A blocking `zmq.Poller` keeps the per-step overhead to a few syscalls. Aborts
+and new requests that arrive while the loop waits for a result are buffered and applied before the next step is
+planned; pings are answered at once.
 
 A watchdog bounds the wait for a step's result (`--worker-step-timeout`): a worker that does not answer in time is
 treated as dead. The scheduler logs why and exits non-zero, which the launcher's supervision turns into /health 503,

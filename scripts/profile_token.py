@@ -33,8 +33,7 @@ from __future__ import annotations
 import os
 
 # The in-process worker's KV caches and large tensors on huge pages, as in the engine's children (tokenmill/launcher.py;
-# torch reads this once, at its first large allocation): without it, decode attention read its caches through 4 KiB
-# pages here and was timed slower than the engine runs it.
+# torch reads this once, at its first large allocation), so that its figures are the engine's.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import argparse
