@@ -241,7 +241,7 @@ def common_metadata(
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    positions = token_positions(query_lens, seq_lens)
+    positions = seq_lens - 1 if decode_only else token_positions(query_lens, seq_lens)
     slot_mapping = step.block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     return AttentionMetadata(
         slot_mapping=step.to_device(slot_mapping, torch.int64),

@@ -196,9 +196,9 @@ class DecodeGraphs:
         self.slot_mapping[:num_seqs].copy_(attn.slot_mapping)
         self.seq_lens[:num_seqs].copy_(attn.seq_lens)
         self.block_tables[:num_seqs, : attn.block_tables.shape[1]].copy_(attn.block_tables)
-        # Padding rows keep stale (valid) ids, positions and block tables; these two make them inert.
-        self.slot_mapping[num_seqs:size].fill_(-1)
-        self.seq_lens[num_seqs:size].fill_(0)
+        if num_seqs < size:  # padding rows keep stale (valid) ids, positions and block tables; these make them inert
+            self.slot_mapping[num_seqs:size].fill_(-1)
+            self.seq_lens[num_seqs:size].fill_(0)
         replay, output = self._graphs[size]
         replay()
         return output[:num_seqs]

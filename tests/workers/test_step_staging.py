@@ -52,6 +52,24 @@ def test_on_the_host_the_arrays_are_the_tensors_and_nothing_is_copied():
     assert staging.num_copies == 0
 
 
+def test_on_the_host_numpy_converts_each_array_as_torch_would():
+    """The host path converts in numpy (cheaper per call than torch's): same values, dtype and layout as `.to`."""
+    staging = StepStaging(CPU)
+    staging.begin_step()
+    cases = [
+        (np.arange(12, dtype=np.int64)[::3], torch.int32),  # strided
+        (np.array([2**31 + 5, -1], dtype=np.int64), torch.int32),  # out of range: wraps as torch's cast does
+        (np.array([0.1, 2.5]), torch.float32),
+        (np.array([0, 3], dtype=np.uint8), torch.bool),
+        (np.array([[1, 2], [3, 4]], dtype=np.int32), torch.int64),
+        (np.array(7), torch.int32),  # 0-d stays 0-d
+    ]
+    for array, dtype in cases:
+        got = staging.upload(array, dtype)
+        assert got.dtype == dtype and got.is_contiguous() and got.shape == array.shape
+        assert torch.equal(got, torch.from_numpy(np.array(array)).to(dtype))
+
+
 def test_growing_mid_step_keeps_the_earlier_views():
     staging = StepStaging(CPU, separate_device=True, initial_bytes=128)
     staging.begin_step()
