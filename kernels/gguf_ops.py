@@ -89,7 +89,7 @@ _U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64], "tm_gguf_read_sum": [_I32
 # Each repacked type's block as byte ranges of the plain block, (offset, length, unit), in their repacked order: each
 # range holds the 8 rows' bytes interleaved in pieces of `unit` bytes (gguf_cpu.cpp's packed_segments). The 32-wide
 # types and Q4_K: the fp16 scale (and min; Q4_K: d, dmin and 12 bytes of packed scales and mins) in 2-byte pieces,
-# then the quants in 4-byte groups (Q5_0 / Q5_1: their 4-byte qh first).
+# then the quants in 4-byte groups (Q5_0 / Q5_1: their 4-byte qh first, its bits transposed: _fifth_bits_order).
 _PACKED_SEGMENTS: dict[int, tuple[tuple[int, int, int], ...]] = {
     int(GGMLQuantizationType.Q4_0): ((0, 2, 2), (2, 16, 4)),
     int(GGMLQuantizationType.Q4_1): ((0, 4, 2), (4, 16, 4)),
@@ -238,7 +238,8 @@ def dequantize_rows(
 
 @functools.cache
 def _group_permutation(qtype: int) -> np.ndarray:
-    """Byte j of a repacked block group is byte `perm[j]` of the group's 8 plain blocks laid end to end."""
+    """Byte j of a repacked block group is byte `perm[j]` of the group's 8 plain blocks laid end to end (for Q5_0 /
+    Q5_1 then each row's word of fifth bits transposed: `_fifth_bits_order`)."""
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
     perm = [
         r * block_bytes + offset + p + i
@@ -255,6 +256,31 @@ def _group_inverse(qtype: int) -> np.ndarray:
     """`[8, block_bytes]`: byte i of row r's plain block is byte `inverse[r, i]` of its group's repacked block."""
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
     return np.argsort(_group_permutation(qtype)).reshape(REPACK_ROWS, block_bytes)
+
+
+# Q5_0 / Q5_1: where each row's 32-bit word of fifth bits sits in a plain block; the repacked layout holds it
+# transposed (gguf_cpu.cpp's `transposed_fifth_bits`).
+_FIFTH_BITS_AT: dict[int, int] = {int(GGMLQuantizationType.Q5_0): 2, int(GGMLQuantizationType.Q5_1): 4}
+
+
+@functools.cache
+def _fifth_bits_order() -> np.ndarray:
+    """Bit k (little-endian) of a transposed word of fifth bits is bit `order[k]` of the plain word: bit j of byte i
+    holds element 4j + i's fifth bit, bit 4 + j element 16 + 4j + i's."""
+    order = np.empty(32, dtype=np.int64)
+    for i in range(4):
+        for j in range(4):
+            order[8 * i + j] = 4 * j + i
+            order[8 * i + 4 + j] = 16 + 4 * j + i
+    return order
+
+
+def _permute_words(words: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """`words` (uint8, last axis a multiple of 4: little-endian 32-bit words) with bit k of each word taken from bit
+    `order[k]` of it."""
+    shape = words.shape
+    bits = np.unpackbits(words.reshape(-1, 4), axis=-1, bitorder="little")[:, order]
+    return np.packbits(bits, axis=-1, bitorder="little").reshape(shape)
 
 
 def _check_repack_type(qtype: int) -> None:
@@ -294,6 +320,9 @@ def repack_rows(
     plain = blocks.numpy()
     groups = plain[:whole].reshape(-1, REPACK_ROWS, nb, block_bytes).transpose(0, 2, 1, 3)
     groups = groups.reshape(-1, nb, REPACK_ROWS * block_bytes)[..., _group_permutation(qtype)]
+    if qtype in _FIFTH_BITS_AT:  # the 8 rows' words follow the 8 scales (and mins)
+        words = slice(REPACK_ROWS * _FIFTH_BITS_AT[qtype], REPACK_ROWS * (_FIFTH_BITS_AT[qtype] + 4))
+        groups[..., words] = _permute_words(groups[..., words], _fifth_bits_order())
     out = np.concatenate([groups.reshape(whole, -1), plain[whole:]])
     return torch.from_numpy(out)
 
@@ -338,6 +367,11 @@ def gather_rows(
             np.arange(nb)[None, :, None],
             inverse[picked % REPACK_ROWS][:, None, :],
         ]
+        if qtype in _FIFTH_BITS_AT:
+            at = _FIFTH_BITS_AT[qtype]
+            gathered = out[in_groups]
+            gathered[..., at : at + 4] = _permute_words(gathered[..., at : at + 4], np.argsort(_fifth_bits_order()))
+            out[in_groups] = gathered
     if (~in_groups).any():
         out[~in_groups] = blocks.numpy()[index[~in_groups]].reshape(-1, nb, block_bytes)
     return torch.from_numpy(out.reshape(index.size, -1))

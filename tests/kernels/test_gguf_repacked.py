@@ -1,10 +1,11 @@
 """The repacked GGUF layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K with 8 rows interleaved:
 kernels/gguf_ops.py matmul kernel, on every instruction-set version this machine can run.
 
-The layout is a byte permutation within each group of 8 rows, so it must round-trip exactly and dequantize to the
-plain blocks' weights. The kernel takes the same integer dot products as the plain one with the same int8
-activations; only the float summation order differs, so it must match both the plain kernel and the float64
-int8-activation reference (`check` of test_gguf_cpu_kernels) to float32 rounding.
+The layout is a byte permutation within each group of 8 rows (Q5_0 / Q5_1's words of fifth bits also transposed),
+so it must round-trip exactly and dequantize to the plain blocks' weights. The kernel takes the same integer dot
+products as the plain one with the same int8 activations; only the float summation order differs, so it must match
+both the plain kernel and the float64 int8-activation reference (`check` of test_gguf_cpu_kernels) to float32
+rounding.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
     assert not torch.equal(packed[:whole], plain[:whole])
     assert torch.equal(packed[whole:], plain[whole:])  # the rows past the last group of 8 stay plain
     group_bytes = 8 * plain.shape[1]
+    moved = packed if qtype not in FIFTH_BITS_AT else with_plain_fifth_bits(packed, qtype, rows)
     for g in range(rows // 8):  # each group holds its own 8 rows' bytes, moved
         span = slice(g * group_bytes, (g + 1) * group_bytes)
-        assert torch.equal(packed.reshape(-1)[span].sort().values, plain.reshape(-1)[span].sort().values)
+        assert torch.equal(moved.reshape(-1)[span].sort().values, plain.reshape(-1)[span].sort().values)
     # the fp16 scales of a group's first block come first, row by row (the layout the kernel reads)
     first = gguf_ops._PACKED_SEGMENTS[int(qtype)][0][0]
     assert torch.equal(packed[0, :16].reshape(8, 2), plain[:8, first : first + 2])
@@ -67,6 +69,58 @@ def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
             with pytest.raises(IndexError, match="out of range"):
                 gguf_ops.gather_rows(packed, int(qtype), k, torch.tensor([0, bad]), repacked=True, numpy=numpy)
     assert torch.equal(gguf_ops.gather_rows(plain, int(qtype), k, ids), plain[ids])
+
+
+FIFTH_BITS_AT = {Q.Q5_0: 2, Q.Q5_1: 4}  # the offset of a plain Q5 block's 32-bit word of fifth bits
+
+
+def transposed_word(word: int) -> list[int]:
+    """The 4 bytes the repacked layout keeps for a plain word of fifth bits: bit j of byte i is element 4j + i's
+    fifth bit, bit 4 + j element 16 + 4j + i's."""
+    bit = [(word >> e) & 1 for e in range(32)]
+    return [sum(bit[4 * j + i] << j | bit[16 + 4 * j + i] << (4 + j) for j in range(4)) for i in range(4)]
+
+
+def plain_word(stored: list[int]) -> int:
+    """`transposed_word`'s inverse."""
+    word = 0
+    for i in range(4):
+        for j in range(4):
+            word |= ((stored[i] >> j) & 1) << (4 * j + i) | ((stored[i] >> (4 + j)) & 1) << (16 + 4 * j + i)
+    return word
+
+
+def with_plain_fifth_bits(packed: torch.Tensor, qtype: GGMLQuantizationType, rows: int) -> torch.Tensor:
+    """The repacked bytes with each group block's words of fifth bits (after the 8 rows' scales, and mins) put back
+    in the plain order."""
+    out = packed.clone()
+    block, at = GGML_QUANT_SIZES[qtype][1], FIFTH_BITS_AT[qtype]
+    group_blocks = out[: rows // 8 * 8].reshape(-1, 8 * block)
+    for g in range(group_blocks.shape[0]):
+        for r in range(8):
+            start = 8 * at + 4 * r
+            word = plain_word(group_blocks[g, start : start + 4].tolist())
+            group_blocks[g, start : start + 4] = torch.tensor(list(word.to_bytes(4, "little")), dtype=torch.uint8)
+    return out
+
+
+@pytest.mark.parametrize("qtype", list(FIFTH_BITS_AT), ids=lambda t: t.name)
+def test_the_words_of_fifth_bits_are_stored_transposed(qtype):
+    """Byte i of a row's stored word lines up with byte i of each 4-byte group of its quants (elements 4j + i and
+    16 + 4j + i), which is what lets the kernels take group j's fifth bits with one shift and mask."""
+    rng = np.random.default_rng(3)
+    for word in [0, 1, 1 << 31, 0xFFFFFFFF, *rng.integers(0, 1 << 32, 50).tolist()]:
+        assert plain_word(transposed_word(word)) == word
+    k = blocks_of(qtype, 2)
+    plain = torch.from_numpy(random_blocks(qtype, 8, k, rng))
+    block, at = GGML_QUANT_SIZES[qtype][1], FIFTH_BITS_AT[qtype]
+    for numpy in (False, True):
+        packed = gguf_ops.repack_rows(plain, int(qtype), 8, k, numpy=numpy).reshape(-1)
+        for b in range(2):
+            for r in range(8):
+                word = int.from_bytes(bytes(plain[r, b * block + at : b * block + at + 4].tolist()), "little")
+                start = b * 8 * block + 8 * at + 4 * r
+                assert packed[start : start + 4].tolist() == transposed_word(word)
 
 
 @needs_kernels
