@@ -1659,16 +1659,23 @@ template <int NT> struct RowQ3_K {
   }
 };
 
-#if TM_VNNI
+#if TM_ISA_X86
 // ---------------------------------------------------------------- Q6_K at many activation rows
 // Prefill chunks and batch-16 steps: each group of 8 weight rows is unpacked once per tile (Q6K8Block), then every
-// activation row takes 8 rows' 4-element dot products per vpdpbusd, as the repacked kernels do; row_q6_k unpacks a
-// block again for every 4 activation rows (1.65x slower at 256 rows of Qwen2.5-0.5B's down projection). The same integer sums per 16-element sub-block and per
+// activation row takes 8 rows' 4-element dot products per vpdpbusd (AVX2: per maddubs, two of them summed in int16,
+// at most 2 * 2 * 63 * 127 < 32768, then scaled by one vpmaddwd with the sub-block's scales), as the repacked kernels
+// do; row_q6_k unpacks a block again for every 4 activation rows (1.65x slower at 256 rows of Qwen2.5-0.5B's down
+// projection on AVX-512; AVX2 1.5x). The same integer sums per 16-element sub-block and per
 // block (exact), then one float FMA per block in block order: a row's result does not depend on the batch, but the
 // float summation differs from row_q6_k's (8 lanes per row, summed at the end), so decode rows and prompt rows are
 // not the same bits on Q6_K, as before (the plain kernels never were across 1-3 and 4 rows).
-// From this many activation rows on (9 measured slower than row_q6_k: the unpacking is not yet paid back; 16 faster)
+// From this many activation rows on (AVX-512: 9 measured slower than row_q6_k, the unpacking not yet paid back, 16
+// faster; AVX2 on a Zen 3 core: 16 0.76-0.93x, 32 1.10-1.23x, 64 1.52-1.55x, 256 1.65-1.84x, bench_gguf_ab.py)
+#if TM_VNNI
 constexpr int64_t kQ6kManyRows = 16;
+#else
+constexpr int64_t kQ6kManyRows = 32;
+#endif
 inline int32_t dword_at(const void* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
@@ -1676,7 +1683,11 @@ inline int32_t dword_at(const void* p) {
 }
 struct Q6K8Block {
   uint8_t q[64][32];       // 4-element group v (elements 4v..4v+3) of the 8 rows, 4 bytes a row: the 6-bit quants
+#if TM_VNNI
   int32_t scale[16][8];    // sub-block g's scale, per row
+#else
+  int16_t scale[16][16];   // sub-block g's scale, twice per row (the two int16 pair sums of a row's 4 products)
+#endif
   int16_t offset[8][8][2];  // sub-blocks 2p, 2p + 1's scales times -32, per row: with the activations' 16-sums
   float d[8];
 };
@@ -1696,7 +1707,11 @@ void unpack_q6_k_group(const uint8_t* rows, int64_t row_bytes, int64_t b, Q6K8Bl
         for (int k = 0; k < 8; ++k) std::memcpy(&out.q[32 * h + 8 * i + k][4 * r], bytes + 4 * k, 4);
       }
     }
+#if TM_VNNI
     for (int g = 0; g < 16; ++g) out.scale[g][r] = scales[g];
+#else
+    for (int g = 0; g < 16; ++g) out.scale[g][2 * r] = out.scale[g][2 * r + 1] = scales[g];
+#endif
     for (int p = 0; p < 8; ++p)
       for (int i = 0; i < 2; ++i) out.offset[p][r][i] = static_cast<int16_t>(-32 * scales[2 * p + i]);
     out.d[r] = half_to_float(blk + 208);
@@ -1714,20 +1729,37 @@ void q6_k_rows8(const Q6K8Block* blocks, int64_t nb, const Activations& a, int64
     for (int t = 0; t < NT; ++t) {  // the -32 offset: -32 sum_g scale_g * (sum of sub-block g's activations)
       const int16_t* sums = a.sums16_row(t0 + t) + b * 16;
       sum[t] = _mm256_setzero_si256();
-      for (int p = 0; p < 8; ++p)
-        sum[t] = _mm256_dpwssd_epi32(sum[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.offset[p])),
-                                     _mm256_set1_epi32(dword_at(sums + 2 * p)));
+      for (int p = 0; p < 8; ++p) {
+        const __m256i offsets = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.offset[p]));
+        const __m256i pair_sums = _mm256_set1_epi32(dword_at(sums + 2 * p));
+#if TM_VNNI
+        sum[t] = _mm256_dpwssd_epi32(sum[t], offsets, pair_sums);
+#else
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(offsets, pair_sums));
+#endif
+      }
     }
     for (int g = 0; g < 16; ++g) {
       const __m256i scale = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.scale[g]));
+      auto x4 = [&](int t, int v) { return _mm256_set1_epi32(dword_at(a.qrow(t0 + t) + b * 256 + 16 * g + 4 * v)); };
+#if TM_VNNI
       __m256i part[NT];
       for (auto& v : part) v = _mm256_setzero_si256();
       for (int v = 0; v < 4; ++v) {
         const __m256i w = load32(u.q[4 * g + v]);
-        for (int t = 0; t < NT; ++t)
-          part[t] = _mm256_dpbusd_epi32(part[t], w, _mm256_set1_epi32(dword_at(a.qrow(t0 + t) + b * 256 + 16 * g + 4 * v)));
+        for (int t = 0; t < NT; ++t) part[t] = _mm256_dpbusd_epi32(part[t], w, x4(t, v));
       }
       for (int t = 0; t < NT; ++t) sum[t] = _mm256_add_epi32(sum[t], _mm256_mullo_epi32(part[t], scale));
+#else
+      for (int half = 0; half < 2; ++half) {  // groups 2 half, 2 half + 1: their int16 pair sums added, then scaled
+        const __m256i w0 = load32(u.q[4 * g + 2 * half]), w1 = load32(u.q[4 * g + 2 * half + 1]);
+        for (int t = 0; t < NT; ++t) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x4(t, 2 * half)),
+                                                 _mm256_maddubs_epi16(w1, x4(t, 2 * half + 1)));
+          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(pairs, scale));
+        }
+      }
+#endif
     }
     const __m256 d = _mm256_loadu_ps(u.d);
     for (int t = 0; t < NT; ++t)
@@ -1775,7 +1807,7 @@ void run_tile(int qtype, const uint8_t* w, int64_t row_bytes, int64_t row_begin,
     case Q4_K: tile_rows<RowQ4_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q5_K: tile_rows<RowQ5_K>(w, row_bytes, nb, row_begin, row_end, a, T, y); break;
     case Q6_K:
-#if TM_VNNI
+#if TM_ISA_X86
       if (T >= kQ6kManyRows) return q6_k_tile_many(w, row_bytes, nb, row_begin, row_end, a, T, y);
 #endif
       tile_rows<RowQ6_K>(w, row_bytes, nb, row_begin, row_end, a, T, y);

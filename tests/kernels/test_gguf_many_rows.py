@@ -1,5 +1,6 @@
-"""The GGUF kernels at many activation rows (prefill chunks, batch-16 steps): Q6_K's 8-row unpacked kernel (AVX-512
-VNNI, from 16 rows on; kernels/gguf_cpu.cpp `q6_k_tile_many`) on every instruction-set version this machine runs.
+"""The GGUF kernels at many activation rows (prefill chunks, batch-16 steps): Q6_K's 8-row unpacked kernel (x86: from
+16 rows on with AVX-512 VNNI, 32 with AVX2; kernels/gguf_cpu.cpp `q6_k_tile_many`) on every instruction-set version
+this machine runs.
 
 It must give the int8-activation result (the float64 reference of tests/helpers/gguf_kernels.check), with plain
 tail rows past the last whole group of 8, and a row's result must not depend on the other rows of a many-row batch.
@@ -15,7 +16,10 @@ from gguf import GGMLQuantizationType as Q
 from tests.helpers.gguf_kernels import check, needs_kernels, random_blocks
 from tokenmill.kernels import gguf_ops
 
-MANY_ROWS = 16  # the kernel's threshold (kQ6kManyRows)
+
+def many_rows(isa: str) -> int:
+    """The kernel's threshold (kQ6kManyRows; the portable versions have no such kernel)."""
+    return 16 if isa == "avx512" else 32
 
 
 @pytest.fixture(params=gguf_ops.available_isas() or ["none"])
@@ -35,7 +39,8 @@ def test_q6_k_at_many_rows_is_the_int8_result(rows, k, isa):
     """37 rows: two whole groups in the first 16-row tile, then 5 plain tail rows; 64: whole groups only."""
     rng = np.random.default_rng(rows)
     blocks = random_blocks(Q.Q6_K, rows, k, rng)
-    for batch in (MANY_ROWS - 1, MANY_ROWS, MANY_ROWS + 7, 40):
+    many = many_rows(isa)
+    for batch in (many - 1, many, many + 7, 40):
         x = torch.from_numpy(rng.standard_normal((batch, k)).astype(np.float32))
         x[1, :256] = 0.0  # an all-zero activation block (scale 0)
         y = _matmul(x, blocks, rows, k)
@@ -51,9 +56,9 @@ def test_q6_k_many_row_results_do_not_depend_on_the_batch(isa):
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
     batch = _matmul(x, blocks, rows, k)
     for t in (0, 9, 17, 39):
-        among_others = _matmul(torch.cat([x[t : t + 1], x[:MANY_ROWS]]), blocks, rows, k)[0]
+        among_others = _matmul(torch.cat([x[t : t + 1], x[: many_rows(isa)]]), blocks, rows, k)[0]
         assert torch.equal(among_others, batch[t]), f"row {t} differs in another batch of many rows"
-    assert torch.equal(_matmul(x[8:32], blocks, rows, k), batch[8:32])
+    assert torch.equal(_matmul(x[4:40], blocks, rows, k), batch[4:40])
 
 
 # The repacked nibble kinds at prefill-sized batches (a Q4_K_M file's Q5_0 projections): packed_tile_rows
