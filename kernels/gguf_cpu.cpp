@@ -47,6 +47,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -98,8 +99,8 @@ constexpr int packed_scale_bytes(int qtype) { return qtype == Q4_K ? 16 : qtype 
 // bytes interleaved in pieces of `unit` bytes: piece p of row 0, of row 1, ..., of row 7, for p = 0, 1, ... For the
 // 32-wide types and Q4_K: the packed_scale_bytes in 2-byte pieces, then the rest in 4-byte groups. Q2_K: d and dmin
 // (2-byte pieces: the 8 d, then the 8 dmin), the 16 scale bytes one at a time (8 bytes a sub-block), the 64 quant
-// bytes in 4-byte groups. Q3_K: d, the 12 scale bytes one at a time, hmask and the 64 quant bytes in 4-byte groups.
-// Kept in step with gguf_ops._PACKED_SEGMENTS.
+// bytes in 4-byte groups. Q3_K: d, the 12 scale bytes one at a time, then its 96 bytes of hmask and quants, recoded
+// as 3-bit values (`q3_k_values_stored`), in 4-byte groups. Kept in step with gguf_ops._PACKED_SEGMENTS.
 struct PackedSegment {
   int offset, length, unit;  // in the plain block
 };
@@ -109,7 +110,7 @@ struct PackedSegments {
 };
 constexpr PackedSegments packed_segments(int qtype) {
   if (qtype == Q2_K) return {{{80, 4, 2}, {0, 16, 1}, {16, 64, 4}, {}}, 3};
-  if (qtype == Q3_K) return {{{108, 2, 2}, {96, 12, 1}, {0, 32, 4}, {32, 64, 4}}, 4};
+  if (qtype == Q3_K) return {{{108, 2, 2}, {96, 12, 1}, {0, 96, 4}, {}}, 3};
   const int head = packed_scale_bytes(qtype);
   return {{{0, head, 2}, {head, block_bytes(qtype) - head, 4}, {}, {}}, 2};
 }
@@ -250,6 +251,102 @@ inline void parallel_for(int64_t n, bool parallel, Body&& body) {
   } else {
     for (int64_t i = 0; i < n; ++i) body(i);
   }
+}
+
+// Q5_0 / Q5_1 keep a row's 32-bit word of fifth bits transposed in the repacked layout: bit j of byte i holds element
+// 4j + i's fifth bit and bit 4 + j element 16 + 4j + i's (the plain word: bit e, element e). Byte i of the word then
+// lines up with byte i of every 4-byte group of quants (elements 4j + i in the low nibble, 16 + 4j + i in the high),
+// and group j's fifth bits come out of the 8 rows' words by one shift and one mask each (`packed_weights`; a shuffle,
+// a test and a select each in the plain order cost a quarter of a Q5_0 prefill's matmul time on AVX2).
+inline uint32_t transposed_fifth_bits(uint32_t plain) {
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) {
+      out |= ((plain >> (4 * j + i)) & 1u) << (8 * i + j);
+      out |= ((plain >> (16 + 4 * j + i)) & 1u) << (8 * i + 4 + j);
+    }
+  return out;
+}
+inline uint32_t plain_fifth_bits(uint32_t transposed) {
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) {
+      out |= ((transposed >> (8 * i + j)) & 1u) << (4 * j + i);
+      out |= ((transposed >> (8 * i + 4 + j)) & 1u) << (16 + 4 * j + i);
+    }
+  return out;
+}
+
+// Q3_K keeps a block's 96 bytes of hmask and quants as 3-bit values in the repacked layout: element 128 n + 32 f + l
+// has u_v = q + 4 in [0, 8) (q: ggml's signed 3-bit quant, its two low bits from the quants, the third from hmask;
+// v = 4 n + f), and for l = 4 i + k the stored bytes 12 i + k, 12 i + 4 + k and 12 i + 8 + k are
+//   A = u_0 | u_1 << 3 | (u_2 & 3) << 6,   B = u_3 | u_4 << 3 | (u_5 & 3) << 6,
+//   C = u_6 | u_7 << 3 | (u_2 >> 2) << 6 | (u_5 >> 2) << 7.
+// The repacked group interleaves them 8 rows to a 32-byte vector (A, B, C of each i), so the kernel takes u_0, u_3,
+// u_6 with one mask, u_1, u_4, u_7 with a shift and a mask, u_2 and u_5 with five ops: 19 vector ops for the 8 values
+// against 37 from ggml's bit planes (a shift and a mask for the low bits, two more and an or for the third bit).
+inline void q3_k_values_stored(const uint8_t* plain, uint8_t* stored) {
+  for (int l = 0; l < 32; ++l) {
+    uint8_t u[8];
+    for (int v = 0; v < 8; ++v)
+      u[v] = static_cast<uint8_t>(((plain[32 + 32 * (v / 4) + l] >> (2 * (v % 4))) & 3) | (((plain[l] >> v) & 1) << 2));
+    uint8_t* out = stored + 12 * (l / 4) + l % 4;
+    out[0] = static_cast<uint8_t>(u[0] | u[1] << 3 | (u[2] & 3) << 6);
+    out[4] = static_cast<uint8_t>(u[3] | u[4] << 3 | (u[5] & 3) << 6);
+    out[8] = static_cast<uint8_t>(u[6] | u[7] << 3 | (u[2] >> 2) << 6 | (u[5] >> 2) << 7);
+  }
+}
+inline void q3_k_values_plain(const uint8_t* stored, uint8_t* plain) {
+  std::memset(plain, 0, 96);
+  for (int l = 0; l < 32; ++l) {
+    const uint8_t* in = stored + 12 * (l / 4) + l % 4;
+    const int a = in[0], b = in[4], c = in[8];
+    const int u[8] = {a & 7, (a >> 3) & 7, (a >> 6) | ((c >> 4) & 4), b & 7,
+                      (b >> 3) & 7, (b >> 6) | ((c >> 5) & 4), c & 7, (c >> 3) & 7};
+    for (int v = 0; v < 8; ++v) {
+      plain[32 + 32 * (v / 4) + l] |= static_cast<uint8_t>((u[v] & 3) << (2 * (v % 4)));
+      plain[l] |= static_cast<uint8_t>((u[v] >> 2) << v);
+    }
+  }
+}
+
+// A plain block as the repacked layout stores it before its bytes are moved (TO_STORED), or back: Q5_0 / Q5_1's word
+// of fifth bits transposed (right after the scale, and min), Q3_K's hmask and quants as 3-bit values; the other
+// types' bytes unchanged.
+template <bool TO_STORED>
+inline void recode_block(int qtype, const uint8_t* in, uint8_t* out) {
+  const int bb = block_bytes(qtype);
+  std::memcpy(out, in, bb);
+  if (qtype == Q5_0 || qtype == Q5_1) {
+    const int at = packed_scale_bytes(qtype);
+    uint32_t word;
+    std::memcpy(&word, in + at, sizeof word);
+    word = TO_STORED ? transposed_fifth_bits(word) : plain_fifth_bits(word);
+    std::memcpy(out + at, &word, sizeof word);
+  } else if (qtype == Q3_K) {
+    TO_STORED ? q3_k_values_stored(in, out) : q3_k_values_plain(in, out);
+  }
+}
+constexpr int kMaxPackedBlockBytes = 144;  // Q4_K's
+
+// Row r (< 8) of a block of a repacked group (`packed`, 8 blocks) between it and the plain block: out of the group
+// into `plain`, or (TO_PACKED) from `plain` into its place in the group. With move_row, the only code that knows the
+// layout's byte order besides gguf_ops._group_permutation (and _stored_bit_order) and the kernels' reads.
+template <bool TO_PACKED>
+void move_block(int qtype, uint8_t* packed, int r, uint8_t* plain) {
+  uint8_t stored[kMaxPackedBlockBytes];
+  if (TO_PACKED) recode_block<true>(qtype, plain, stored);
+  const PackedSegments segments = packed_segments(qtype);
+  for (int s = 0; s < segments.count; ++s) {
+    const PackedSegment seg = segments.segment[s];
+    for (int p = 0; p < seg.length; p += seg.unit) {
+      uint8_t* in_group = packed + 8 * p + seg.unit * r;
+      TO_PACKED ? std::memcpy(in_group, stored + seg.offset + p, seg.unit)
+                : std::memcpy(stored + seg.offset + p, in_group, seg.unit);
+    }
+    packed += 8 * seg.length;
+  }
+  if (!TO_PACKED) recode_block<false>(qtype, stored, plain);
 }
 
 }  // namespace
@@ -442,65 +539,12 @@ int gguf_matmul(bool repacked, int qtype, int dtype, const void* x, int64_t ldx,
   return 0;
 }
 
-// Q5_0 / Q5_1 keep a row's 32-bit word of fifth bits transposed in the repacked layout: bit j of byte i holds element
-// 4j + i's fifth bit and bit 4 + j element 16 + 4j + i's (the plain word: bit e, element e). Byte i of the word then
-// lines up with byte i of every 4-byte group of quants (elements 4j + i in the low nibble, 16 + 4j + i in the high),
-// and group j's fifth bits come out of the 8 rows' words by one shift and one mask each (`packed_weights`; a shuffle,
-// a test and a select each in the plain order cost a quarter of a Q5_0 prefill's matmul time on AVX2).
-inline uint32_t transposed_fifth_bits(uint32_t plain) {
-  uint32_t out = 0;
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 4; ++j) {
-      out |= ((plain >> (4 * j + i)) & 1u) << (8 * i + j);
-      out |= ((plain >> (16 + 4 * j + i)) & 1u) << (8 * i + 4 + j);
-    }
-  return out;
-}
-inline uint32_t plain_fifth_bits(uint32_t transposed) {
-  uint32_t out = 0;
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 4; ++j) {
-      out |= ((transposed >> (8 * i + j)) & 1u) << (4 * j + i);
-      out |= ((transposed >> (8 * i + 4 + j)) & 1u) << (16 + 4 * j + i);
-    }
-  return out;
-}
-
-// Moves `unit` bytes of a plain block (`plain`) to or (TO_PACKED false) from their place in a repacked group
-// (`in_group`); `fifth_bits`: they are a Q5 word of fifth bits, transposed on the way in and back on the way out.
-template <bool TO_PACKED>
-inline void move_piece(uint8_t* in_group, uint8_t* plain, int unit, bool fifth_bits) {
-  if (!fifth_bits) {
-    TO_PACKED ? std::memcpy(in_group, plain, unit) : std::memcpy(plain, in_group, unit);
-    return;
-  }
-  uint32_t word;
-  std::memcpy(&word, TO_PACKED ? plain : in_group, sizeof word);
-  word = TO_PACKED ? transposed_fifth_bits(word) : plain_fifth_bits(word);
-  std::memcpy(TO_PACKED ? in_group : plain, &word, sizeof word);
-}
-
-// Row r (< 8) of a repacked group between the group and a plain row of row_bytes bytes: out of the group into
-// `plain`, or (TO_PACKED) from `plain` into its place in the group. The only code that knows the layout's byte order
-// besides gguf_ops._group_permutation (and _fifth_bits_order) and the kernels' reads.
+// Row r of a repacked group between the group and a plain row of row_bytes bytes, block by block (move_block).
 template <bool TO_PACKED>
 void move_row(int qtype, uint8_t* group, int64_t row_bytes, int r, uint8_t* plain_row) {
   const int bb = block_bytes(qtype);
-  const PackedSegments segments = packed_segments(qtype);
-  const int64_t nb = row_bytes / bb;
-  // Q5_0 / Q5_1: the word of fifth bits right after the scale (and min)
-  const int fifth_bits_at = qtype == Q5_0 || qtype == Q5_1 ? packed_scale_bytes(qtype) : -1;
-  for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* packed = group + b * 8 * bb;
-    uint8_t* plain = plain_row + b * bb;
-    for (int s = 0; s < segments.count; ++s) {
-      const PackedSegment seg = segments.segment[s];
-      for (int p = 0; p < seg.length; p += seg.unit)
-        move_piece<TO_PACKED>(packed + 8 * p + seg.unit * r, plain + seg.offset + p, seg.unit,
-                              seg.offset + p == fifth_bits_at);
-      packed += 8 * seg.length;
-    }
-  }
+  for (int64_t b = 0; b < row_bytes / bb; ++b)
+    move_block<TO_PACKED>(qtype, group + b * 8 * bb, r, plain_row + b * bb);
 }
 
 // The 8 rows of a repacked group (`src`) back in the plain layout: dst gets 8 * row_bytes bytes.
@@ -2463,9 +2507,9 @@ void packed_q4_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g
 // r's; then 16 quant groups of 32 bytes, group j = 8 n + i holding each row's bytes 32 n + 4 i .. + 3, whose bit
 // pair f (bits 2 f, 2 f + 1) is element 128 n + 32 f + 4 i + k, k < 4 -- so one maddubs / vpdpbusd of a group's
 // bit pair f with 4 broadcast activations adds 8 rows' partial dot products over sub-block 8 n + 2 f + i / 4.
-// Q3_K's (8 * 110 bytes): the 8 d (16 bytes); the 12 bytes of 6-bit scales, byte i of row r at 16 + 8 i + r; hmask
-// in 8 groups of 32 bytes at 112 (group i: each row's bytes 4 i .. + 3, whose bit 4 n + f is the third bit of element
-// 128 n + 32 f + 4 i + k); the quant groups at 368 as Q2_K's.
+// Q3_K's (8 * 110 bytes): the 8 d (16 bytes); the 12 bytes of 6-bit scales, byte i of row r at 16 + 8 i + r; from
+// 112 the 3-bit values (q3_k_values_stored) in 8 chunks of 96 bytes, chunk i the 8 rows' A, B and C bytes 4 i .. + 3
+// (row r's at 4 r of each 32), which hold elements 128 n + 32 f + 4 i + k.
 // The integer sums per sub-block and block are exact, as the plain kernels'; then per block and activation row one
 // FMA (and Q2_K one for the mins): a row's result does not depend on NT (batch-invariant).
 constexpr int kQ2kGroupBytes = 8 * 84, kQ3kGroupBytes = 8 * 110;
@@ -2476,10 +2520,7 @@ constexpr int kQ2kGroupBytes = 8 * 84, kQ3kGroupBytes = 8 * 110;
 // byte of its lane's 16- or 32-bit halves, and an arithmetic shift brings it down, sign-extended (SIGNED) or not
 // (MASK: the bits kept of an unsigned byte, Q2_K's low-nibble scales).
 template <bool SIGNED, int MASK = 0xFF>
-inline __m256i k_scale_lanes(const void* p) {
-  int64_t bytes;
-  std::memcpy(&bytes, p, sizeof bytes);
-  const __m256i v = _mm256_set1_epi64x(bytes);
+inline __m256i k_scale_lanes_of(__m256i v) {  // the 8 bytes in each 64-bit lane of v
   constexpr char z = -128;  // a shuffle index that writes 0
 #if TM_VNNI
   const __m256i lanes = _mm256_shuffle_epi8(v, _mm256_setr_epi8(z, z, z, 0, z, z, z, 1, z, z, z, 2, z, z, z, 3,
@@ -2492,17 +2533,27 @@ inline __m256i k_scale_lanes(const void* p) {
 #endif
   return MASK == 0xFF ? out : _mm256_and_si256(out, _mm256_set1_epi16(MASK));
 }
+template <bool SIGNED, int MASK = 0xFF>
+inline __m256i k_scale_lanes(const void* p) {
+  int64_t bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return k_scale_lanes_of<SIGNED, MASK>(_mm256_set1_epi64x(bytes));
+}
 
 // The pairs k_sub_block_dot takes: sub-blocks 2 j and 2 j + 1's byte per row (16 bytes at p: the first 8 rows' of
 // 2 j, then 2 j + 1's) as int16 (c_2j, c_2j+1) in row r's 32-bit lane, shifted down by SHIFT (Q2_K's mins: the high
 // nibble) after a sign extension (SIGNED) or not.
 template <bool SIGNED, int SHIFT>
-inline __m256i k_sub_block_pairs(const void* p) {
-  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+inline __m256i k_sub_block_pairs_of(__m256i v) {  // the 16 bytes in each 128-bit lane of v
   constexpr char z = -128;
   const __m256i pairs = _mm256_shuffle_epi8(v, _mm256_setr_epi8(z, 0, z, 8, z, 1, z, 9, z, 2, z, 10, z, 3, z, 11,
                                                                 z, 4, z, 12, z, 5, z, 13, z, 6, z, 14, z, 7, z, 15));
   return SIGNED ? _mm256_srai_epi16(pairs, 8 + SHIFT) : _mm256_srli_epi16(pairs, 8 + SHIFT);
+}
+template <bool SIGNED, int SHIFT>
+inline __m256i k_sub_block_pairs(const void* p) {
+  const __m128i bytes = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return k_sub_block_pairs_of<SIGNED, SHIFT>(_mm256_broadcastsi128_si256(bytes));
 }
 
 // The 8 rows' partial sums of sub-blocks 8 n + 2 f and 8 n + 2 f + 1 (groups i = 0..3 and 4..7 of half n, bit pair
@@ -2575,49 +2626,83 @@ void packed_q2_k_rows(const uint8_t* group, int64_t nb, const Activations& a, in
 // a sub-block: scale g's low 4 bits are the low (g < 8) or high nibble of byte g % 8, its high 2 bits bits 2 (g / 4)
 // of byte 8 + g % 4; minus 32. The packed block holds byte i of row r at 16 + 8 i + r, so a vector of 32 bytes is
 // 4 bytes' 8 rows: four sub-blocks at once.
-inline void q3k_scales(const uint8_t* blk, int8_t scale[16][8]) {
+struct Q3kScales {
+  __m256i bytes[4];  // sub-blocks 4 q .. 4 q + 3 in bytes[q], 8 rows each
+};
+inline Q3kScales q3k_scales(const uint8_t* blk) {
   const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
   const __m256i bytes0 = load32(blk + 16), bytes4 = load32(blk + 48), high = load32(blk + 80);
   const __m256i low[4] = {bytes0, bytes4, _mm256_srli_epi16(bytes0, 4), _mm256_srli_epi16(bytes4, 4)};
+  Q3kScales out;
   for (int q = 0; q < 4; ++q) {  // sub-blocks 4 q .. 4 q + 3
     const __m256i top = _mm256_and_si256(_mm256_srli_epi16(high, 2 * q), low2);
     const __m256i v = _mm256_or_si256(_mm256_and_si256(low[q], low4), _mm256_slli_epi16(top, 4));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale[4 * q]), _mm256_sub_epi8(v, offset));
+    out.bytes[q] = _mm256_sub_epi8(v, offset);
   }
+  return out;
+}
+// Sub-block G's 8 scales as k_scale_lanes gives them; sub-blocks G and G + 1's as k_sub_block_pairs (G even). Taken
+// from the registers by a lane permute (through memory, 8-byte loads of a 32-byte store: a batch-1 GEMV measured
+// ~1.1x slower from memory).
+template <int G>
+inline __m256i q3k_scale_lanes(const Q3kScales& s) {
+  constexpr int q = G % 4;
+  return k_scale_lanes_of<true>(_mm256_permute4x64_epi64(s.bytes[G / 4], q * 0x55));
+}
+template <int G>
+inline __m256i q3k_scale_pairs(const Q3kScales& s) {
+  constexpr int q = G % 4;
+  constexpr int lanes = q | (q + 1) << 2 | q << 4 | (q + 1) << 6;  // 64-bit lanes q, q + 1 in each half
+  return k_sub_block_pairs_of<true, 0>(_mm256_permute4x64_epi64(s.bytes[G / 4], lanes));
+}
+
+// Value v (= 4 n + f, see q3_k_values_stored) of a packed Q3_K block's chunk i (`abc`: its A, B and C vectors, 32
+// bytes each, row r's 4 bytes at 4 r): the 8 rows' values of elements 128 n + 32 f + 4 i + k, bytes in [0, 8).
+template <int V>
+inline __m256i q3k_values(const uint8_t* abc) {
+  const __m256i seven = _mm256_set1_epi8(7);
+  const __m256i word = load32(abc + 32 * (V / 3));  // A: u_0, u_1, u_2; B: u_3, u_4, u_5; C: u_6, u_7
+  if constexpr (V % 3 == 0) return _mm256_and_si256(word, seven);
+  if constexpr (V % 3 == 1) return _mm256_and_si256(_mm256_srli_epi16(word, 3), seven);
+  // u_2, u_5: the low bits are bits 6 and 7 of A / B, the third bit 6 / 7 of C
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi16(word, 6), _mm256_set1_epi8(3));
+  const __m256i third = _mm256_and_si256(_mm256_srli_epi16(load32(abc + 64), V == 2 ? 4 : 5), _mm256_set1_epi8(4));
+  return _mm256_or_si256(low, third);
+}
+
+// Sub-blocks 8 n + 2 f and 8 n + 2 f + 1 (V = 4 n + f) of a packed Q3_K block for NT activation rows into sum.
+template <int NT, int V>
+inline void q3k_sub_block_pair(const uint8_t* values, const int8_t* x, int64_t K, const Q3kScales& scales,
+                               __m256i* sum) {
+  constexpr int n = V / 4, f = V % 4, g = 8 * n + 2 * f;
+  k_sub_blocks<NT>(
+      x + 128 * n + 32 * f, K, [&](int i) { return q3k_values<V>(values + 96 * i); },
+      [&](int h) { return h ? q3k_scale_lanes<g + 1>(scales) : q3k_scale_lanes<g>(scales); }, sum);
+}
+template <int NT, size_t... V>
+inline void q3k_sub_blocks(const uint8_t* values, const int8_t* x, int64_t K, const Q3kScales& scales, __m256i* sum,
+                           std::index_sequence<V...>) {
+  (q3k_sub_block_pair<NT, static_cast<int>(V)>(values, x, K, scales, sum), ...);
+}
+template <size_t... J>
+inline void q3k_all_scale_pairs(const Q3kScales& scales, __m256i pairs[8], std::index_sequence<J...>) {
+  ((pairs[J] = q3k_scale_pairs<2 * static_cast<int>(J)>(scales)), ...);
 }
 
 template <int NT>
 void packed_q3_k_rows(const uint8_t* group, int64_t nb, const Activations& a, int64_t t0, float* y) {
-  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
   __m256 acc[NT];
   for (auto& v : acc) v = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = group + b * kQ3kGroupBytes;
     prefetch_ahead<kQ3kGroupBytes>(blk);
-    const uint8_t* hmask = blk + 112;
-    const uint8_t* qs = blk + 368;
-    alignas(32) int8_t scale[16][8];
-    q3k_scales(blk, scale);
+    const Q3kScales scales = q3k_scales(blk);
     __m256i sum[NT];
     for (auto& v : sum) v = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int n = 0; n < 2; ++n)
-#pragma GCC unroll 4
-      for (int f = 0; f < 4; ++f) {
-        const int g = 8 * n + 2 * f, bit = 4 * n + f;  // the third bits: bit `bit` of each hmask byte, moved to bit 2
-        k_sub_blocks<NT>(
-            a.qrow(t0) + b * 256 + 128 * n + 32 * f, a.K,
-            [&](int i) {
-              const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load32(qs + 32 * (8 * n + i)), 2 * f), three);
-              const __m256i h = load32(hmask + 32 * i);
-              const __m256i third = bit >= 2 ? _mm256_srli_epi16(h, bit - 2) : _mm256_slli_epi16(h, 2 - bit);
-              return _mm256_or_si256(low, _mm256_and_si256(third, four));
-            },
-            [&](int h) { return k_scale_lanes<true>(scale[g + h]); }, sum);
-      }
+    q3k_sub_blocks<NT>(blk + 112, a.qrow(t0) + b * 256, a.K, scales, sum, std::make_index_sequence<8>{});
     // the weights are q - 4: take 4 sum_g scale_g * (sum of sub-block g's activations) off, in integers (exact)
     __m256i scale_pairs[8];
-    for (int j = 0; j < 8; ++j) scale_pairs[j] = k_sub_block_pairs<true, 0>(scale[2 * j]);
+    q3k_all_scale_pairs(scales, scale_pairs, std::make_index_sequence<8>{});
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     for (int t = 0; t < NT; ++t) {
       const __m256i offset = _mm256_slli_epi32(k_sub_block_dot(scale_pairs, a.sums16_row(t0 + t) + b * 16), 2);
@@ -2658,13 +2743,7 @@ void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t grou
 // Row r's block of a packed Q2_K / Q3_K group block, back in the plain layout (kBytes of it) in `plain`.
 template <int QT>
 void plain_block(const uint8_t* packed, int r, uint8_t* plain) {
-  const PackedSegments segments = packed_segments(QT);
-  for (int s = 0; s < segments.count; ++s) {
-    const PackedSegment seg = segments.segment[s];
-    for (int p = 0; p < seg.length; p += seg.unit)
-      std::memcpy(plain + seg.offset + p, packed + 8 * p + seg.unit * r, seg.unit);
-    packed += 8 * seg.length;
-  }
+  move_block<false>(QT, const_cast<uint8_t*>(packed), r, plain);
 }
 
 // A plain Q2_K / Q3_K block's part of a row's result with an activation row's block: its int8 values x, their sums

@@ -89,7 +89,8 @@ _U64_SIGNATURES = {"tm_gguf_stream_sum": [_PTR, _I64], "tm_gguf_read_sum": [_I32
 # Each repacked type's block as byte ranges of the plain block, (offset, length, unit), in their repacked order: each
 # range holds the 8 rows' bytes interleaved in pieces of `unit` bytes (gguf_cpu.cpp's packed_segments). The 32-wide
 # types and Q4_K: the fp16 scale (and min; Q4_K: d, dmin and 12 bytes of packed scales and mins) in 2-byte pieces,
-# then the quants in 4-byte groups (Q5_0 / Q5_1: their 4-byte qh first, its bits transposed: _fifth_bits_order).
+# then the quants in 4-byte groups (Q5_0 / Q5_1: their 4-byte qh first). Some bytes are stored with their bits
+# reordered first (_stored_bit_order).
 _PACKED_SEGMENTS: dict[int, tuple[tuple[int, int, int], ...]] = {
     int(GGMLQuantizationType.Q4_0): ((0, 2, 2), (2, 16, 4)),
     int(GGMLQuantizationType.Q4_1): ((0, 4, 2), (4, 16, 4)),
@@ -99,8 +100,8 @@ _PACKED_SEGMENTS: dict[int, tuple[tuple[int, int, int], ...]] = {
     int(GGMLQuantizationType.IQ4_NL): ((0, 2, 2), (2, 16, 4)),
     # d and dmin, the 16 bytes of 4-bit scales and mins one by one (a sub-block's 8 rows side by side), the quants
     int(GGMLQuantizationType.Q2_K): ((80, 4, 2), (0, 16, 1), (16, 64, 4)),
-    # d, the 12 bytes of 6-bit scales, hmask, the quants
-    int(GGMLQuantizationType.Q3_K): ((108, 2, 2), (96, 12, 1), (0, 32, 4), (32, 64, 4)),
+    # d, the 12 bytes of 6-bit scales, hmask and the quants recoded as 3-bit values (_stored_bit_order)
+    int(GGMLQuantizationType.Q3_K): ((108, 2, 2), (96, 12, 1), (0, 96, 4)),
     int(GGMLQuantizationType.Q4_K): ((0, 16, 2), (16, 128, 4)),
 }
 # The types with a repacked layout.
@@ -238,8 +239,8 @@ def dequantize_rows(
 
 @functools.cache
 def _group_permutation(qtype: int) -> np.ndarray:
-    """Byte j of a repacked block group is byte `perm[j]` of the group's 8 plain blocks laid end to end (for Q5_0 /
-    Q5_1 then each row's word of fifth bits transposed: `_fifth_bits_order`)."""
+    """Byte j of a repacked block group is byte `perm[j]` of the group's 8 blocks laid end to end, each as stored
+    (`_stored_blocks`)."""
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
     perm = [
         r * block_bytes + offset + p + i
@@ -253,20 +254,14 @@ def _group_permutation(qtype: int) -> np.ndarray:
 
 @functools.cache
 def _group_inverse(qtype: int) -> np.ndarray:
-    """`[8, block_bytes]`: byte i of row r's plain block is byte `inverse[r, i]` of its group's repacked block."""
+    """`[8, block_bytes]`: byte i of row r's stored block is byte `inverse[r, i]` of its group's repacked block."""
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
     return np.argsort(_group_permutation(qtype)).reshape(REPACK_ROWS, block_bytes)
 
 
-# Q5_0 / Q5_1: where each row's 32-bit word of fifth bits sits in a plain block; the repacked layout holds it
-# transposed (gguf_cpu.cpp's `transposed_fifth_bits`).
-_FIFTH_BITS_AT: dict[int, int] = {int(GGMLQuantizationType.Q5_0): 2, int(GGMLQuantizationType.Q5_1): 4}
-
-
-@functools.cache
 def _fifth_bits_order() -> np.ndarray:
-    """Bit k (little-endian) of a transposed word of fifth bits is bit `order[k]` of the plain word: bit j of byte i
-    holds element 4j + i's fifth bit, bit 4 + j element 16 + 4j + i's."""
+    """Q5_0 / Q5_1's word of fifth bits, transposed (gguf_cpu.cpp's `transposed_fifth_bits`): bit j of byte i holds
+    element 4j + i's fifth bit, bit 4 + j element 16 + 4j + i's."""
     order = np.empty(32, dtype=np.int64)
     for i in range(4):
         for j in range(4):
@@ -275,12 +270,54 @@ def _fifth_bits_order() -> np.ndarray:
     return order
 
 
-def _permute_words(words: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """`words` (uint8, last axis a multiple of 4: little-endian 32-bit words) with bit k of each word taken from bit
-    `order[k]` of it."""
-    shape = words.shape
-    bits = np.unpackbits(words.reshape(-1, 4), axis=-1, bitorder="little")[:, order]
-    return np.packbits(bits, axis=-1, bitorder="little").reshape(shape)
+def _q3_k_values_order() -> np.ndarray:
+    """Q3_K's 32 bytes of hmask and 64 of quants as 3-bit values (gguf_cpu.cpp's `q3_k_values_stored`): element
+    128 n + 32 f + l's value (v = 4 n + f; bits 0, 1 from quant byte 32 n + l, bit 2 from hmask byte l's bit v), for
+    l = 4 i + k, in bytes 12 i + k (A: u_0, u_1, two bits of u_2), 12 i + 4 + k (B: u_3, u_4, two bits of u_5) and
+    12 i + 8 + k (C: u_6, u_7, then the third bits of u_2 and u_5)."""
+
+    def source(v: int, bit: int, pos: int) -> int:  # the plain bit holding bit `bit` of value v at l = pos
+        return 8 * pos + v if bit == 2 else 8 * (32 + 32 * (v // 4) + pos) + 2 * (v % 4) + bit
+
+    fields = [  # per stored byte A, B, C: the (value, bit) of its bits 0..7
+        [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)],
+        [(3, 0), (3, 1), (3, 2), (4, 0), (4, 1), (4, 2), (5, 0), (5, 1)],
+        [(6, 0), (6, 1), (6, 2), (7, 0), (7, 1), (7, 2), (2, 2), (5, 2)],
+    ]
+    order = np.empty(96 * 8, dtype=np.int64)
+    for pos in range(32):
+        for c, field in enumerate(fields):
+            byte = 12 * (pos // 4) + 4 * c + pos % 4
+            for bit, (v, value_bit) in enumerate(field):
+                order[8 * byte + bit] = source(v, value_bit, pos)
+    return order
+
+
+@functools.cache
+def _stored_bit_order(qtype: int) -> tuple[int, np.ndarray] | None:
+    """Where a type's repacked layout keeps bytes of a block with their bits reordered: (offset, order), bit k of
+    the stored bytes from offset on being bit `order[k]` of the plain ones (the kernels take these with fewer ops);
+    None where a block is stored as it is."""
+    if qtype in (int(GGMLQuantizationType.Q5_0), int(GGMLQuantizationType.Q5_1)):
+        return (2 if qtype == int(GGMLQuantizationType.Q5_0) else 4), _fifth_bits_order()
+    if qtype == int(GGMLQuantizationType.Q3_K):
+        return 0, _q3_k_values_order()
+    return None
+
+
+def _recode_blocks(blocks: np.ndarray, qtype: int, to_stored: bool) -> np.ndarray:
+    """`blocks` (`[..., block_bytes]`, uint8) as the repacked layout stores them (`to_stored`) or back (a copy)."""
+    recode = _stored_bit_order(qtype)
+    if recode is None:
+        return blocks
+    offset, order = recode
+    if not to_stored:
+        order = np.argsort(order)
+    out = blocks.copy()
+    span = slice(offset, offset + order.size // 8)
+    bits = np.unpackbits(out[..., span], axis=-1, bitorder="little")[..., order]
+    out[..., span] = np.packbits(bits, axis=-1, bitorder="little")
+    return out
 
 
 def _check_repack_type(qtype: int) -> None:
@@ -318,11 +355,8 @@ def repack_rows(
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
     nb, whole = row_bytes(qtype, in_features) // block_bytes, out_features // REPACK_ROWS * REPACK_ROWS
     plain = blocks.numpy()
-    groups = plain[:whole].reshape(-1, REPACK_ROWS, nb, block_bytes).transpose(0, 2, 1, 3)
-    groups = groups.reshape(-1, nb, REPACK_ROWS * block_bytes)[..., _group_permutation(qtype)]
-    if qtype in _FIFTH_BITS_AT:  # the 8 rows' words follow the 8 scales (and mins)
-        words = slice(REPACK_ROWS * _FIFTH_BITS_AT[qtype], REPACK_ROWS * (_FIFTH_BITS_AT[qtype] + 4))
-        groups[..., words] = _permute_words(groups[..., words], _fifth_bits_order())
+    stored = _recode_blocks(plain[:whole].reshape(-1, REPACK_ROWS, nb, block_bytes), qtype, to_stored=True)
+    groups = stored.transpose(0, 2, 1, 3).reshape(-1, nb, REPACK_ROWS * block_bytes)[..., _group_permutation(qtype)]
     out = np.concatenate([groups.reshape(whole, -1), plain[whole:]])
     return torch.from_numpy(out)
 
@@ -362,16 +396,12 @@ def gather_rows(
         # byte i of row r's plain block sits at inverse[r, i] in its group's repacked block
         inverse = _group_inverse(qtype)
         picked = index[in_groups]
-        out[in_groups] = groups[
+        stored = groups[
             (picked // REPACK_ROWS)[:, None, None],
             np.arange(nb)[None, :, None],
             inverse[picked % REPACK_ROWS][:, None, :],
         ]
-        if qtype in _FIFTH_BITS_AT:
-            at = _FIFTH_BITS_AT[qtype]
-            gathered = out[in_groups]
-            gathered[..., at : at + 4] = _permute_words(gathered[..., at : at + 4], np.argsort(_fifth_bits_order()))
-            out[in_groups] = gathered
+        out[in_groups] = _recode_blocks(stored, qtype, to_stored=False)
     if (~in_groups).any():
         out[~in_groups] = blocks.numpy()[index[~in_groups]].reshape(-1, nb, block_bytes)
     return torch.from_numpy(out.reshape(index.size, -1))

@@ -1,11 +1,11 @@
 """The repacked GGUF layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K with 8 rows interleaved:
 kernels/gguf_ops.py matmul kernel, on every instruction-set version this machine can run.
 
-The layout is a byte permutation within each group of 8 rows (Q5_0 / Q5_1's words of fifth bits also transposed),
-so it must round-trip exactly and dequantize to the plain blocks' weights. The kernel takes the same integer dot
-products as the plain one with the same int8 activations; only the float summation order differs, so it must match
-both the plain kernel and the float64 int8-activation reference (`check` of test_gguf_cpu_kernels) to float32
-rounding.
+The layout is a byte permutation within each group of 8 rows (Q5_0 / Q5_1's words of fifth bits also transposed,
+Q3_K's hmask and quants recoded as 3-bit values), so it must round-trip exactly and dequantize to the plain blocks'
+weights. The kernel takes the same integer dot products as the plain one with the same int8 activations; only the
+float summation order differs, so it must match both the plain kernel and the float64 int8-activation reference
+(`check` of test_gguf_cpu_kernels) to float32 rounding.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
     assert not torch.equal(packed[:whole], plain[:whole])
     assert torch.equal(packed[whole:], plain[whole:])  # the rows past the last group of 8 stay plain
     group_bytes = 8 * plain.shape[1]
-    moved = packed if qtype not in FIFTH_BITS_AT else with_plain_fifth_bits(packed, qtype, rows)
+    moved = packed if qtype not in RECODED else with_plain_bits(packed, qtype, rows)
     for g in range(rows // 8):  # each group holds its own 8 rows' bytes, moved
         span = slice(g * group_bytes, (g + 1) * group_bytes)
         assert torch.equal(moved.reshape(-1)[span].sort().values, plain.reshape(-1)[span].sort().values)
@@ -71,11 +71,8 @@ def test_layout_round_trips_and_dequantizes_as_the_plain_blocks(qtype, rows):
     assert torch.equal(gguf_ops.gather_rows(plain, int(qtype), k, ids), plain[ids])
 
 
-FIFTH_BITS_AT = {Q.Q5_0: 2, Q.Q5_1: 4}  # the offset of a plain Q5 block's 32-bit word of fifth bits
-
-
 def transposed_word(word: int) -> list[int]:
-    """The 4 bytes the repacked layout keeps for a plain word of fifth bits: bit j of byte i is element 4j + i's
+    """The 4 bytes the repacked layout keeps for a plain Q5 word of fifth bits: bit j of byte i is element 4j + i's
     fifth bit, bit 4 + j element 16 + 4j + i's."""
     bit = [(word >> e) & 1 for e in range(32)]
     return [sum(bit[4 * j + i] << j | bit[16 + 4 * j + i] << (4 + j) for j in range(4)) for i in range(4)]
@@ -90,21 +87,71 @@ def plain_word(stored: list[int]) -> int:
     return word
 
 
-def with_plain_fifth_bits(packed: torch.Tensor, qtype: GGMLQuantizationType, rows: int) -> torch.Tensor:
-    """The repacked bytes with each group block's words of fifth bits (after the 8 rows' scales, and mins) put back
-    in the plain order."""
-    out = packed.clone()
-    block, at = GGML_QUANT_SIZES[qtype][1], FIFTH_BITS_AT[qtype]
-    group_blocks = out[: rows // 8 * 8].reshape(-1, 8 * block)
-    for g in range(group_blocks.shape[0]):
-        for r in range(8):
-            start = 8 * at + 4 * r
-            word = plain_word(group_blocks[g, start : start + 4].tolist())
-            group_blocks[g, start : start + 4] = torch.tensor(list(word.to_bytes(4, "little")), dtype=torch.uint8)
+def q3_k_values(block: list[int]) -> list[int]:
+    """q + 4 in [0, 8) for each of a plain Q3_K block's 256 elements (ggml's layout: element 128 n + 32 f + l's two
+    low bits at bits 2f, 2f + 1 of quant byte 32 + 32 n + l, its third at bit 4 n + f of hmask byte l)."""
+    out = []
+    for e in range(256):
+        n, f, pos = e // 128, e % 128 // 32, e % 32
+        out.append((block[32 + 32 * n + pos] >> (2 * f)) & 3 | ((block[pos] >> (4 * n + f)) & 1) << 2)
     return out
 
 
-@pytest.mark.parametrize("qtype", list(FIFTH_BITS_AT), ids=lambda t: t.name)
+def q3_k_stored(values: list[int]) -> list[int]:
+    """The 96 bytes the repacked layout keeps for a Q3_K block's values: for l = 4 i + k and u_v the value of element
+    128 (v // 4) + 32 (v % 4) + l, bytes 12 i + k, 12 i + 4 + k, 12 i + 8 + k are u_0 | u_1 << 3 | (u_2 & 3) << 6,
+    u_3 | u_4 << 3 | (u_5 & 3) << 6 and u_6 | u_7 << 3 | (u_2 >> 2) << 6 | (u_5 >> 2) << 7."""
+    out = [0] * 96
+    for pos in range(32):
+        u = [values[128 * (v // 4) + 32 * (v % 4) + pos] for v in range(8)]
+        at = 12 * (pos // 4) + pos % 4
+        out[at] = u[0] | u[1] << 3 | (u[2] & 3) << 6
+        out[at + 4] = u[3] | u[4] << 3 | (u[5] & 3) << 6
+        out[at + 8] = u[6] | u[7] << 3 | (u[2] >> 2) << 6 | (u[5] >> 2) << 7
+    return out
+
+
+def q3_k_plain(stored: list[int]) -> list[int]:
+    """`q3_k_stored` of `q3_k_values`' inverse: the plain block's 32 hmask and 64 quant bytes."""
+    plain = [0] * 96
+    for pos in range(32):
+        a, b, c = (stored[12 * (pos // 4) + 4 * j + pos % 4] for j in range(3))
+        u = [a & 7, a >> 3 & 7, a >> 6 | (c >> 4 & 4), b & 7, b >> 3 & 7, b >> 6 | (c >> 5 & 4), c & 7, c >> 3 & 7]
+        for v in range(8):
+            plain[32 + 32 * (v // 4) + pos] |= (u[v] & 3) << (2 * (v % 4))
+            plain[pos] |= (u[v] >> 2) << v
+    return plain
+
+
+# The types whose repacked blocks keep some of a row's bytes recoded: (offset and length in the plain block, where
+# the 8 rows' first 4-byte pieces of them start in the group block: piece p of row r at start + 32 p + 4 r), and the
+# plain bytes from the stored ones.
+RECODED = {Q.Q5_0: (2, 4, 16), Q.Q5_1: (4, 4, 32), Q.Q3_K: (0, 96, 112)}
+PLAIN_BYTES = {
+    Q.Q5_0: lambda stored: list(plain_word(stored).to_bytes(4, "little")),
+    Q.Q5_1: lambda stored: list(plain_word(stored).to_bytes(4, "little")),
+    Q.Q3_K: q3_k_plain,
+}
+
+
+def stored_positions(qtype: GGMLQuantizationType, r: int) -> list[int]:
+    """Where row r's recoded bytes sit in a group block, in their order."""
+    _, length, start = RECODED[qtype]
+    return [start + 32 * p + 4 * r + i for p in range(length // 4) for i in range(4)]
+
+
+def with_plain_bits(packed: torch.Tensor, qtype: GGMLQuantizationType, rows: int) -> torch.Tensor:
+    """The repacked bytes with each group block's recoded bytes put back in the plain order."""
+    out = packed.clone()
+    group_blocks = out[: rows // 8 * 8].reshape(-1, 8 * GGML_QUANT_SIZES[qtype][1])
+    for g in range(group_blocks.shape[0]):
+        for r in range(8):
+            at = stored_positions(qtype, r)
+            group_blocks[g, at] = torch.tensor(PLAIN_BYTES[qtype](group_blocks[g, at].tolist()), dtype=torch.uint8)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1], ids=lambda t: t.name)
 def test_the_words_of_fifth_bits_are_stored_transposed(qtype):
     """Byte i of a row's stored word lines up with byte i of each 4-byte group of its quants (elements 4j + i and
     16 + 4j + i), which is what lets the kernels take group j's fifth bits with one shift and mask."""
@@ -113,14 +160,29 @@ def test_the_words_of_fifth_bits_are_stored_transposed(qtype):
         assert plain_word(transposed_word(word)) == word
     k = blocks_of(qtype, 2)
     plain = torch.from_numpy(random_blocks(qtype, 8, k, rng))
-    block, at = GGML_QUANT_SIZES[qtype][1], FIFTH_BITS_AT[qtype]
+    block, at = GGML_QUANT_SIZES[qtype][1], RECODED[qtype][0]
     for numpy in (False, True):
-        packed = gguf_ops.repack_rows(plain, int(qtype), 8, k, numpy=numpy).reshape(-1)
+        packed = gguf_ops.repack_rows(plain, int(qtype), 8, k, numpy=numpy).reshape(-1, 8 * block)
         for b in range(2):
             for r in range(8):
                 word = int.from_bytes(bytes(plain[r, b * block + at : b * block + at + 4].tolist()), "little")
-                start = b * 8 * block + 8 * at + 4 * r
-                assert packed[start : start + 4].tolist() == transposed_word(word)
+                assert packed[b, stored_positions(qtype, r)].tolist() == transposed_word(word)
+
+
+def test_q3_k_values_are_stored_as_3_bit_fields():
+    """Each 32-byte vector of a packed Q3_K block holds three values per byte, so the kernel takes a value for 8 rows
+    with one to five ops instead of five from ggml's separate planes of low and third bits."""
+    rng = np.random.default_rng(5)
+    k = blocks_of(Q.Q3_K, 2)
+    plain = torch.from_numpy(random_blocks(Q.Q3_K, 8, k, rng))
+    for numpy in (False, True):
+        packed = gguf_ops.repack_rows(plain, int(Q.Q3_K), 8, k, numpy=numpy).reshape(-1, 8 * 110)
+        for b in range(2):
+            for r in range(8):
+                block = plain[r, b * 110 : (b + 1) * 110].tolist()
+                stored = packed[b, stored_positions(Q.Q3_K, r)].tolist()
+                assert stored == q3_k_stored(q3_k_values(block))
+                assert q3_k_plain(stored) == block[:96]
 
 
 @needs_kernels
