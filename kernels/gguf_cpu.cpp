@@ -12,14 +12,14 @@
 // Q5_1, Q8_0, IQ4_NL; llama.cpp's "repack" GEMM idea): each group of 8 output rows stores block b of its 8 rows
 // together, their scales side by side and their quants interleaved in 4-byte groups (the layout is spelled out at
 // `packed_rows` below; kernels/gguf_ops.py repacks). One VNNI vpdpbusd (AVX2: maddubs) of 32 quant bytes with a
-// broadcast 4-byte group of one activation row then accumulates 8 rows' partial dot products at once (Q5's fifth bits
-// merged in by a shuffle and a bit test per 32 bytes, IQ4_NL's values by a table shuffle), and a block's scales (and
-// mins) are applied once per
-// (block, activation row, 8 rows) by one 8-lane FMA, straight into the 8 outputs: no horizontal sums. Each weight
-// block is unpacked once for up to 8 activation rows (4 on AVX2). Same integer products as tm_gguf_matmul; only the
-// float summation order differs. Rows past the last whole group of 8 stay in the plain layout (the plain kernels).
-// Q2_K, Q3_K and Q4_K have the same kind of layout (see `packed_segments`, `packed_q2_k_rows`, `packed_q4_k_rows`): a
-// sub-block's scale is applied once per 8 rows.
+// broadcast 4-byte group of one activation row then accumulates 8 rows' partial dot products at once (Q5's fifth bits,
+// stored transposed, merged in by a shift and a mask per 32 bytes, IQ4_NL's values by a table shuffle), and a block's
+// scales (and mins) are applied once per (block, activation row, 8 rows) by one 8-lane FMA, straight into the 8
+// outputs: no horizontal sums. Each weight block is unpacked once for up to 8 activation rows (AVX2 Q8_0, IQ4_NL: 4).
+// Same integer products as tm_gguf_matmul; only the float summation order differs. Rows past the last whole group of 8
+// stay in the plain layout (the plain kernels). Q2_K, Q3_K and Q4_K have the same kind of layout (see
+// `packed_segments`, `packed_q2_k_rows`, `packed_q4_k_rows`; Q3_K's quants recoded as 3-bit values): a sub-block's
+// scale is applied once per 8 rows.
 //
 // tm_gguf_matmul_float is the float-activation alternative: no int8 rounding; each weight block is dequantized in
 // registers exactly as gguf.quants does and multiplied with the float32 activations by FMA, summed in float32, with

@@ -240,7 +240,7 @@ def dequantize_rows(
 @functools.cache
 def _group_permutation(qtype: int) -> np.ndarray:
     """Byte j of a repacked block group is byte `perm[j]` of the group's 8 blocks laid end to end, each as stored
-    (`_stored_blocks`)."""
+    (`_recode_blocks`)."""
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
     perm = [
         r * block_bytes + offset + p + i
@@ -393,7 +393,7 @@ def gather_rows(
     in_groups = index < whole
     if in_groups.any():
         groups = blocks.numpy()[:whole].reshape(-1, nb, REPACK_ROWS * block_bytes)
-        # byte i of row r's plain block sits at inverse[r, i] in its group's repacked block
+        # byte i of row r's stored block sits at inverse[r, i] in its group's repacked block
         inverse = _group_inverse(qtype)
         picked = index[in_groups]
         stored = groups[
