@@ -2740,12 +2740,6 @@ void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t grou
 
 #else  // the portable version: each packed block put back in the plain layout, then the same integer sums
 
-// Row r's block of a packed Q2_K / Q3_K group block, back in the plain layout (kBytes of it) in `plain`.
-template <int QT>
-void plain_block(const uint8_t* packed, int r, uint8_t* plain) {
-  move_block<false>(QT, const_cast<uint8_t*>(packed), r, plain);
-}
-
 // A plain Q2_K / Q3_K block's part of a row's result with an activation row's block: its int8 values x, their sums
 // per 16 and their scale dx.
 template <int QT>
@@ -2779,8 +2773,8 @@ void packed_k_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t grou
         for (int64_t t = 0; t < T; ++t) {
           float acc = 0.0f;
           for (int64_t b = 0; b < nb; ++b) {
-            uint8_t blk[kBytes];
-            plain_block<QT>(w + g * 8 * row_bytes + b * 8 * kBytes, r, blk);
+            uint8_t blk[kBytes];  // row r's block, back in the plain layout
+            move_block<false>(QT, const_cast<uint8_t*>(w) + g * 8 * row_bytes + b * 8 * kBytes, r, blk);
             acc += block_term<QT>(blk, a.qrow(t) + b * 256, a.sums16_row(t) + b * 16, a.scale_row(t)[b]);
           }
           y[t * a.ldy + g * 8 + r] = acc;

@@ -127,11 +127,13 @@ def q3_k_plain(stored: list[int]) -> list[int]:
 # the 8 rows' first 4-byte pieces of them start in the group block: piece p of row r at start + 32 p + 4 r), and the
 # plain bytes from the stored ones.
 RECODED = {Q.Q5_0: (2, 4, 16), Q.Q5_1: (4, 4, 32), Q.Q3_K: (0, 96, 112)}
-PLAIN_BYTES = {
-    Q.Q5_0: lambda stored: list(plain_word(stored).to_bytes(4, "little")),
-    Q.Q5_1: lambda stored: list(plain_word(stored).to_bytes(4, "little")),
-    Q.Q3_K: q3_k_plain,
-}
+
+
+def plain_word_bytes(stored: list[int]) -> list[int]:
+    return list(plain_word(stored).to_bytes(4, "little"))
+
+
+PLAIN_BYTES = {Q.Q5_0: plain_word_bytes, Q.Q5_1: plain_word_bytes, Q.Q3_K: q3_k_plain}
 
 
 def stored_positions(qtype: GGMLQuantizationType, r: int) -> list[int]:
